@@ -1,0 +1,1 @@
+"""splitserve: LLM serving with disaggregated prefill and decode."""

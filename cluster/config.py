@@ -1,0 +1,102 @@
+"""One config tree, validated at the edge with errors that name the field."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message names the field."""
+
+
+DTYPES = ("float32", "bfloat16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine needs. `model` None means the bundled SmolLM2-135M-Instruct."""
+
+    model: str | None = None
+    dtype: str = "float32"
+    device: str = "auto"
+    kv_cache_gb: float = 1.0
+    page_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    chunked_prefill: bool = True
+    prefix_caching: bool = True
+    max_model_len: int | None = None  # None: the model's own context length
+    threads: int | None = None  # CPU threads for torch; None: torch's default
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        _check(self.device in DEVICES, "device", f"must be one of {DEVICES}, got {self.device!r}")
+        _check(self.kv_cache_gb > 0, "kv_cache_gb", f"must be > 0, got {self.kv_cache_gb!r}")
+        _check(
+            _is_int(self.page_size) and self.page_size >= 1,
+            "page_size",
+            f"must be an integer >= 1, got {self.page_size!r}",
+        )
+        _check(
+            _is_int(self.max_num_seqs) and self.max_num_seqs >= 1,
+            "max_num_seqs",
+            f"must be an integer >= 1, got {self.max_num_seqs!r}",
+        )
+        _check(
+            _is_int(self.max_num_batched_tokens) and self.max_num_batched_tokens >= 1,
+            "max_num_batched_tokens",
+            f"must be an integer >= 1, got {self.max_num_batched_tokens!r}",
+        )
+        _check(
+            self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 2),
+            "max_model_len",
+            f"must be an integer >= 2 or null, got {self.max_model_len!r}",
+        )
+        _check(
+            self.threads is None or (_is_int(self.threads) and self.threads >= 1),
+            "threads",
+            f"must be an integer >= 1 or null, got {self.threads!r}",
+        )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check(ok: bool, field: str, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"{field}: {why}")
+
+
+def engine_config_from_dict(data: dict[str, Any], where: str = "engine") -> EngineConfig:
+    """Build an EngineConfig from plain data, refusing unknown fields by name."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: must be a mapping, got {type(data).__name__}")
+    known = {f.name for f in dataclasses.fields(EngineConfig)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"{where}.{unknown[0]}: unknown field (known: {sorted(known)})")
+    try:
+        return EngineConfig(**data)
+    except ConfigError as e:
+        raise ConfigError(f"{where}.{e}") from None
+
+
+def load_engine_config(path: str | Path) -> EngineConfig:
+    """Read the `engine:` section of a YAML config file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p}: not found")
+    try:
+        doc = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {p}: not valid YAML: {e}") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"config file {p}: top level must be a mapping")
+    return engine_config_from_dict(doc.get("engine", {}))

@@ -1,0 +1,70 @@
+"""Paged attention: write new K/V into their page slots, attend through page tables.
+
+A batch holds decode rows first (one query token each), then prefill chunks (many
+query tokens each, possibly after cached context). Decodes attend together: their
+pages are gathered into a padded [batch, max_context] view with a length mask.
+A prefill chunk with no earlier context attends to its own fresh K/V without reading
+the cache; one with context (prefix-cache hit, later chunk) gathers its pages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    start: int  # first row of this chunk in the batch
+    num_tokens: int  # query tokens in this chunk
+    context_len: int  # tokens attended to, this chunk's included
+    pages: torch.Tensor  # page ids covering context_len tokens (long)
+
+
+@dataclass(frozen=True)
+class AttentionBatch:
+    slot_mapping: torch.Tensor  # [N] flat slot (page * page_size + offset) for each new token
+    num_decodes: int  # rows [0, num_decodes) are decodes
+    decode_pages: torch.Tensor | None  # [num_decodes, max_pages] page ids, padded with 0
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_pages * page_size] bool
+    prefills: tuple[PrefillChunk, ...]
+
+
+def paged_attention(
+    q: torch.Tensor,  # [N, heads, head_dim]
+    k: torch.Tensor,  # [N, kv_heads, head_dim]
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # [pages, page_size, kv_heads, head_dim] of this layer
+    v_cache: torch.Tensor,
+    batch: AttentionBatch,
+) -> torch.Tensor:
+    kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, batch.slot_mapping, k)
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, batch.slot_mapping, v)
+    outs: list[torch.Tensor] = []
+    nd = batch.num_decodes
+    if nd:
+        assert batch.decode_pages is not None and batch.decode_mask is not None
+        kd = k_cache[batch.decode_pages].view(nd, -1, kv_heads, head_dim).transpose(1, 2)
+        vd = v_cache[batch.decode_pages].view(nd, -1, kv_heads, head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q[:nd].unsqueeze(2), kd, vd, attn_mask=batch.decode_mask, enable_gqa=True
+        )
+        outs.append(out.squeeze(2))
+    for c in batch.prefills:
+        qc = q[c.start : c.start + c.num_tokens].transpose(0, 1)
+        if c.context_len == c.num_tokens:
+            kc = k[c.start : c.start + c.num_tokens].transpose(0, 1)
+            vc = v[c.start : c.start + c.num_tokens].transpose(0, 1)
+            out = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=True)
+        else:
+            kc = k_cache[c.pages].view(-1, kv_heads, head_dim)[: c.context_len].transpose(0, 1)
+            vc = v_cache[c.pages].view(-1, kv_heads, head_dim)[: c.context_len].transpose(0, 1)
+            offset = c.context_len - c.num_tokens
+            rows = torch.arange(c.num_tokens, device=q.device).unsqueeze(1) + offset
+            mask = torch.arange(c.context_len, device=q.device).unsqueeze(0) <= rows
+            out = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, enable_gqa=True)
+        outs.append(out.transpose(0, 1))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)

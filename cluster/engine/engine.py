@@ -1,0 +1,239 @@
+"""The engine: add requests, step, abort, read per-step outputs; `generate` on top.
+
+One step: the scheduler picks a batch, the runner computes logits, the sampler
+picks tokens, and each request's text, stop conditions and pages are settled.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cluster.config import EngineConfig
+from cluster.engine.checkpoint import ModelSpec, bundled_model_path, load_checkpoint
+from cluster.engine.kv_cache import KVCache, KVLayout
+from cluster.engine.model import LlamaModel
+from cluster.engine.page_pool import PagePool
+from cluster.engine.runner import ModelRunner
+from cluster.engine.sampler import sample
+from cluster.engine.scheduler import Scheduler
+from cluster.engine.sequence import Sequence
+from cluster.engine.tokenizer import TextStream, Tokenizer
+from cluster.types import (
+    Completion,
+    FinishReason,
+    InvalidRequestError,
+    RequestId,
+    RequestOutput,
+    SamplingParams,
+)
+
+log = logging.getLogger(__name__)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+@dataclass
+class _Live:
+    """Engine-side state of one request beyond its Sequence."""
+
+    seq: Sequence
+    text: TextStream
+    generator: torch.Generator | None
+    stop_ids: frozenset[int]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
+        path = Path(config.model) if config.model else bundled_model_path()
+        self.device = pick_device(config.device)
+        dtype = getattr(torch, config.dtype)
+        started = time.perf_counter()
+        spec, weights = load_checkpoint(path)
+        self.spec: ModelSpec = spec
+        self.tokenizer = Tokenizer.load(path)
+        self.model = LlamaModel(spec, weights, dtype, self.device)
+        del weights
+        self.max_model_len = min(config.max_model_len or spec.max_position, spec.max_position)
+        self.layout = KVLayout.of(spec, config.page_size, dtype)
+        num_pages = self.layout.pages_for(config.kv_cache_gb * 2**30)
+        if num_pages < 1:
+            raise ValueError(f"kv_cache_gb: {config.kv_cache_gb} GB holds no page of KV")
+        self.cache = KVCache(self.layout, num_pages, self.device)
+        self.pool = PagePool(num_pages, config.page_size, config.prefix_caching)
+        self.scheduler = Scheduler(
+            self.pool, config.max_num_seqs, config.max_num_batched_tokens, config.chunked_prefill
+        )
+        self.runner = ModelRunner(self.model, self.cache, self.device)
+        self._live: dict[RequestId, _Live] = {}
+        self._ids = itertools.count()
+        self._seed_source = random.Random()
+        log.info(
+            "loaded %s (%.0fM params, %s, %s) in %.1fs",
+            spec.name,
+            self.model.num_params / 1e6,
+            config.dtype,
+            self.device,
+            time.perf_counter() - started,
+        )
+        log.info("%s", self.layout.capacity_report(num_pages, self.max_model_len))
+
+    # --- the API ---------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        sampling: SamplingParams,
+        request_id: RequestId | None = None,
+    ) -> RequestId:
+        """Queue a request; InvalidRequestError (naming the field) leaves the engine untouched."""
+        rid = request_id or RequestId(f"req-{next(self._ids)}")
+        if rid in self._live:
+            raise InvalidRequestError(f"request_id: {rid!r} is already in flight")
+        ids = self._prompt_ids(prompt)
+        if len(ids) + sampling.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({sampling.max_tokens}) "
+                f"exceeds the model's context of {self.max_model_len} tokens"
+            )
+        pages = -(-(len(ids) + sampling.max_tokens) // self.pool.page_size)
+        if pages > self.pool.num_pages:
+            raise InvalidRequestError(
+                f"max_tokens: the request needs {pages} KV pages, the whole cache has "
+                f"{self.pool.num_pages}; raise kv_cache_gb or lower max_tokens"
+            )
+        generator = None
+        if not sampling.greedy:
+            seed = sampling.seed if sampling.seed is not None else self._seed_source.getrandbits(63)
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+        stop_ids = set(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
+            stop_ids.update(self.spec.eos_token_ids)
+        seq = Sequence(rid, list(ids), len(ids), sampling)
+        self._live[rid] = _Live(
+            seq, TextStream(self.tokenizer, ids, sampling.stop), generator, frozenset(stop_ids)
+        )
+        self.scheduler.add(seq)
+        return rid
+
+    def abort_request(self, request_id: RequestId) -> bool:
+        """Stop a request in any state and free its pages; False if it is not in flight."""
+        live = self._live.pop(request_id, None)
+        if live is None:
+            return False
+        self.scheduler.finish(live.seq, FinishReason.ABORT)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._live)
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.pool.num_free
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; an output for every request that produced tokens or finished."""
+        step = self.scheduler.schedule()
+        if step.empty:
+            return []
+        sampled, logits = self.runner.run(step)
+        for seq in step.decodes:
+            self.scheduler.commit(seq, 1)
+        for seq, n in step.prefills:
+            self.scheduler.commit(seq, n)
+        if not sampled:
+            return []
+        lives = [self._live[s.request_id] for s in sampled]
+        tokens, logprobs = sample(
+            logits, [s.sampling for s in sampled], [lv.generator for lv in lives]
+        )
+        return [
+            self._append(lv, tok, logprobs[i] if logprobs else None)
+            for i, (lv, tok) in enumerate(zip(lives, tokens, strict=True))
+        ]
+
+    def generate(
+        self, prompts: Seq[str | list[int]], sampling: SamplingParams | Seq[SamplingParams]
+    ) -> list[Completion]:
+        """Run prompts to completion together (continuous batching); results in prompt order."""
+        params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else sampling
+        rids = [self.add_request(p, s) for p, s in zip(prompts, params, strict=True)]
+        seqs = {r: self._live[r].seq for r in rids}
+        texts: dict[RequestId, list[str]] = {r: [] for r in rids}
+        done: dict[RequestId, Completion] = {}
+        while len(done) < len(rids):
+            for out in self.step():
+                texts[out.request_id].append(out.new_text)
+                if out.finish_reason is not None:
+                    seq = seqs[out.request_id]
+                    done[out.request_id] = Completion(
+                        request_id=seq.request_id,
+                        prompt_token_ids=seq.token_ids[: seq.num_prompt],
+                        token_ids=seq.output_ids,
+                        text="".join(texts[out.request_id]),
+                        finish_reason=out.finish_reason,
+                        logprobs=seq.logprobs,
+                        num_cached_tokens=seq.num_cached,
+                    )
+        return [done[r] for r in rids]
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt: must not be empty")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.spec.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"prompt: token id {bad[0]!r} is outside the vocabulary [0, "
+                    f"{self.spec.vocab_size})"
+                )
+        if not ids:
+            raise InvalidRequestError("prompt: must not be empty")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt: {len(ids)} tokens, longer than the model's context "
+                f"({self.max_model_len} tokens, one left for the reply)"
+            )
+        return ids
+
+    def _append(self, live: _Live, token: int, logprob: float | None) -> RequestOutput:
+        seq = live.seq
+        seq.token_ids.append(token)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        reason = None
+        if live.text.add(token) or token in live.stop_ids:
+            reason = FinishReason.STOP
+        elif len(seq.token_ids) - seq.num_prompt >= seq.sampling.max_tokens:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            del self._live[seq.request_id]
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=[token],
+            new_text=live.text.take(final=reason is not None),
+            finish_reason=reason,
+            new_logprobs=[logprob] if logprob is not None else [],
+            num_prompt_tokens=seq.num_prompt,
+            num_cached_tokens=seq.num_cached,
+        )

@@ -1,0 +1,71 @@
+"""The KV cache tensors: one preallocated pool of pages per layer, sized from a memory budget.
+
+Layout per layer: k[layer] and v[layer] are [num_pages, page_size, num_kv_heads, head_dim],
+so one page of one layer is one contiguous block and a run of consecutive page ids is
+one contiguous span (what a transfer wants to send in one descriptor).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cluster.engine.checkpoint import ModelSpec
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: torch.dtype
+
+    @staticmethod
+    def of(spec: ModelSpec, page_size: int, dtype: torch.dtype) -> KVLayout:
+        return KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, page_size, dtype)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of one token across all layers."""
+        item = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * item
+
+    @property
+    def bytes_per_page(self) -> int:
+        return self.bytes_per_token * self.page_size
+
+    def pages_for(self, budget_bytes: float) -> int:
+        return int(budget_bytes // self.bytes_per_page)
+
+    def capacity_report(self, num_pages: int, max_len: int) -> str:
+        """How many sequences this much KV memory lets one batch, in numbers."""
+        tokens = num_pages * self.page_size
+        per_max = -(-max_len // self.page_size)
+        fits = ", ".join(
+            f"{num_pages // -(-n // self.page_size)} of {n}" for n in (512, 2048) if n < max_len
+        )
+        return (
+            f"KV cache: {num_pages * self.bytes_per_page / 2**30:.2f} GiB in {num_pages} pages of "
+            f"{self.page_size} tokens ({self.bytes_per_token / 1024:.1f} KiB/token, "
+            f"{tokens} tokens); fits {num_pages // per_max} sequences of the max length "
+            f"{max_len}" + (f", or {fits} tokens" if fits else "")
+        )
+
+
+class KVCache:
+    """Owns the page tensors; the PagePool decides which pages are whose."""
+
+    def __init__(self, layout: KVLayout, num_pages: int, device: torch.device) -> None:
+        shape = (
+            layout.num_layers,
+            num_pages,
+            layout.page_size,
+            layout.num_kv_heads,
+            layout.head_dim,
+        )
+        self.layout = layout
+        self.num_pages = num_pages
+        self.k = torch.zeros(shape, dtype=layout.dtype, device=device)
+        self.v = torch.zeros(shape, dtype=layout.dtype, device=device)

@@ -1,0 +1,114 @@
+"""The page allocator and the prefix cache: plain Python over page ids, no tensors.
+
+Ownership: a page is referenced by every sequence whose page table holds it. A page
+with zero references is *free*; a free page may still hold a cached full page of
+tokens (its hash is registered) and is reused by a later request with the same
+prefix, or evicted, least recently freed first, when someone needs a page.
+Callers free exactly the pages they allocated or matched, once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+
+from cluster.types import BlockHash, PageId
+
+
+def hash_pages(
+    token_ids: Sequence[int], page_size: int, parent: BlockHash | None = None
+) -> list[BlockHash]:
+    """Hash chain over the full pages of `token_ids`: each hash covers its tokens and its parent."""
+    hashes: list[BlockHash] = []
+    arr = np.asarray(token_ids, dtype=np.int64)
+    for start in range(0, len(arr) - page_size + 1, page_size):
+        h = hashlib.blake2b(digest_size=16)
+        if parent is not None:
+            h.update(parent)
+        h.update(arr[start : start + page_size].tobytes())
+        parent = BlockHash(h.digest())
+        hashes.append(parent)
+    return hashes
+
+
+class PagePool:
+    """Reference-counted pages with an LRU of free pages and a hash -> page prefix index."""
+
+    def __init__(self, num_pages: int, page_size: int, prefix_caching: bool = True) -> None:
+        assert num_pages >= 1 and page_size >= 1
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.prefix_caching = prefix_caching
+        self._refs = [0] * num_pages
+        self._free: OrderedDict[PageId, None] = OrderedDict(
+            (PageId(i), None) for i in range(num_pages)
+        )
+        self._page_of_hash: dict[BlockHash, PageId] = {}
+        self._hash_of_page: dict[PageId, BlockHash] = {}
+        self.prefix_queries = 0  # tokens looked up
+        self.prefix_hits = 0  # tokens found cached
+
+    @property
+    def num_free(self) -> int:
+        """Pages nobody references (some may hold evictable cached prefixes)."""
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._page_of_hash)
+
+    def match_prefix(self, hashes: Sequence[BlockHash]) -> list[PageId]:
+        """Take a reference on the longest run of cached pages matching `hashes`."""
+        pages: list[PageId] = []
+        if self.prefix_caching:
+            for h in hashes:
+                page = self._page_of_hash.get(h)
+                if page is None:
+                    break
+                pages.append(page)
+        for page in pages:
+            self._take(page)
+        self.prefix_queries += len(hashes) * self.page_size
+        self.prefix_hits += len(pages) * self.page_size
+        return pages
+
+    def allocate(self, n: int) -> list[PageId] | None:
+        """n fresh pages with one reference each, evicting cached ones LRU; None if too few free."""
+        if n > len(self._free):
+            return None
+        pages = []
+        for _ in range(n):
+            page, _ = self._free.popitem(last=False)
+            cached = self._hash_of_page.pop(page, None)
+            if cached is not None:
+                del self._page_of_hash[cached]
+            self._refs[page] = 1
+            pages.append(page)
+        return pages
+
+    def register(self, page: PageId, h: BlockHash) -> None:
+        """Record that `page` now holds the full page of tokens hashed `h`."""
+        assert self._refs[page] > 0, "only a referenced page can be registered"
+        if not self.prefix_caching or h in self._page_of_hash or page in self._hash_of_page:
+            return
+        self._page_of_hash[h] = page
+        self._hash_of_page[page] = h
+
+    def free(self, pages: Sequence[PageId]) -> None:
+        """Drop one reference on each page; tail pages first so prefixes outlive suffixes."""
+        for page in reversed(pages):
+            assert self._refs[page] > 0, f"page {page} freed twice"
+            self._refs[page] -= 1
+            if self._refs[page] == 0:
+                self._free[page] = None
+                if page not in self._hash_of_page:
+                    # Holds nothing reusable: hand it out before any cached page.
+                    self._free.move_to_end(page, last=False)
+
+    def _take(self, page: PageId) -> None:
+        if self._refs[page] == 0:
+            del self._free[page]
+        self._refs[page] += 1

@@ -1,0 +1,63 @@
+"""Next-token choice for a batch of logits rows.
+
+Greedy rows take the argmax together. Sampled rows are filtered together
+(temperature, top-k, top-p, min-p) and then draw from their own request's
+generator, so a seeded request picks the same tokens alone or in any batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from cluster.types import SamplingParams
+
+
+def sample(
+    logits: torch.Tensor,  # [rows, vocab] float32
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> tuple[list[int], list[float] | None]:
+    """Token per row and, when any row asked for them, the chosen tokens' logprobs."""
+    rows = logits.shape[0]
+    tokens = torch.empty(rows, dtype=torch.long)
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if greedy:
+        tokens[greedy] = logits[greedy].argmax(dim=-1).cpu()
+    if sampled:
+        probs = _filtered_probs(logits[sampled], [params[i] for i in sampled])
+        for row, i in enumerate(sampled):
+            # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; one draw per token.
+            noise = torch.empty_like(probs[row]).exponential_(generator=generators[i])
+            tokens[i] = int((probs[row] / noise).argmax())
+    logprobs = None
+    if any(p.logprobs for p in params):
+        chosen = torch.log_softmax(logits, dim=-1).gather(1, tokens.to(logits.device)[:, None])
+        logprobs = chosen.squeeze(1).tolist()
+    return tokens.tolist(), logprobs
+
+
+def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    device = logits.device
+    temps = torch.tensor([p.temperature for p in params], device=device)
+    logits = logits / temps[:, None]
+    if any(p.top_k for p in params):
+        vocab = logits.shape[1]
+        ks = torch.tensor([p.top_k or vocab for p in params], device=device).clamp(max=vocab)
+        kth = logits.sort(dim=-1, descending=True).values.gather(1, (ks - 1)[:, None])
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if any(p.top_p < 1 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], device=device)
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop_sorted = mass_before > top_p[:, None]  # keeps the smallest set reaching top_p
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+    if any(p.min_p for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=device)
+        floor = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+        probs = probs.masked_fill(probs < floor, 0.0)
+    return probs

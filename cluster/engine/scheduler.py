@@ -1,0 +1,173 @@
+"""Continuous batching under a per-step token budget, with chunked prefill and preemption.
+
+Life of a request here:
+1. `add`: WAITING at the back of the queue.
+2. `schedule` admits it when a slot, budget and pages allow: cached prefix pages are
+   matched first, fresh pages cover the rest of this step's chunk. PREFILLING.
+3. Later steps give it further chunks; once every prompt token's KV is computed it
+   decodes one token per step. RUNNING.
+4. If pages run out, the newest running request is preempted: its pages are freed
+   and it goes back to the front of the queue to be recomputed. WAITING.
+5. `finish` (done, stopped or aborted) frees its pages at once, exactly once.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from cluster.engine.page_pool import PagePool
+from cluster.engine.sequence import Sequence
+from cluster.types import FinishReason, RequestStatus
+
+
+@dataclass
+class Step:
+    """What one model step runs: (sequence, number of new tokens), decodes first."""
+
+    decodes: list[Sequence] = field(default_factory=list)
+    prefills: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(n for _, n in self.prefills)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        pool: PagePool,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        chunked_prefill: bool,
+    ) -> None:
+        self.pool = pool
+        self.max_num_seqs = max_num_seqs
+        self.token_budget = max_num_batched_tokens
+        self.chunked_prefill = chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> Step:
+        step = Step()
+        budget = self.token_budget
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is RequestStatus.WAITING:
+                continue  # preempted earlier in this loop
+            n = min(seq.num_uncomputed, budget)
+            if not self._grow(seq, n, step):
+                continue  # seq itself was preempted
+            budget -= n
+            self._add_to_step(step, seq, n)
+        if not step.preempted:
+            budget = self._admit(step, budget)
+        return step
+
+    def _admit(self, step: Step, budget: int) -> int:
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+            seq = self.waiting[0]
+            ps = self.pool.page_size
+            cached = self.pool.match_prefix(seq.page_hashes((len(seq.token_ids) - 1) // ps, ps))
+            need = len(seq.token_ids) - len(cached) * ps
+            whole_step = budget == self.token_budget  # an unchunked prompt may overrun alone
+            if not self.chunked_prefill and need > budget and not whole_step:
+                self.pool.free(cached)
+                break
+            n = need if not self.chunked_prefill else min(need, budget)
+            fresh = self.pool.allocate(_pages_for(len(cached) * ps + n, ps) - len(cached))
+            if fresh is None:
+                self.pool.free(cached)
+                break
+            self.waiting.popleft()
+            seq.pages = cached + fresh
+            seq.num_computed = len(cached) * ps
+            seq.num_registered = len(cached)
+            if seq.num_prompt == len(seq.token_ids):  # first admission, not a recompute
+                seq.num_cached = seq.num_computed
+            seq.status = RequestStatus.PREFILLING
+            self.running.append(seq)
+            self._add_to_step(step, seq, n)
+            budget = max(0, budget - n)
+        return budget
+
+    def _grow(self, seq: Sequence, n: int, step: Step) -> bool:
+        """Give seq pages for n more tokens, preempting the newest others; False if seq itself."""
+        need = _pages_for(seq.num_computed + n, self.pool.page_size) - len(seq.pages)
+        while need > 0:
+            fresh = self.pool.allocate(need)
+            if fresh is not None:
+                seq.pages.extend(fresh)
+                return True
+            victim = self.running[-1]
+            self._preempt(victim, step)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, step: Step) -> None:
+        self.num_preemptions += 1
+        self.running.remove(seq)
+        self.pool.free(seq.pages)
+        seq.pages = []
+        seq.num_computed = 0
+        seq.num_registered = 0
+        seq.status = RequestStatus.WAITING
+        self.waiting.appendleft(seq)
+        step.preempted.append(seq)
+        if seq in step.decodes:
+            step.decodes.remove(seq)
+        step.prefills = [(s, n) for s, n in step.prefills if s is not seq]
+
+    @staticmethod
+    def _add_to_step(step: Step, seq: Sequence, n: int) -> None:
+        if n == 1:
+            step.decodes.append(seq)  # one query token: attends like a decode
+        else:
+            step.prefills.append((seq, n))
+
+    def commit(self, seq: Sequence, n: int) -> None:
+        """n more tokens of seq now have KV in its pages; record newly full pages."""
+        seq.num_computed += n
+        ps = self.pool.page_size
+        full = seq.num_computed // ps
+        if full > seq.num_registered:
+            hashes = seq.page_hashes(full, ps)
+            for i in range(seq.num_registered, full):
+                self.pool.register(seq.pages[i], hashes[i])
+            seq.num_registered = full
+        if seq.num_computed >= seq.num_prompt:
+            seq.status = RequestStatus.RUNNING
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End seq: free its pages once, whatever state it is in."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.pool.free(seq.pages)
+        seq.pages = []
+        seq.finish_reason = reason
+        seq.status = (
+            RequestStatus.ABORTED
+            if reason is FinishReason.ABORT
+            else (RequestStatus.FAILED if reason is FinishReason.ERROR else RequestStatus.FINISHED)
+        )
+
+
+def _pages_for(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)

@@ -1,0 +1,114 @@
+"""Tokenizer and chat template from the model files, plus incremental detokenization.
+
+A GGUF file carries its BPE vocabulary, merges and chat template; transformers turns
+them into a fast tokenizer once (seconds), which is then kept in a local cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from cluster.engine.checkpoint import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "splitserve" / "tokenizers"
+
+
+class Tokenizer:
+    def __init__(self, hf: Any) -> None:
+        self.hf = hf
+
+    @staticmethod
+    def load(path: Path) -> Tokenizer:
+        import transformers
+        from transformers import AutoTokenizer
+
+        if path.is_dir():
+            if not (path / "tokenizer.json").is_file():
+                raise ModelLoadError(f"{path}: tokenizer.json is missing")
+            return Tokenizer(AutoTokenizer.from_pretrained(str(path)))
+        stat = path.stat()
+        key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+        cached = _cache_dir() / hashlib.sha256(key.encode()).hexdigest()[:16]
+        if (cached / "tokenizer.json").is_file():
+            return Tokenizer(AutoTokenizer.from_pretrained(str(cached)))
+        log.info("converting the GGUF tokenizer of %s (once; cached in %s)", path.name, cached)
+        try:
+            hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        except Exception as e:  # transformers raises many kinds on a bad file
+            raise ModelLoadError(f"{path}: cannot read the tokenizer: {e}") from None
+        hf.save_pretrained(str(cached))
+        return Tokenizer(hf)
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = self.hf.encode(text)
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        text: str = self.hf.decode(ids, skip_special_tokens=True)
+        return text
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        """Messages with roles, rendered by the model's own template, ready for the reply."""
+        if not getattr(self.hf, "chat_template", None):
+            raise ModelLoadError("this model has no chat template")
+        text: str = self.hf.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        return text
+
+    @property
+    def eos_token_id(self) -> int | None:
+        eos: int | None = self.hf.eos_token_id
+        return eos
+
+
+class TextStream:
+    """Turns a growing list of token ids into text deltas, never splitting a character.
+
+    Decodes a short window of recent tokens rather than the whole output each step,
+    and holds back text that could still become a stop string.
+    """
+
+    WINDOW = 5
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stops: tuple[str, ...]) -> None:
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids[-self.WINDOW :])
+        self.prefix = 0
+        self.read = len(self.ids)
+        self.text = ""  # all output text so far (cut at a stop string)
+        self.emitted = 0
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+
+    def add(self, token_id: int) -> bool:
+        """Append one token; True when a stop string has appeared (text is cut before it)."""
+        self.ids.append(token_id)
+        before = self.tokenizer.decode(self.ids[self.prefix : self.read])
+        after = self.tokenizer.decode(self.ids[self.prefix :])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return False  # an incomplete UTF-8 sequence: wait for the next token
+        start = len(self.text)
+        self.text += after[len(before) :]
+        self.prefix, self.read = self.read, len(self.ids)
+        found = [self.text.find(s, max(0, start - len(s) + 1)) for s in self.stops]
+        hits = [at for at in found if at != -1]
+        if hits:
+            self.text = self.text[: min(hits)]
+        return bool(hits)
+
+    def take(self, final: bool) -> str:
+        """Text not yet emitted, minus what a stop string might still claim."""
+        end = len(self.text) if final else max(self.emitted, len(self.text) - self.hold)
+        delta = self.text[self.emitted : end]
+        self.emitted = end
+        return delta

@@ -1,0 +1,105 @@
+"""Ids, sampling parameters, request states and per-step outputs shared by every role."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import NewType
+
+RequestId = NewType("RequestId", str)
+PageId = NewType("PageId", int)
+BlockHash = NewType("BlockHash", bytes)
+
+
+class InvalidRequestError(ValueError):
+    """A request field a caller sent is wrong; the message names the field."""
+
+
+class RequestStatus(enum.Enum):
+    """Every request is in exactly one of these states."""
+
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    TRANSFERRING = "transferring"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+    @property
+    def is_done(self) -> bool:
+        return self in (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.FAILED)
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens. temperature 0 is greedy; seed makes sampling batch-independent."""
+
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # 0 = off
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> InvalidRequestError:
+            return InvalidRequestError(f"{name}: {why}")
+
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not self.temperature >= 0:
+            raise bad("temperature", f"must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not 0 <= self.min_p <= 1:
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        if any(not s for s in self.stop):
+            raise bad("stop", "stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step produced for one request: new tokens, new text, and the end."""
+
+    request_id: RequestId
+    new_token_ids: list[int]
+    new_text: str
+    finish_reason: FinishReason | None = None
+    new_logprobs: list[float] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Completion:
+    """A whole finished request, as `generate` returns it."""
+
+    request_id: RequestId
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    logprobs: list[float]
+    num_cached_tokens: int

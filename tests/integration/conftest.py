@@ -1,0 +1,145 @@
+"""Fixtures on the real bundled model: one engine per configuration, HF as the reference."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from cluster.config import EngineConfig
+from cluster.engine import LLMEngine
+from cluster.engine.checkpoint import bundled_model_path
+from tests.helpers import assert_no_leak
+
+# Eight varied prompts: chat turns, code, prose, a list, numbers, non-English, a long one.
+RAW_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea,",
+    "1, 2, 3, 5, 8, 13,",
+    "Translate to French: I love reading books in the garden.",
+    "Hi",
+    "Here is a list of fruits:\n- apple\n- banana\n-",
+    "In 1969, the Apollo 11 mission " + "carried astronauts to the Moon and back. " * 12 + "Then",
+]
+CHAT_PROMPTS = [
+    "What is the capital of Japan?",
+    "Write a haiku about the ocean.",
+]
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="session")
+def engines() -> Iterator[dict[str, LLMEngine]]:
+    """Engines built on demand by name, shared across the session."""
+    built: dict[str, LLMEngine] = {}
+    yield built
+    built.clear()
+
+
+def _build(engines: dict[str, LLMEngine], name: str, **overrides: Any) -> LLMEngine:
+    if name not in engines:
+        engines[name] = LLMEngine(EngineConfig(**overrides))
+    engine = engines[name]
+    assert_no_leak(engine)
+    return engine
+
+
+@pytest.fixture
+def engine(engines: dict[str, LLMEngine]) -> Iterator[LLMEngine]:
+    """The default engine (float32, chunked prefill, prefix caching); leak-checked after."""
+    e = _build(engines, "default")
+    yield e
+    assert_no_leak(e)
+
+
+@pytest.fixture
+def make_engine(engines: dict[str, LLMEngine]) -> Iterator[Any]:
+    used: list[LLMEngine] = []
+
+    def make(name: str, **overrides: Any) -> LLMEngine:
+        e = _build(engines, name, **overrides)
+        used.append(e)
+        return e
+
+    yield make
+    for e in used:
+        assert_no_leak(e)
+
+
+@pytest.fixture(scope="session")
+def prompts(engines: dict[str, LLMEngine]) -> list[list[int]]:
+    """Token ids of the eight raw prompts plus two chat-templated ones."""
+    tok = _build(engines, "default").tokenizer
+    chats = [tok.apply_chat_template([{"role": "user", "content": c}]) for c in CHAT_PROMPTS]
+    return [tok.encode(p) for p in RAW_PROMPTS + chats]
+
+
+@pytest.fixture(scope="session")
+def hf_model() -> Any:
+    from transformers import AutoModelForCausalLM
+
+    path = bundled_model_path()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(hf_model: Any, prompts: list[list[int]]) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, one at a time, EOS included."""
+    outs = []
+    for ids in prompts:
+        with torch.inference_mode():
+            out = hf_model.generate(
+                torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False, top_p=None,
+                top_k=None, temperature=None,
+            )
+        outs.append(out[0, len(ids) :].tolist())
+    return outs
+
+
+def _save_tiny(root: Any, name: str, config: Any) -> Any:
+    """A tiny random checkpoint saved by transformers, with the bundled tokenizer beside it."""
+    from transformers import AutoModelForCausalLM
+
+    from cluster.engine.tokenizer import Tokenizer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    path = root / name
+    model.save_pretrained(path)
+    Tokenizer.load(bundled_model_path()).hf.save_pretrained(path)
+    return path
+
+
+TINY = dict(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=512,
+    eos_token_id=2,
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Llama with grouped-query attention (4 heads, 2 KV heads) and untied embeddings."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(**TINY, num_key_value_heads=2, tie_word_embeddings=False)
+    return _save_tiny(tmp_path_factory.mktemp("ckpt"), "tiny-llama", config)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Qwen2: qkv bias, tied embeddings, one KV head."""
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(**TINY, num_key_value_heads=1, tie_word_embeddings=True)
+    return _save_tiny(tmp_path_factory.mktemp("ckpt"), "tiny-qwen2", config)

@@ -1,0 +1,32 @@
+"""`splitserve generate` streams only the generated text to stdout; errors name the field."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from cluster.engine import LLMEngine
+from cluster.types import SamplingParams
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_generate_prints_what_the_engine_generates(engine: LLMEngine):
+    prompt = "What is the capital of France?"
+    chat = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    expected = engine.generate([chat], SamplingParams(max_tokens=12))[0].text
+    done = _run("generate", prompt, "--chat", "--max-tokens", "12")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == expected + "\n"
+    assert "KV cache:" in done.stderr and "pages of 16 tokens" in done.stderr
+
+
+def test_bad_field_exits_2_naming_it():
+    done = _run("generate", "hi", "--top-p", "1.5")
+    assert done.returncode == 2
+    assert "top_p" in done.stderr
+    assert done.stdout == ""

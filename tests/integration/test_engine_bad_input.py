@@ -1,0 +1,64 @@
+"""Bad input gets an error naming what is wrong, and the engine keeps serving."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from cluster.config import EngineConfig
+from cluster.engine import LLMEngine
+from cluster.engine.checkpoint import ModelLoadError, bundled_model_path, load_checkpoint
+from cluster.types import InvalidRequestError, SamplingParams
+
+
+@pytest.mark.parametrize(
+    ("prompt", "sampling", "field"),
+    [
+        ("", SamplingParams(), "prompt"),
+        ([], SamplingParams(), "prompt"),
+        ([1, 2, 10**9], SamplingParams(), "prompt"),
+        ("word " * 9000, SamplingParams(), "prompt"),
+        ("Hello", SamplingParams(max_tokens=9000), "max_tokens"),
+    ],
+)
+def test_bad_request_is_refused_by_field(
+    engine: LLMEngine, prompt: str | list[int], sampling: SamplingParams, field: str
+):
+    with pytest.raises(InvalidRequestError, match=f"^{field}:"):
+        engine.add_request(prompt, sampling)
+    done = engine.generate(["The capital of France is"], SamplingParams(max_tokens=3))
+    assert len(done[0].token_ids) == 3
+
+
+def test_unknown_model_path(tmp_path: Path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        LLMEngine(EngineConfig(model=str(tmp_path / "nope.gguf")))
+
+
+def test_truncated_gguf(tmp_path: Path):
+    bad = tmp_path / "cut.gguf"
+    with bundled_model_path().open("rb") as f:
+        bad.write_bytes(f.read(1 << 20))
+    with pytest.raises(ModelLoadError, match="cut.gguf"):
+        load_checkpoint(bad)
+
+
+def test_corrupt_safetensors(tmp_path: Path, tiny_llama_dir: Path):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_llama_dir, broken)
+    (broken / "model.safetensors").write_bytes(b"\x00garbage" * 10)
+    with pytest.raises(ModelLoadError, match="model.safetensors"):
+        load_checkpoint(broken)
+
+
+def test_unsupported_architecture(tmp_path: Path, tiny_llama_dir: Path):
+    other = tmp_path / "gpt2"
+    shutil.copytree(tiny_llama_dir, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (other / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="GPT2LMHeadModel"):
+        load_checkpoint(other)

@@ -1,0 +1,61 @@
+"""Sampling on the real model: seeds make output batch-independent; stops and limits hold."""
+
+from __future__ import annotations
+
+from cluster.engine import LLMEngine
+from cluster.types import FinishReason, SamplingParams
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_batch(
+    engine: LLMEngine, prompts: list[list[int]]
+):
+    seeded = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, top_k=50, seed=1234)
+    alone = engine.generate([prompts[2]], seeded)[0].token_ids
+    others = SamplingParams(max_tokens=20, temperature=1.0, seed=7)
+    batch = engine.generate(
+        [prompts[0], prompts[2], prompts[7]], [others, seeded, SamplingParams(max_tokens=12)]
+    )
+    assert batch[1].token_ids == alone
+    different_seed = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, top_k=50, seed=99)
+    assert engine.generate([prompts[2]], different_seed)[0].token_ids != alone
+
+
+def test_stop_string_cuts_the_text_before_it(engine: LLMEngine):
+    prompt = "Count: 1, 2, 3, 4, 5, 6, 7,"
+    full = engine.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))[0]
+    assert " 9" in full.text, full.text
+    stopped = engine.generate([prompt], SamplingParams(max_tokens=16, stop=(" 9",)))[0]
+    assert stopped.finish_reason is FinishReason.STOP
+    assert stopped.text == full.text[: full.text.index(" 9")]
+
+
+def test_stop_token_ids_and_max_tokens(engine: LLMEngine):
+    prompt = "The capital of France is"
+    full = engine.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    assert full.finish_reason is FinishReason.LENGTH and len(full.token_ids) == 8
+    stop_at = full.token_ids[3]
+    stopped = engine.generate(
+        [prompt], SamplingParams(max_tokens=8, stop_token_ids=(stop_at,), ignore_eos=True)
+    )[0]
+    assert stopped.finish_reason is FinishReason.STOP
+    assert stopped.token_ids == full.token_ids[: full.token_ids.index(stop_at) + 1]
+
+
+def test_logprobs_of_chosen_tokens(engine: LLMEngine):
+    done = engine.generate(["The capital of France is"], SamplingParams(max_tokens=5, logprobs=True))
+    assert len(done[0].logprobs) == len(done[0].token_ids) == 5
+    assert all(lp <= 0.0 for lp in done[0].logprobs)
+    assert done[0].logprobs[0] > -1.0  # " Paris" is a confident greedy choice
+
+
+def test_abort_frees_pages_in_every_state(engine: LLMEngine, prompts: list[list[int]]):
+    free = engine.num_free_pages
+    waiting = engine.add_request(prompts[7], SamplingParams(max_tokens=8))
+    assert engine.abort_request(waiting)
+    running = engine.add_request(prompts[7], SamplingParams(max_tokens=50))
+    for _ in range(3):
+        engine.step()
+    assert engine.num_free_pages < free
+    assert engine.abort_request(running)
+    assert not engine.abort_request(running)
+    assert engine.num_free_pages == free

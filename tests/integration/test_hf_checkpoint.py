@@ -1,0 +1,73 @@
+"""Hugging Face checkpoint directories load and match transformers' logits tightly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from cluster.config import EngineConfig
+from cluster.engine import LLMEngine
+from cluster.engine.scheduler import Step
+from cluster.engine.sequence import Sequence
+from cluster.types import RequestId, SamplingParams
+from tests.helpers import assert_no_leak
+
+
+def _engine_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
+    """Logits at every position, from one prefill of the whole sequence through the pages."""
+    rows = []  # positions 0, half - 1, then half .. len - 1
+    seq = Sequence(RequestId("x"), ids[:1], 1, SamplingParams())
+    seq.pages = engine.pool.allocate(-(-len(ids) // engine.pool.page_size)) or []
+    try:
+        _, first = engine.runner.run(Step(decodes=[seq]))
+        rows.append(first[0])
+        seq.num_computed = 1
+        half = len(ids) // 2
+        seq.token_ids = ids[:half]
+        _, chunk = engine.runner.run(Step(prefills=[(seq, half - 1)]))  # cached context + chunk
+        rows.append(chunk[0])
+        seq.num_computed = half
+        for t in range(half, len(ids)):  # then paged decode, one token at a time
+            seq.token_ids = ids[: t + 1]
+            _, step = engine.runner.run(Step(decodes=[seq]))
+            rows.append(step[0])
+            seq.num_computed = t + 1
+    finally:
+        engine.pool.free(seq.pages)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("which", ["tiny_llama_dir", "tiny_qwen2_dir"])
+def test_logits_match_transformers(which: str, request: pytest.FixtureRequest):
+    from transformers import AutoModelForCausalLM
+
+    path: Path = request.getfixturevalue(which)
+    engine = LLMEngine(EngineConfig(model=str(path), kv_cache_gb=0.01))
+    ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.randint(0, 49152, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.inference_mode():
+        ref = ref_model(torch.tensor([ids])).logits[0]
+    half = len(ids) // 2
+    positions = [0, half - 1, *range(half, len(ids))]
+    ours = _engine_logits(engine, ids)
+    diff = (ours - ref[positions]).abs().max().item()
+    print(f"{path.name}: logits max abs difference {diff:.2e}")
+    assert diff < 1e-4
+    assert_no_leak(engine)
+
+
+def test_generate_on_a_hf_checkpoint(tiny_llama_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), kv_cache_gb=0.01))
+    ref_model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    prompt = engine.tokenizer.encode("Hello there, tiny model")
+    done = engine.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True))[0]
+    with torch.inference_mode():
+        ref = ref_model.generate(
+            torch.tensor([prompt]), max_new_tokens=10, min_new_tokens=10, do_sample=False
+        )
+    assert done.token_ids == ref[0, len(prompt) :].tolist()
+    assert_no_leak(engine)

@@ -37,7 +37,16 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         _check(self.device in DEVICES, "device", f"must be one of {DEVICES}, got {self.device!r}")
-        _check(self.kv_cache_gb > 0, "kv_cache_gb", f"must be > 0, got {self.kv_cache_gb!r}")
+        _check(
+            isinstance(self.kv_cache_gb, int | float)
+            and not isinstance(self.kv_cache_gb, bool)
+            and self.kv_cache_gb > 0,
+            "kv_cache_gb",
+            f"must be a number > 0, got {self.kv_cache_gb!r}",
+        )
+        for name in ("chunked_prefill", "prefix_caching"):
+            value = getattr(self, name)
+            _check(isinstance(value, bool), name, f"must be true or false, got {value!r}")
         _check(
             _is_int(self.page_size) and self.page_size >= 1,
             "page_size",
@@ -99,4 +108,7 @@ def load_engine_config(path: str | Path) -> EngineConfig:
         raise ConfigError(f"config file {p}: not valid YAML: {e}") from None
     if not isinstance(doc, dict):
         raise ConfigError(f"config file {p}: top level must be a mapping")
-    return engine_config_from_dict(doc.get("engine", {}))
+    try:
+        return engine_config_from_dict(doc.get("engine") or {})
+    except ConfigError as e:
+        raise ConfigError(f"config file {p}: {e}") from None

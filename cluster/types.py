@@ -11,6 +11,10 @@ PageId = NewType("PageId", int)
 BlockHash = NewType("BlockHash", bytes)
 
 
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 class InvalidRequestError(ValueError):
     """A request field a caller sent is wrong; the message names the field."""
 
@@ -59,13 +63,13 @@ class SamplingParams:
 
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0:
+        if not _is_number(self.temperature) or not self.temperature >= 0:
             raise bad("temperature", f"must be >= 0, got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise bad("top_k", f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not 0 <= self.min_p <= 1:
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
         if any(not s for s in self.stop):
             raise bad("stop", "stop strings must be non-empty")

@@ -48,8 +48,8 @@ class PagePool:
         )
         self._page_of_hash: dict[BlockHash, PageId] = {}
         self._hash_of_page: dict[PageId, BlockHash] = {}
-        self.prefix_queries = 0  # tokens looked up
-        self.prefix_hits = 0  # tokens found cached
+        self.prefix_queries = 0  # tokens looked up by admitted requests
+        self.prefix_hits = 0  # of those, tokens found cached
 
     @property
     def num_free(self) -> int:
@@ -71,9 +71,12 @@ class PagePool:
                 pages.append(page)
         for page in pages:
             self._take(page)
-        self.prefix_queries += len(hashes) * self.page_size
-        self.prefix_hits += len(pages) * self.page_size
         return pages
+
+    def count_lookup(self, num_looked_up: int, num_found: int) -> None:
+        """Record one admitted request's prefix lookup, in pages, for the hit rate."""
+        self.prefix_queries += num_looked_up * self.page_size
+        self.prefix_hits += num_found * self.page_size
 
     def allocate(self, n: int) -> list[PageId] | None:
         """n fresh pages with one reference each, evicting cached ones LRU; None if too few free."""

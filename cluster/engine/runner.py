@@ -26,42 +26,43 @@ class ModelRunner:
         """The sequences that get a next token, and their logits rows [len, vocab]."""
         ps = self.page_size
         ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
+        positions: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
         sampled: list[Sequence] = []
         logits_rows: list[int] = []
 
-        def add_tokens(seq: Sequence, n: int) -> None:
-            start = seq.num_computed
-            ids.extend(seq.token_ids[start : start + n])
-            positions.extend(range(start, start + n))
-            slots.extend(seq.pages[p // ps] * ps + p % ps for p in range(start, start + n))
-            if start + n == len(seq.token_ids):
-                sampled.append(seq)
-                logits_rows.append(len(ids) - 1)
-
-        for seq in step.decodes:
-            add_tokens(seq, 1)
         decode_pages = decode_mask = None
         if step.decodes:
-            lens = [s.num_computed + 1 for s in step.decodes]
-            width = -(-max(lens) // ps)
-            table = [s.pages[:width] + [0] * (width - len(s.pages[:width])) for s in step.decodes]
-            decode_pages = torch.tensor(table, dtype=torch.long, device=self.device)
-            cols = torch.arange(width * ps, device=self.device)
-            decode_mask = (cols[None, :] < torch.tensor(lens, device=self.device)[:, None])[
-                :, None, None, :
-            ]
+            nd = len(step.decodes)
+            pos = torch.tensor([s.num_computed for s in step.decodes])
+            width = -(-(int(pos.max()) + 1) // ps)
+            table = torch.tensor(
+                [s.pages[:width] + [0] * (width - len(s.pages[:width])) for s in step.decodes]
+            )
+            ids.extend(s.token_ids[s.num_computed] for s in step.decodes)
+            positions.append(pos)
+            slots.append(table[torch.arange(nd), pos // ps] * ps + pos % ps)
+            for row, seq in enumerate(step.decodes):
+                if seq.num_computed + 1 == len(seq.token_ids):
+                    sampled.append(seq)
+                    logits_rows.append(row)
+            mask = torch.arange(width * ps)[None, :] <= pos[:, None]
+            decode_pages = table.to(self.device)
+            decode_mask = mask[:, None, None, :].to(self.device)
         chunks = []
         for seq, n in step.prefills:
             start, context = len(ids), seq.num_computed + n
-            add_tokens(seq, n)
-            pages = torch.tensor(
-                seq.pages[: -(-context // ps)], dtype=torch.long, device=self.device
-            )
-            chunks.append(PrefillChunk(start, n, context, pages))
+            pages = torch.tensor(seq.pages[: -(-context // ps)])
+            ids.extend(seq.token_ids[seq.num_computed : context])
+            pos = torch.arange(seq.num_computed, context)
+            positions.append(pos)
+            slots.append(pages[pos // ps] * ps + pos % ps)
+            if context == len(seq.token_ids):
+                sampled.append(seq)
+                logits_rows.append(len(ids) - 1)
+            chunks.append(PrefillChunk(start, n, context, pages.to(self.device)))
         batch = AttentionBatch(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            slot_mapping=torch.cat(slots).to(self.device),
             num_decodes=len(step.decodes),
             decode_pages=decode_pages,
             decode_mask=decode_mask,
@@ -69,7 +70,7 @@ class ModelRunner:
         )
         logits = self.model.forward(
             torch.tensor(ids, dtype=torch.long, device=self.device),
-            torch.tensor(positions, dtype=torch.long, device=self.device),
+            torch.cat(positions).to(self.device),
             batch,
             self.cache,
             torch.tensor(logits_rows, dtype=torch.long, device=self.device),

@@ -53,7 +53,8 @@ def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
         top_p = torch.tensor([p.top_p for p in params], device=device)
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop_sorted = mass_before > top_p[:, None]  # keeps the smallest set reaching top_p
+        # Keeps the smallest set reaching top_p; a row at 1 keeps all (a float cumsum can pass 1).
+        drop_sorted = (mass_before > top_p[:, None]) & (top_p[:, None] < 1)
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
     if any(p.min_p for p in params):

@@ -82,7 +82,8 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             ps = self.pool.page_size
-            cached = self.pool.match_prefix(seq.page_hashes((len(seq.token_ids) - 1) // ps, ps))
+            hashes = seq.page_hashes((len(seq.token_ids) - 1) // ps, ps)
+            cached = self.pool.match_prefix(hashes)
             need = len(seq.token_ids) - len(cached) * ps
             whole_step = budget == self.token_budget  # an unchunked prompt may overrun alone
             if not self.chunked_prefill and need > budget and not whole_step:
@@ -94,10 +95,11 @@ class Scheduler:
                 self.pool.free(cached)
                 break
             self.waiting.popleft()
+            self.pool.count_lookup(len(hashes), len(cached))
             seq.pages = cached + fresh
             seq.num_computed = len(cached) * ps
             seq.num_registered = len(cached)
-            if seq.num_prompt == len(seq.token_ids):  # first admission, not a recompute
+            if seq.num_preemptions == 0:  # first admission, not a recompute
                 seq.num_cached = seq.num_computed
             seq.status = RequestStatus.PREFILLING
             self.running.append(seq)
@@ -121,6 +123,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, step: Step) -> None:
         self.num_preemptions += 1
+        seq.num_preemptions += 1
         self.running.remove(seq)
         self.pool.free(seq.pages)
         seq.pages = []

@@ -19,6 +19,7 @@ class Sequence:
     num_computed: int = 0  # leading tokens whose KV is in `pages`
     num_cached: int = 0  # prompt tokens found in the prefix cache at first admission
     num_registered: int = 0  # leading full pages recorded in the prefix cache
+    num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     logprobs: list[float] = field(default_factory=list)
     _hashes: list[BlockHash] = field(default_factory=list)

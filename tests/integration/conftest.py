@@ -95,8 +95,12 @@ def hf_greedy(hf_model: Any, prompts: list[list[int]]) -> list[list[int]]:
     for ids in prompts:
         with torch.inference_mode():
             out = hf_model.generate(
-                torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False, top_p=None,
-                top_k=None, temperature=None,
+                torch.tensor([ids]),
+                max_new_tokens=MAX_NEW,
+                do_sample=False,
+                top_p=None,
+                top_k=None,
+                temperature=None,
             )
         outs.append(out[0, len(ids) :].tolist())
     return outs

@@ -42,7 +42,7 @@ def test_truncated_gguf(tmp_path: Path):
     bad = tmp_path / "cut.gguf"
     with bundled_model_path().open("rb") as f:
         bad.write_bytes(f.read(1 << 20))
-    with pytest.raises(ModelLoadError, match="cut.gguf"):
+    with pytest.raises(ModelLoadError, match=r"cut\.gguf"):
         load_checkpoint(bad)
 
 
@@ -50,7 +50,7 @@ def test_corrupt_safetensors(tmp_path: Path, tiny_llama_dir: Path):
     broken = tmp_path / "broken"
     shutil.copytree(tiny_llama_dir, broken)
     (broken / "model.safetensors").write_bytes(b"\x00garbage" * 10)
-    with pytest.raises(ModelLoadError, match="model.safetensors"):
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors"):
         load_checkpoint(broken)
 
 

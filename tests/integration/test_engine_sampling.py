@@ -42,7 +42,9 @@ def test_stop_token_ids_and_max_tokens(engine: LLMEngine):
 
 
 def test_logprobs_of_chosen_tokens(engine: LLMEngine):
-    done = engine.generate(["The capital of France is"], SamplingParams(max_tokens=5, logprobs=True))
+    done = engine.generate(
+        ["The capital of France is"], SamplingParams(max_tokens=5, logprobs=True)
+    )
     assert len(done[0].logprobs) == len(done[0].token_ids) == 5
     assert all(lp <= 0.0 for lp in done[0].logprobs)
     assert done[0].logprobs[0] > -1.0  # " Paris" is a confident greedy choice

@@ -1,0 +1,127 @@
+"""EngineConfig validation and loading from YAML, with errors that name the field or file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cluster.config import ConfigError, EngineConfig, engine_config_from_dict, load_engine_config
+
+
+def test_the_defaults_are_valid() -> None:
+    config = EngineConfig()
+    assert (config.dtype, config.device, config.page_size) == ("float32", "auto", 16)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("dtype", "float16"),
+        ("device", "tpu"),
+        ("kv_cache_gb", 0),
+        ("kv_cache_gb", -1.0),
+        ("page_size", 0),
+        ("page_size", 16.0),
+        ("page_size", True),
+        ("max_num_seqs", 0),
+        ("max_num_batched_tokens", 0),
+        ("max_model_len", 1),
+        ("threads", 0),
+    ],
+)
+def test_a_bad_value_is_refused_naming_its_field(field: str, value: Any) -> None:
+    with pytest.raises(ConfigError) as info:
+        EngineConfig(**{field: value})
+    assert str(info.value).startswith(f"{field}:")
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("kv_cache_gb", "2GB"),
+        ("kv_cache_gb", None),
+        ("chunked_prefill", "false"),
+        ("prefix_caching", "no"),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_refused_naming_its_field(field: str, value: Any) -> None:
+    # From YAML, `kv_cache_gb: 2GB` is a string and `chunked_prefill: "false"` is truthy.
+    with pytest.raises(ConfigError) as info:
+        EngineConfig(**{field: value})
+    assert str(info.value).startswith(f"{field}:")
+
+
+def test_from_dict_builds_the_config() -> None:
+    config = engine_config_from_dict({"page_size": 8, "chunked_prefill": False})
+    assert config == EngineConfig(page_size=8, chunked_prefill=False)
+
+
+def test_from_dict_refuses_an_unknown_field_by_name() -> None:
+    with pytest.raises(ConfigError) as info:
+        engine_config_from_dict({"page_size": 8, "page_sise": 8})
+    assert str(info.value).startswith("engine.page_sise: unknown field")
+
+
+def test_from_dict_prefixes_a_bad_value_with_where_it_came_from() -> None:
+    with pytest.raises(ConfigError) as info:
+        engine_config_from_dict({"page_size": 0}, where="prefill.engine")
+    assert str(info.value).startswith("prefill.engine.page_size:")
+
+
+def test_from_dict_refuses_a_non_mapping() -> None:
+    with pytest.raises(ConfigError) as info:
+        engine_config_from_dict([1, 2])  # type: ignore[arg-type]
+    assert str(info.value).startswith("engine: must be a mapping")
+
+
+def test_load_reads_the_engine_section(tmp_path: Path) -> None:
+    path = tmp_path / "serve.yaml"
+    path.write_text("engine:\n  page_size: 32\n  kv_cache_gb: 0.5\n  prefix_caching: false\n")
+    config = load_engine_config(path)
+    assert config == EngineConfig(page_size=32, kv_cache_gb=0.5, prefix_caching=False)
+
+
+def test_load_without_an_engine_section_gives_the_defaults(tmp_path: Path) -> None:
+    path = tmp_path / "serve.yaml"
+    path.write_text("")
+    assert load_engine_config(path) == EngineConfig()
+
+
+def test_load_names_a_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError) as info:
+        load_engine_config(path)
+    assert str(path) in str(info.value) and "not found" in str(info.value)
+
+
+def test_load_names_a_file_that_is_not_yaml(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("engine: [page_size: 16\n")
+    with pytest.raises(ConfigError) as info:
+        load_engine_config(path)
+    assert str(path) in str(info.value) and "not valid YAML" in str(info.value)
+
+
+def test_load_names_a_file_whose_top_level_is_not_a_mapping(tmp_path: Path) -> None:
+    path = tmp_path / "list.yaml"
+    path.write_text("- engine\n")
+    with pytest.raises(ConfigError) as info:
+        load_engine_config(path)
+    assert str(path) in str(info.value) and "mapping" in str(info.value)
+
+
+def test_load_names_the_field_of_a_bad_value(tmp_path: Path) -> None:
+    path = tmp_path / "serve.yaml"
+    path.write_text("engine:\n  page_size: 0\n")
+    with pytest.raises(ConfigError) as info:
+        load_engine_config(path)
+    assert str(info.value).startswith(f"config file {path}: engine.page_size:")
+
+
+def test_load_names_an_unknown_field(tmp_path: Path) -> None:
+    path = tmp_path / "serve.yaml"
+    path.write_text("engine:\n  max_batch: 8\n")
+    with pytest.raises(ConfigError, match=r"serve\.yaml: engine\.max_batch: unknown field"):
+        load_engine_config(path)

@@ -1,0 +1,118 @@
+"""sample(): greedy rows, filtered seeded draws, batch independence and logprobs."""
+
+from __future__ import annotations
+
+import torch
+
+from cluster.engine.sampler import _filtered_probs, sample
+from cluster.types import SamplingParams
+
+GREEDY = SamplingParams()
+
+
+def seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def random_logits(rows: int, vocab: int, seed: int = 0, scale: float = 2.0) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=seeded(seed)) * scale
+
+
+def draw(logits_row: torch.Tensor, params: SamplingParams, seeds: range) -> list[int]:
+    """One token per seed, each from a fresh generator, for a one-row batch."""
+    return [sample(logits_row[None], [params], [seeded(s)])[0][0] for s in seeds]
+
+
+def test_greedy_takes_the_argmax_of_every_row() -> None:
+    logits = random_logits(4, 50)
+    tokens, logprobs = sample(logits, [GREEDY] * 4, [None] * 4)
+    assert tokens == logits.argmax(dim=-1).tolist()
+    assert logprobs is None
+
+
+def test_a_seeded_row_picks_the_same_token_alone_and_in_any_batch() -> None:
+    logits = random_logits(4, 32, scale=1.0)
+    row = logits[1]
+    params = SamplingParams(temperature=0.8, top_k=20, top_p=0.95, min_p=0.01, seed=7)
+    neighbours = [
+        GREEDY,
+        SamplingParams(temperature=1.3, top_p=0.5),
+        SamplingParams(temperature=0.5, top_k=3, min_p=0.2),
+    ]
+    alone, batched = [], []
+    for seed in range(30):
+        alone.append(sample(row[None], [params], [seeded(seed)])[0][0])
+        tokens, _ = sample(
+            logits,
+            [neighbours[0], params, neighbours[1], neighbours[2]],
+            [None, seeded(seed), seeded(1000 + seed), seeded(2000 + seed)],
+        )
+        batched.append(tokens[1])
+    assert batched == alone
+    assert len(set(alone)) > 1  # really sampled, not collapsed to one token
+
+
+def test_a_rows_filtered_distribution_does_not_depend_on_its_neighbours() -> None:
+    # What a top_p=1 row draws from must be its own softmax, even next to a top_p row.
+    # (The effect on drawn tokens is too rare to show by sampling, so look at the probs.)
+    plain = SamplingParams(temperature=1.0)
+    nucleus = SamplingParams(temperature=1.0, top_p=0.5)
+    for seed in range(10):
+        logits = random_logits(2, 1000, seed=seed, scale=3.0)
+        alone = _filtered_probs(logits[:1], [plain])
+        batched = _filtered_probs(logits, [plain, nucleus])[:1]
+        zeroed = int(((batched == 0) & (alone > 0)).sum())
+        assert zeroed == 0, f"logits seed {seed}: {zeroed} tokens dropped by a neighbour's top_p"
+        assert torch.equal(batched, alone)
+
+
+def test_top_k_one_is_greedy() -> None:
+    logits = random_logits(1, 64)
+    tokens = draw(logits[0], SamplingParams(temperature=1.0, top_k=1), range(20))
+    assert set(tokens) == {int(logits[0].argmax())}
+
+
+def test_a_tiny_top_p_keeps_only_the_top_token() -> None:
+    logits = random_logits(1, 64)
+    tokens = draw(logits[0], SamplingParams(temperature=1.0, top_p=1e-6), range(20))
+    assert set(tokens) == {int(logits[0].argmax())}
+
+
+def test_top_k_keeps_only_the_k_most_likely_tokens() -> None:
+    logits = torch.tensor([3.0, 2.9, 2.8, 0.0, -1.0, 2.7])
+    tokens = draw(logits, SamplingParams(temperature=1.0, top_k=3), range(200))
+    assert set(tokens) == {0, 1, 2}
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_top_probability() -> None:
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    filtered = draw(logits, SamplingParams(temperature=1.0, min_p=0.5), range(200))
+    unfiltered = draw(logits, SamplingParams(temperature=1.0), range(200))
+    assert set(filtered) == {0, 1}  # 0.15 and 0.05 are under 0.5 * 0.5
+    assert set(unfiltered) == {0, 1, 2, 3}
+
+
+def test_logprobs_are_the_log_softmax_at_the_chosen_tokens() -> None:
+    logits = random_logits(3, 40)
+    params = [
+        SamplingParams(logprobs=True),
+        SamplingParams(temperature=0.7, logprobs=True),
+        SamplingParams(temperature=1.0, top_k=5),
+    ]
+    tokens, logprobs = sample(logits, params, [None, seeded(1), seeded(2)])
+    assert logprobs is not None
+    expected = torch.log_softmax(logits, dim=-1)[torch.arange(3), torch.tensor(tokens)]
+    assert torch.allclose(torch.tensor(logprobs), expected)
+
+
+def test_draws_follow_softmax_of_logits_over_temperature() -> None:
+    logits = torch.tensor([1.0, 0.5, 0.0, -0.5, -2.0])
+    temperature = 0.7
+    n = 4000
+    generator = seeded(0)
+    tokens, _ = sample(
+        logits.repeat(n, 1), [SamplingParams(temperature=temperature)] * n, [generator] * n
+    )
+    freq = torch.bincount(torch.tensor(tokens), minlength=5).float() / n
+    expected = torch.softmax(logits / temperature, dim=-1)
+    assert torch.allclose(freq, expected, atol=0.03), (freq, expected)

@@ -169,7 +169,10 @@ class LLMEngine:
     def generate(
         self, prompts: Seq[str | list[int]], sampling: SamplingParams | Seq[SamplingParams]
     ) -> list[Completion]:
-        """Run prompts to completion together (continuous batching); results in prompt order."""
+        """Run prompts to completion together (continuous batching); results in prompt order.
+
+        Drives the engine itself: outputs of requests added elsewhere are dropped.
+        """
         params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else sampling
         rids = [self.add_request(p, s) for p, s in zip(prompts, params, strict=True)]
         seqs = {r: self._live[r].seq for r in rids}
@@ -177,6 +180,8 @@ class LLMEngine:
         done: dict[RequestId, Completion] = {}
         while len(done) < len(rids):
             for out in self.step():
+                if out.request_id not in texts:
+                    continue
                 texts[out.request_id].append(out.new_text)
                 if out.finish_reason is not None:
                     seq = seqs[out.request_id]

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
+
 from cluster.engine import LLMEngine
 from cluster.types import FinishReason, SamplingParams
 
@@ -61,3 +65,20 @@ def test_abort_frees_pages_in_every_state(engine: LLMEngine, prompts: list[list[
     assert engine.abort_request(running)
     assert not engine.abort_request(running)
     assert engine.num_free_pages == free
+
+
+def test_bfloat16_engine_answers(make_engine: Any):
+    engine = make_engine("bf16", dtype="bfloat16", kv_cache_gb=0.25)
+    chat = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}]
+    )
+    done = engine.generate([chat], SamplingParams(max_tokens=16))[0]
+    assert "Paris" in done.text
+    assert engine.cache.k.dtype is torch.bfloat16
+
+
+def test_generate_leaves_other_requests_running(engine: LLMEngine):
+    other = engine.add_request("Once upon a time", SamplingParams(max_tokens=40))
+    done = engine.generate(["The capital of France is"], SamplingParams(max_tokens=4))
+    assert len(done[0].token_ids) == 4
+    assert engine.abort_request(other)

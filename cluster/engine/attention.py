@@ -2,7 +2,8 @@
 
 A batch holds decode rows first (one query token each), then prefill chunks (many
 query tokens each, possibly after cached context). Decodes attend together: their
-pages are gathered into a padded [batch, max_context] view with a length mask.
+pages are gathered (index_select: measured ~2x faster than advanced indexing) into a
+padded [batch, max_context] copy with a length mask.
 A prefill chunk with no earlier context attends to its own fresh K/V without reading
 the cache; one with context (prefix-cache hit, later chunk) gathers its pages.
 """
@@ -29,6 +30,9 @@ class AttentionBatch:
     num_decodes: int  # rows [0, num_decodes) are decodes
     decode_pages: torch.Tensor | None  # [num_decodes, max_pages] page ids, padded with 0
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_pages * page_size] bool
+    # Reused by every layer for the gathered decode K and V: a fresh ~100 MB tensor per
+    # layer costs more in page faults than the copy itself at large batch x context.
+    decode_workspace: torch.Tensor | None  # [2, num_decodes * max_pages, page_size, ...]
     prefills: tuple[PrefillChunk, ...]
 
 
@@ -47,8 +51,13 @@ def paged_attention(
     nd = batch.num_decodes
     if nd:
         assert batch.decode_pages is not None and batch.decode_mask is not None
-        kd = k_cache[batch.decode_pages].view(nd, -1, kv_heads, head_dim).transpose(1, 2)
-        vd = v_cache[batch.decode_pages].view(nd, -1, kv_heads, head_dim).transpose(1, 2)
+        assert batch.decode_workspace is not None
+        flat = batch.decode_pages.flatten()
+        ws_k, ws_v = batch.decode_workspace
+        torch.index_select(k_cache, 0, flat, out=ws_k)
+        torch.index_select(v_cache, 0, flat, out=ws_v)
+        kd = ws_k.view(nd, -1, kv_heads, head_dim).transpose(1, 2)
+        vd = ws_v.view(nd, -1, kv_heads, head_dim).transpose(1, 2)
         out = F.scaled_dot_product_attention(
             q[:nd].unsqueeze(2), kd, vd, attn_mask=batch.decode_mask, enable_gqa=True
         )
@@ -60,8 +69,9 @@ def paged_attention(
             vc = v[c.start : c.start + c.num_tokens].transpose(0, 1)
             out = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=True)
         else:
-            kc = k_cache[c.pages].view(-1, kv_heads, head_dim)[: c.context_len].transpose(0, 1)
-            vc = v_cache[c.pages].view(-1, kv_heads, head_dim)[: c.context_len].transpose(0, 1)
+            kc = k_cache.index_select(0, c.pages).view(-1, kv_heads, head_dim)[: c.context_len]
+            vc = v_cache.index_select(0, c.pages).view(-1, kv_heads, head_dim)[: c.context_len]
+            kc, vc = kc.transpose(0, 1), vc.transpose(0, 1)
             offset = c.context_len - c.num_tokens
             rows = torch.arange(c.num_tokens, device=q.device).unsqueeze(1) + offset
             mask = torch.arange(c.context_len, device=q.device).unsqueeze(0) <= rows

@@ -31,7 +31,7 @@ class ModelRunner:
         sampled: list[Sequence] = []
         logits_rows: list[int] = []
 
-        decode_pages = decode_mask = None
+        decode_pages = decode_mask = workspace = None
         if step.decodes:
             nd = len(step.decodes)
             pos = torch.tensor([s.num_computed for s in step.decodes])
@@ -49,6 +49,8 @@ class ModelRunner:
             mask = torch.arange(width * ps)[None, :] <= pos[:, None]
             decode_pages = table.to(self.device)
             decode_mask = mask[:, None, None, :].to(self.device)
+            k = self.cache.k
+            workspace = k.new_empty((2, nd * width, *k.shape[2:]))
         chunks = []
         for seq, n in step.prefills:
             start, context = len(ids), seq.num_computed + n
@@ -66,6 +68,7 @@ class ModelRunner:
             num_decodes=len(step.decodes),
             decode_pages=decode_pages,
             decode_mask=decode_mask,
+            decode_workspace=workspace,
             prefills=tuple(chunks),
         )
         logits = self.model.forward(

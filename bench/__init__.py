@@ -1,0 +1,1 @@
+"""Benchmarks. `python -m bench.offline` (or `splitserve bench offline`) runs the offline one."""

@@ -1,0 +1,158 @@
+"""What a decode step costs against what it must cost: the memory wall, and the page gather.
+
+A decode step at batch 1 must read every weight once (the tied embedding once, as the
+lm_head; the embedding lookup reads one row) and the KV of its context. At the machine's
+read bandwidth that is a floor on the step time; efficiency = floor / measured.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from cluster.engine import LLMEngine
+from cluster.engine.attention import AttentionBatch
+from cluster.engine.kv_cache import KVCache
+from cluster.types import SamplingParams
+
+
+def read_bandwidths(gib: float = 1.0, buffers: int = 3, repeats: int = 4) -> list[float]:
+    """Bytes/s `torch.sum` streams through each of a few fresh buffers far larger than any
+    cache, best of `repeats` each. On a VM they differ with how the host backs each buffer."""
+    found = []
+    for _ in range(buffers):
+        buf = torch.arange(int(gib * 2**30) // 4, dtype=torch.float32)  # no two pages alike
+        found.append(buf.numel() * 4 / min(_timed(buf.sum) for _ in range(repeats)))
+        del buf
+    return found
+
+
+@dataclass(frozen=True)
+class DecodeEfficiency:
+    weight_bytes: int
+    weights_sum_s: float  # the weights read alone by torch.sum, best of a few
+    kv_bytes: int  # at the mean context of the timed steps
+    context_len: float
+    bandwidths: list[float]  # bytes/s, one per buffer measured; the wall uses the best
+    step_times: list[float]  # seconds, one per timed engine.step()
+
+    @property
+    def wall_s(self) -> float:
+        return self.wall_at(max(self.bandwidths))
+
+    def wall_at(self, bandwidth: float) -> float:
+        return (self.weight_bytes + self.kv_bytes) / bandwidth
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.step_times)
+
+    @property
+    def efficiency(self) -> float:
+        """Memory-wall time / the median measured step time."""
+        return self.wall_s / self.median_s
+
+
+def weights(engine: LLMEngine) -> list[torch.Tensor]:
+    """The weights one token's forward pass reads whole: a tied embedding once, as the
+    lm_head; an untied one not at all (its lookup reads a row)."""
+    model = engine.model
+    per_layer = [t for layer in model.layers for t in vars(layer).values()]
+    return [model.lm_head, model.norm, *(t for t in per_layer if isinstance(t, torch.Tensor))]
+
+
+def weights_sum_s(tensors: list[torch.Tensor], repeats: int = 5) -> float:
+    """Best time to `torch.sum` every tensor once: reading the weights with no math."""
+
+    def read() -> None:
+        for t in tensors:
+            t.sum()
+
+    read()
+    return min(_timed(read) for _ in range(repeats))
+
+
+def batch1_decode(
+    engine: LLMEngine, prompt: list[int], steps: int, warmup: int, bandwidths: list[float]
+) -> DecodeEfficiency:
+    """Time `steps` engine steps of one lone request after its prefill and `warmup` steps."""
+    assert not engine.has_unfinished(), "the engine must be idle"
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=warmup + steps + 2, ignore_eos=True))
+    try:
+        for _ in range(1 + warmup):  # the prefill (one chunk) and the warm-up decodes
+            engine.step()
+        times = [_timed(engine.step) for _ in range(steps)]
+    finally:
+        engine.abort_request(rid)
+    # Timed step i attends to prompt + 1 + warmup + i + 1 tokens, its own included.
+    context = len(prompt) + warmup + 2 + (steps - 1) / 2
+    kv = int(engine.layout.bytes_per_token * context)
+    tensors = weights(engine)
+    size = sum(t.numel() * t.element_size() for t in tensors)
+    return DecodeEfficiency(size, weights_sum_s(tensors), kv, context, bandwidths, times)
+
+
+@dataclass(frozen=True)
+class GatherCost:
+    batch: int
+    context_len: int
+    gather_s: float  # K and V pages of every layer into one reused workspace, as the engine does
+    forward_s: float  # the whole model forward of that decode step
+
+    @property
+    def share(self) -> float:
+        return self.gather_s / self.forward_s
+
+
+def gather_cost(engine: LLMEngine, batch: int, context_len: int, repeats: int) -> GatherCost:
+    """One decode step of `batch` sequences of `context_len` tokens, on a scratch cache.
+
+    Page tables are random pages (with repeats when the cache is too small for the batch),
+    so the gather reads memory as scattered as a long-running server's.
+    """
+    layout, ps = engine.layout, engine.layout.page_size
+    cache = KVCache(layout, engine.cache.num_pages, engine.device)
+    width = -(-context_len // ps)
+    pages = torch.randint(0, cache.num_pages, (batch, width), device=engine.device)
+    last = context_len - 1
+    attn = AttentionBatch(
+        slot_mapping=pages[:, last // ps] * ps + last % ps,
+        num_decodes=batch,
+        decode_pages=pages,
+        decode_mask=(torch.arange(width * ps, device=engine.device) < context_len).expand(
+            batch, 1, 1, width * ps
+        ),
+        decode_workspace=cache.k.new_empty((2, batch * width, *cache.k.shape[2:])),
+        prefills=(),
+    )
+    ids = torch.randint(0, engine.spec.vocab_size, (batch,), device=engine.device)
+    positions = torch.full((batch,), last, device=engine.device)
+    rows = torch.arange(batch, device=engine.device)
+
+    def forward() -> None:
+        engine.model.forward(ids, positions, attn, cache, rows)
+
+    flat = pages.flatten()
+
+    ws_k, ws_v = attn.decode_workspace if attn.decode_workspace is not None else (None, None)
+
+    @torch.inference_mode()
+    def gather() -> None:
+        for layer in range(layout.num_layers):
+            torch.index_select(cache.k[layer], 0, flat, out=ws_k)
+            torch.index_select(cache.v[layer], 0, flat, out=ws_v)
+
+    forward()
+    forward_s = min(_timed(forward) for _ in range(repeats))
+    gather_s = min(_timed(gather) for _ in range(repeats))
+    return GatherCost(batch, context_len, gather_s, forward_s)
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start

@@ -174,7 +174,14 @@ class LLMEngine:
         Drives the engine itself: outputs of requests added elsewhere are dropped.
         """
         params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else sampling
-        rids = [self.add_request(p, s) for p, s in zip(prompts, params, strict=True)]
+        rids: list[RequestId] = []
+        try:
+            for p, s in zip(prompts, params, strict=True):
+                rids.append(self.add_request(p, s))
+        except InvalidRequestError:
+            for rid in rids:  # all or nothing: no request left behind unread
+                self.abort_request(rid)
+            raise
         seqs = {r: self._live[r].seq for r in rids}
         texts: dict[RequestId, list[str]] = {r: [] for r in rids}
         done: dict[RequestId, Completion] = {}

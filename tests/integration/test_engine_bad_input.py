@@ -62,3 +62,9 @@ def test_unsupported_architecture(tmp_path: Path, tiny_llama_dir: Path):
     (other / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match="GPT2LMHeadModel"):
         load_checkpoint(other)
+
+
+def test_generate_with_one_bad_prompt_queues_none(engine: LLMEngine):
+    with pytest.raises(InvalidRequestError, match=r"^prompt:"):
+        engine.generate(["The capital of France is", ""], SamplingParams(max_tokens=3))
+    assert not engine.has_unfinished()

@@ -30,10 +30,6 @@ class RequestStatus(enum.Enum):
     ABORTED = "aborted"
     FAILED = "failed"
 
-    @property
-    def is_done(self) -> bool:
-        return self in (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.FAILED)
-
 
 class FinishReason(enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string

@@ -17,6 +17,7 @@ import torch
 from cluster.engine import LLMEngine
 from cluster.engine.attention import AttentionBatch
 from cluster.engine.kv_cache import KVCache
+from cluster.engine.page_pool import pages_for
 from cluster.types import SamplingParams
 
 
@@ -116,7 +117,7 @@ def gather_cost(engine: LLMEngine, batch: int, context_len: int, repeats: int) -
     """
     layout, ps = engine.layout, engine.layout.page_size
     cache = KVCache(layout, engine.cache.num_pages, engine.device)
-    width = -(-context_len // ps)
+    width = pages_for(context_len, ps)
     pages = torch.randint(0, cache.num_pages, (batch, width), device=engine.device)
     last = context_len - 1
     attn = AttentionBatch(

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bench.workload import Request
+from cluster.engine.page_pool import pages_for
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ def kv_waste(
     n = len(requests)
     reserved = {
         f"paged, {page_size}-token pages": sum(
-            -(-r.total_len // page_size) * page_size for r in requests
+            pages_for(r.total_len, page_size) * page_size for r in requests
         ),
         f"contiguous, prompt + max_tokens {max_tokens}": sum(
             len(r.prompt) + max_tokens for r in requests

@@ -20,7 +20,7 @@ from cluster.config import EngineConfig
 from cluster.engine.checkpoint import ModelSpec, bundled_model_path, load_checkpoint
 from cluster.engine.kv_cache import KVCache, KVLayout
 from cluster.engine.model import LlamaModel
-from cluster.engine.page_pool import PagePool
+from cluster.engine.page_pool import PagePool, pages_for
 from cluster.engine.runner import ModelRunner
 from cluster.engine.sampler import sample
 from cluster.engine.scheduler import Scheduler
@@ -110,7 +110,7 @@ class LLMEngine:
                 f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({sampling.max_tokens}) "
                 f"exceeds the model's context of {self.max_model_len} tokens"
             )
-        pages = -(-(len(ids) + sampling.max_tokens) // self.pool.page_size)
+        pages = pages_for(len(ids) + sampling.max_tokens, self.pool.page_size)
         if pages > self.pool.num_pages:
             raise InvalidRequestError(
                 f"max_tokens: the request needs {pages} KV pages, the whole cache has "

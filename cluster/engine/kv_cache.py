@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from cluster.engine.checkpoint import ModelSpec
+from cluster.engine.page_pool import pages_for
 
 
 @dataclass(frozen=True)
@@ -42,9 +43,11 @@ class KVLayout:
     def capacity_report(self, num_pages: int, max_len: int) -> str:
         """How many sequences this much KV memory lets one batch, in numbers."""
         tokens = num_pages * self.page_size
-        per_max = -(-max_len // self.page_size)
+        per_max = pages_for(max_len, self.page_size)
         fits = ", ".join(
-            f"{num_pages // -(-n // self.page_size)} of {n}" for n in (512, 2048) if n < max_len
+            f"{num_pages // pages_for(n, self.page_size)} of {n}"
+            for n in (512, 2048)
+            if n < max_len
         )
         return (
             f"KV cache: {num_pages * self.bytes_per_page / 2**30:.2f} GiB in {num_pages} pages of "

@@ -18,6 +18,11 @@ import numpy as np
 from cluster.types import BlockHash, PageId
 
 
+def pages_for(num_tokens: int, page_size: int) -> int:
+    """How many pages hold num_tokens tokens."""
+    return -(-num_tokens // page_size)
+
+
 def hash_pages(
     token_ids: Sequence[int], page_size: int, parent: BlockHash | None = None
 ) -> list[BlockHash]:

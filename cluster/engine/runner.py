@@ -11,6 +11,7 @@ import torch
 from cluster.engine.attention import AttentionBatch, PrefillChunk
 from cluster.engine.kv_cache import KVCache
 from cluster.engine.model import LlamaModel
+from cluster.engine.page_pool import pages_for
 from cluster.engine.scheduler import Step
 from cluster.engine.sequence import Sequence
 
@@ -35,7 +36,7 @@ class ModelRunner:
         if step.decodes:
             nd = len(step.decodes)
             pos = torch.tensor([s.num_computed for s in step.decodes])
-            width = -(-(int(pos.max()) + 1) // ps)
+            width = pages_for(int(pos.max()) + 1, ps)
             table = torch.tensor(
                 [s.pages[:width] + [0] * (width - len(s.pages[:width])) for s in step.decodes]
             )
@@ -54,7 +55,7 @@ class ModelRunner:
         chunks = []
         for seq, n in step.prefills:
             start, context = len(ids), seq.num_computed + n
-            pages = torch.tensor(seq.pages[: -(-context // ps)])
+            pages = torch.tensor(seq.pages[: pages_for(context, ps)])
             ids.extend(seq.token_ids[seq.num_computed : context])
             pos = torch.arange(seq.num_computed, context)
             positions.append(pos)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from cluster.engine.page_pool import PagePool
+from cluster.engine.page_pool import PagePool, pages_for
 from cluster.engine.sequence import Sequence
 from cluster.types import FinishReason, RequestStatus
 
@@ -90,7 +90,7 @@ class Scheduler:
                 self.pool.free(cached)
                 break
             n = need if not self.chunked_prefill else min(need, budget)
-            fresh = self.pool.allocate(_pages_for(len(cached) * ps + n, ps) - len(cached))
+            fresh = self.pool.allocate(pages_for(len(cached) * ps + n, ps) - len(cached))
             if fresh is None:
                 self.pool.free(cached)
                 break
@@ -109,7 +109,7 @@ class Scheduler:
 
     def _grow(self, seq: Sequence, n: int, step: Step) -> bool:
         """Give seq pages for n more tokens, preempting the newest others; False if seq itself."""
-        need = _pages_for(seq.num_computed + n, self.pool.page_size) - len(seq.pages)
+        need = pages_for(seq.num_computed + n, self.pool.page_size) - len(seq.pages)
         while need > 0:
             fresh = self.pool.allocate(need)
             if fresh is not None:
@@ -170,7 +170,3 @@ class Scheduler:
             if reason is FinishReason.ABORT
             else (RequestStatus.FAILED if reason is FinishReason.ERROR else RequestStatus.FINISHED)
         )
-
-
-def _pages_for(num_tokens: int, page_size: int) -> int:
-    return -(-num_tokens // page_size)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from cluster.engine import LLMEngine
+from cluster.engine.page_pool import pages_for
 from cluster.engine.scheduler import Step
 from cluster.engine.sequence import Sequence
 from cluster.types import RequestId, SamplingParams
@@ -70,7 +71,7 @@ def test_logits_match_transformers(engine: LLMEngine, prompts: list[list[int]], 
     worst = 0.0
     for i, ids in enumerate(prompts):
         seq = Sequence(RequestId(f"logits-{i}"), list(ids), len(ids), GREEDY)
-        seq.pages = engine.pool.allocate(-(-(len(ids) + 1) // engine.pool.page_size)) or []
+        seq.pages = engine.pool.allocate(pages_for(len(ids) + 1, engine.pool.page_size)) or []
         try:
             _, prefill = engine.runner.run(Step(prefills=[(seq, len(ids))]))
             seq.num_computed = len(ids)

@@ -9,6 +9,7 @@ import torch
 
 from cluster.config import EngineConfig
 from cluster.engine import LLMEngine
+from cluster.engine.page_pool import pages_for
 from cluster.engine.scheduler import Step
 from cluster.engine.sequence import Sequence
 from cluster.types import RequestId, SamplingParams
@@ -19,7 +20,7 @@ def _engine_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
     """Logits at every position, from one prefill of the whole sequence through the pages."""
     rows = []  # positions 0, half - 1, then half .. len - 1
     seq = Sequence(RequestId("x"), ids[:1], 1, SamplingParams())
-    seq.pages = engine.pool.allocate(-(-len(ids) // engine.pool.page_size)) or []
+    seq.pages = engine.pool.allocate(pages_for(len(ids), engine.pool.page_size)) or []
     try:
         _, first = engine.runner.run(Step(decodes=[seq]))
         rows.append(first[0])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
@@ -13,6 +13,8 @@ import yaml
 class ConfigError(ValueError):
     """A configuration value is wrong; the message names the field."""
 
+
+T = TypeVar("T")
 
 DTYPES = ("float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -74,6 +76,47 @@ class EngineConfig:
         )
 
 
+TIMEOUT_POLICIES = ("recompute", "fail")
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """How prefill and decode workers move KV and what happens when a transfer fails."""
+
+    ucx_devices: str = "lo"  # UCX network devices: "lo" keeps KV on this host; "" uses all
+    stream_layers: bool = True  # write each layer's KV as soon as it is computed
+    lease_s: float = 30.0  # how long a decode worker holds reserved pages waiting for KV
+    write_margin_s: float = 1.0  # a sender posts no WRITE this close to the lease end
+    on_timeout: str = "recompute"  # KV not landed in time: recompute it here, or fail
+    local_prefill_tokens: int = 32  # uncached prompt tokens a decode worker prefills itself
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.ucx_devices, str), "ucx_devices", "must be a string")
+        _check(isinstance(self.stream_layers, bool), "stream_layers", "must be true or false")
+        for name in ("lease_s", "write_margin_s"):
+            value = getattr(self, name)
+            _check(
+                isinstance(value, int | float) and not isinstance(value, bool) and value > 0,
+                name,
+                f"must be a number > 0, got {value!r}",
+            )
+        _check(
+            self.write_margin_s < self.lease_s,
+            "write_margin_s",
+            f"must be below lease_s ({self.lease_s}), got {self.write_margin_s}",
+        )
+        _check(
+            self.on_timeout in TIMEOUT_POLICIES,
+            "on_timeout",
+            f"must be one of {TIMEOUT_POLICIES}, got {self.on_timeout!r}",
+        )
+        _check(
+            _is_int(self.local_prefill_tokens) and self.local_prefill_tokens >= 0,
+            "local_prefill_tokens",
+            f"must be an integer >= 0, got {self.local_prefill_tokens!r}",
+        )
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -83,18 +126,27 @@ def _check(ok: bool, field: str, why: str) -> None:
         raise ConfigError(f"{field}: {why}")
 
 
-def engine_config_from_dict(data: dict[str, Any], where: str = "engine") -> EngineConfig:
-    """Build an EngineConfig from plain data, refusing unknown fields by name."""
+def _from_dict(cls: type[T], data: dict[str, Any], where: str) -> T:
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: must be a mapping, got {type(data).__name__}")
-    known = {f.name for f in dataclasses.fields(EngineConfig)}
+    known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(f"{where}.{unknown[0]}: unknown field (known: {sorted(known)})")
     try:
-        return EngineConfig(**data)
+        return cls(**data)
     except ConfigError as e:
         raise ConfigError(f"{where}.{e}") from None
+
+
+def engine_config_from_dict(data: dict[str, Any], where: str = "engine") -> EngineConfig:
+    """Build an EngineConfig from plain data, refusing unknown fields by name."""
+    return _from_dict(EngineConfig, data, where)
+
+
+def transfer_config_from_dict(data: dict[str, Any], where: str = "transfer") -> TransferConfig:
+    """Build a TransferConfig from plain data, refusing unknown fields by name."""
+    return _from_dict(TransferConfig, data, where)
 
 
 def load_engine_config(path: str | Path) -> EngineConfig:

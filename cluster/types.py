@@ -103,3 +103,40 @@ class Completion:
     finish_reason: FinishReason
     logprobs: list[float]
     num_cached_tokens: int
+
+
+@dataclass(frozen=True)
+class KVTarget:
+    """Where a prefill worker writes a request's prompt KV: pages reserved on a decode worker.
+
+    `pages` is the decode worker's page table for the whole prompt; the first
+    `num_cached_tokens` tokens are already there (its prefix cache) and are not sent.
+    No WRITE may be posted after `lease_expires_at` (unix time) minus the sender's margin.
+    """
+
+    handshake: bytes  # the decode worker's transfer Handshake
+    pages: tuple[PageId, ...]
+    num_cached_tokens: int
+    lease_expires_at: float
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    """What a prefill worker returns as soon as it has sampled a request's first token."""
+
+    token_id: int
+    logprob: float | None
+    text: str
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """New tokens of one request, as a worker emits them; `index` counts output tokens."""
+
+    request_id: RequestId
+    index: int
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[float, ...] = ()
+    finish_reason: FinishReason | None = None
+    error: str | None = None  # set when finish_reason is ERROR: what went wrong

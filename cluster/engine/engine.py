@@ -10,6 +10,7 @@ import itertools
 import logging
 import random
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,15 +24,17 @@ from cluster.engine.model import LlamaModel
 from cluster.engine.page_pool import PagePool, pages_for
 from cluster.engine.runner import ModelRunner
 from cluster.engine.sampler import sample
-from cluster.engine.scheduler import Scheduler
+from cluster.engine.scheduler import Scheduler, Step
 from cluster.engine.sequence import Sequence
 from cluster.engine.tokenizer import TextStream, Tokenizer
 from cluster.types import (
     Completion,
     FinishReason,
     InvalidRequestError,
+    PageId,
     RequestId,
     RequestOutput,
+    RequestStatus,
     SamplingParams,
 )
 
@@ -42,6 +45,14 @@ def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Pages held for a request whose prompt KV is written from elsewhere (page table order)."""
+
+    pages: list[PageId]
+    num_cached_tokens: int  # the prefix already here; the writer fills the pages after it
 
 
 @dataclass
@@ -101,42 +112,59 @@ class LLMEngine:
         request_id: RequestId | None = None,
     ) -> RequestId:
         """Queue a request; InvalidRequestError (naming the field) leaves the engine untouched."""
-        rid = request_id or RequestId(f"req-{next(self._ids)}")
-        if rid in self._live:
-            raise InvalidRequestError(f"request_id: {rid!r} is already in flight")
-        ids = self._prompt_ids(prompt)
-        if len(ids) + sampling.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({sampling.max_tokens}) "
-                f"exceeds the model's context of {self.max_model_len} tokens"
-            )
-        pages = pages_for(len(ids) + sampling.max_tokens, self.pool.page_size)
-        if pages > self.pool.num_pages:
-            raise InvalidRequestError(
-                f"max_tokens: the request needs {pages} KV pages, the whole cache has "
-                f"{self.pool.num_pages}; raise kv_cache_gb or lower max_tokens"
-            )
-        generator = None
-        if not sampling.greedy:
-            seed = sampling.seed if sampling.seed is not None else self._seed_source.getrandbits(63)
-            generator = torch.Generator(device=self.device).manual_seed(seed)
-        stop_ids = set(sampling.stop_token_ids)
-        if not sampling.ignore_eos:
-            stop_ids.update(self.spec.eos_token_ids)
-        seq = Sequence(rid, list(ids), len(ids), sampling)
-        self._live[rid] = _Live(
-            seq, TextStream(self.tokenizer, ids, sampling.stop), generator, frozenset(stop_ids)
-        )
-        self.scheduler.add(seq)
-        return rid
+        live = self._new(prompt, sampling, request_id)
+        self.scheduler.add(live.seq)
+        return live.seq.request_id
 
-    def abort_request(self, request_id: RequestId) -> bool:
+    def cached_prefix_tokens(self, prompt_ids: list[int]) -> int:
+        """Leading prompt tokens whose KV this engine's prefix cache holds now."""
+        seq = Sequence(RequestId(""), prompt_ids, len(prompt_ids), SamplingParams())
+        return self.scheduler.cached_prefix(seq)
+
+    def reserve(
+        self, prompt_ids: list[int], sampling: SamplingParams, request_id: RequestId
+    ) -> Reservation | None:
+        """Hold pages for a request whose prompt KV another worker will write into them.
+
+        Page ownership: the engine owns the pages until the request ends. The writer may
+        fill `pages[num_cached_tokens // page_size:]` until the caller ends the transfer
+        with `start_decode` (the KV landed), `recompute` or `abort_request`; the caller
+        must not end it while a WRITE can still land. None: too few pages, nothing held.
+        """
+        live = self._new(prompt_ids, sampling, request_id)
+        if not self.scheduler.reserve(live.seq):
+            del self._live[request_id]
+            return None
+        return Reservation(list(live.seq.pages), live.seq.num_computed)
+
+    def start_decode(self, request_id: RequestId, token: int, logprob: float) -> RequestOutput:
+        """The prompt's KV has landed and another worker sampled its first token: decode on."""
+        live = self._live[request_id]
+        if live.generator is not None:  # that worker drew the first token from this seed
+            torch.empty(self.model.lm_head.shape[1], device=self.device).exponential_(
+                generator=live.generator
+            )
+        self.scheduler.activate(live.seq)
+        return self._append(live, token, logprob if live.seq.sampling.logprobs else None)
+
+    def recompute(self, request_id: RequestId) -> None:
+        """The prompt's KV will not arrive: drop the reserved pages and prefill it here."""
+        self.scheduler.requeue(self._live[request_id].seq)
+
+    def abort_request(
+        self, request_id: RequestId, reason: FinishReason = FinishReason.ABORT
+    ) -> bool:
         """Stop a request in any state and free its pages; False if it is not in flight."""
         live = self._live.pop(request_id, None)
         if live is None:
             return False
-        self.scheduler.finish(live.seq, FinishReason.ABORT)
+        self.scheduler.finish(live.seq, reason)
         return True
+
+    def status(self, request_id: RequestId) -> RequestStatus | None:
+        """The request's state, or None if it is not in flight."""
+        live = self._live.get(request_id)
+        return None if live is None else live.seq.status
 
     def has_unfinished(self) -> bool:
         return bool(self._live)
@@ -145,12 +173,17 @@ class LLMEngine:
     def num_free_pages(self) -> int:
         return self.pool.num_free
 
-    def step(self) -> list[RequestOutput]:
-        """Run one batch; an output for every request that produced tokens or finished."""
+    def step(self, on_layer: Callable[[Step, int], None] | None = None) -> list[RequestOutput]:
+        """Run one batch; an output for every request that produced tokens or finished.
+
+        `on_layer(step, i)` runs as soon as layer i's KV for the step is in the cache.
+        """
         step = self.scheduler.schedule()
         if step.empty:
             return []
-        sampled, logits = self.runner.run(step)
+        sampled, logits = self.runner.run(
+            step, None if on_layer is None else lambda i: on_layer(step, i)
+        )
         for seq in step.decodes:
             self.scheduler.commit(seq, 1)
         for seq, n in step.prefills:
@@ -204,6 +237,37 @@ class LLMEngine:
         return [done[r] for r in rids]
 
     # --- internals ---------------------------------------------------------------------------
+
+    def _new(
+        self, prompt: str | list[int], sampling: SamplingParams, request_id: RequestId | None
+    ) -> _Live:
+        rid = request_id or RequestId(f"req-{next(self._ids)}")
+        if rid in self._live:
+            raise InvalidRequestError(f"request_id: {rid!r} is already in flight")
+        ids = self._prompt_ids(prompt)
+        if len(ids) + sampling.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({sampling.max_tokens}) "
+                f"exceeds the model's context of {self.max_model_len} tokens"
+            )
+        pages = pages_for(len(ids) + sampling.max_tokens, self.pool.page_size)
+        if pages > self.pool.num_pages:
+            raise InvalidRequestError(
+                f"max_tokens: the request needs {pages} KV pages, the whole cache has "
+                f"{self.pool.num_pages}; raise kv_cache_gb or lower max_tokens"
+            )
+        generator = None
+        if not sampling.greedy:
+            seed = sampling.seed if sampling.seed is not None else self._seed_source.getrandbits(63)
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+        stop_ids = set(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
+            stop_ids.update(self.spec.eos_token_ids)
+        seq = Sequence(rid, list(ids), len(ids), sampling)
+        self._live[rid] = _Live(
+            seq, TextStream(self.tokenizer, ids, sampling.stop), generator, frozenset(stop_ids)
+        )
+        return self._live[rid]
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

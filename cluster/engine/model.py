@@ -6,6 +6,7 @@ rotate-half RoPE, SDPA), so greedy output is token-identical in float32.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -111,6 +112,7 @@ class LlamaModel:
         batch: AttentionBatch,
         cache: KVCache,
         logits_rows: torch.Tensor,  # rows whose next-token logits are wanted
+        on_layer: Callable[[int], None] | None = None,  # after layer i's KV is in the cache
     ) -> torch.Tensor:
         s = self.spec
         nq, nkv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
@@ -128,6 +130,8 @@ class LlamaModel:
             k = rotate(qkv[:, nq : nq + nkv].view(n, s.num_kv_heads, s.head_dim), cos, sin)
             v = qkv[:, nq + nkv :].view(n, s.num_kv_heads, s.head_dim)
             a = paged_attention(q, k, v, cache.k[i], cache.v[i], batch)
+            if on_layer is not None:
+                on_layer(i)
             x = x + a.reshape(n, nq) @ layer.o
             h = rms_norm(x, layer.post_norm, s.rms_norm_eps)
             gate, up = (h @ layer.gate_up).chunk(2, dim=-1)

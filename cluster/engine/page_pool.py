@@ -78,6 +78,20 @@ class PagePool:
             self._take(page)
         return pages
 
+    def count_prefix(self, hashes: Sequence[BlockHash]) -> int:
+        """How many leading pages of `hashes` are cached, taking no reference."""
+        n = 0
+        if self.prefix_caching:
+            while n < len(hashes) and hashes[n] in self._page_of_hash:
+                n += 1
+        return n
+
+    def retain(self, pages: Sequence[PageId]) -> None:
+        """One more reference on pages someone already references (e.g. a WRITE in flight)."""
+        for page in pages:
+            assert self._refs[page] > 0, f"page {page} retained while free"
+            self._refs[page] += 1
+
     def count_lookup(self, num_looked_up: int, num_found: int) -> None:
         """Record one admitted request's prefix lookup, in pages, for the hit rate."""
         self.prefix_queries += num_looked_up * self.page_size

@@ -6,6 +6,8 @@ every decode, and a prefill chunk that finishes its sequence's uncomputed tokens
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from cluster.engine.attention import AttentionBatch, PrefillChunk
@@ -23,8 +25,13 @@ class ModelRunner:
         self.page_size = cache.layout.page_size
         self.device = device
 
-    def run(self, step: Step) -> tuple[list[Sequence], torch.Tensor]:
-        """The sequences that get a next token, and their logits rows [len, vocab]."""
+    def run(
+        self, step: Step, on_layer: Callable[[int], None] | None = None
+    ) -> tuple[list[Sequence], torch.Tensor]:
+        """The sequences that get a next token, and their logits rows [len, vocab].
+
+        `on_layer(i)` runs as soon as layer i's KV for this step is in the cache.
+        """
         ps = self.page_size
         ids: list[int] = []
         positions: list[torch.Tensor] = []
@@ -78,5 +85,6 @@ class ModelRunner:
             batch,
             self.cache,
             torch.tensor(logits_rows, dtype=torch.long, device=self.device),
+            on_layer,
         )
         return sampled, logits

@@ -9,6 +9,11 @@ Life of a request here:
 4. If pages run out, the newest running request is preempted: its pages are freed
    and it goes back to the front of the queue to be recomputed. WAITING.
 5. `finish` (done, stopped or aborted) frees its pages at once, exactly once.
+
+A request whose prompt KV another worker computes skips 1-3: `reserve` takes pages for
+its whole prompt (cached prefix first) and holds it TRANSFERRING outside the queue;
+`activate` makes it RUNNING once the KV has landed, `requeue` sends it to the front of
+the queue to be prefilled here when the KV will not come.
 """
 
 from __future__ import annotations
@@ -52,11 +57,51 @@ class Scheduler:
         self.chunked_prefill = chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.transferring: list[Sequence] = []
         self.num_preemptions = 0
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def cached_prefix(self, seq: Sequence) -> int:
+        """Prompt tokens of seq whose KV is in the prefix cache now (the last token never is)."""
+        ps = self.pool.page_size
+        return self.pool.count_prefix(seq.page_hashes((seq.num_prompt - 1) // ps, ps)) * ps
+
+    def reserve(self, seq: Sequence) -> bool:
+        """Pages for seq's whole prompt, cached prefix first; False (nothing held) if short."""
+        if len(self.running) + len(self.transferring) >= self.max_num_seqs:
+            return False
+        ps = self.pool.page_size
+        hashes = seq.page_hashes((seq.num_prompt - 1) // ps, ps)
+        cached = self.pool.match_prefix(hashes)
+        fresh = self.pool.allocate(pages_for(seq.num_prompt, ps) - len(cached))
+        if fresh is None:
+            self.pool.free(cached)
+            return False
+        self.pool.count_lookup(len(hashes), len(cached))
+        seq.pages = cached + fresh
+        seq.num_computed = seq.num_cached = len(cached) * ps
+        seq.num_registered = len(cached)
+        seq.status = RequestStatus.TRANSFERRING
+        self.transferring.append(seq)
+        return True
+
+    def activate(self, seq: Sequence) -> None:
+        """seq's prompt KV is all in its pages: it decodes from the next step."""
+        self.transferring.remove(seq)
+        self.commit(seq, seq.num_prompt - seq.num_computed)
+        self.running.append(seq)
+
+    def requeue(self, seq: Sequence) -> None:
+        """seq's KV will not arrive: free its reserved pages and prefill it here, first."""
+        self.transferring.remove(seq)
+        self.pool.free(seq.pages)
+        seq.pages = []
+        seq.num_computed = seq.num_registered = 0
+        seq.status = RequestStatus.WAITING
+        self.waiting.appendleft(seq)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -158,10 +203,9 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End seq: free its pages once, whatever state it is in."""
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        for queue in (self.running, self.waiting, self.transferring):
+            if seq in queue:
+                queue.remove(seq)
         self.pool.free(seq.pages)
         seq.pages = []
         seq.finish_reason = reason

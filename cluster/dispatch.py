@@ -1,0 +1,151 @@
+"""The Python API the router and the cluster call: run a request on the workers chosen
+for it, stream its tokens back, abort it.
+
+1. `generate` submits to the decode worker, which reserves pages (or keeps the request
+   to prefill itself: colocated, or a short uncached prompt).
+2. With a KVTarget back, the prefill worker is asked to prefill into it; its first
+   token is streamed the moment it is sampled, before the KV has landed.
+3. The decode worker's per-step batches carry the rest (and the first token again,
+   which is dropped here). One task per decode worker long-polls those batches.
+4. A failed prefill worker (dead, incompatible, transport error) is reported to the
+   decode worker, which recomputes or fails the request per its policy.
+5. The stream ends with a delta that has a finish reason; leaving the stream early
+   aborts the request on both workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import random
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from cluster.types import FinishReason, FirstToken, RequestId, SamplingParams, TokenDelta
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    queue: asyncio.Queue[TokenDelta]
+    decode: Any
+    prefill: Any | None
+
+
+class Dispatcher:
+    """One per process, used from one asyncio event loop."""
+
+    def __init__(self, poll_s: float = 1.0) -> None:
+        self.poll_s = poll_s
+        self._streams: dict[RequestId, _Stream] = {}
+        self._pollers: dict[str, asyncio.Task[None]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        decode: Any,
+        prefill: Any | None = None,
+        request_id: RequestId | None = None,
+    ) -> AsyncIterator[TokenDelta]:
+        """Deltas of one request in order; the last one has a finish reason."""
+        rid = request_id or RequestId(uuid.uuid4().hex)
+        if rid in self._streams:
+            raise ValueError(f"request_id: {rid!r} is already in flight")
+        if not sampling.greedy and sampling.seed is None:  # both workers must draw alike
+            sampling = dataclasses.replace(sampling, seed=random.getrandbits(63))
+        stream = _Stream(asyncio.Queue(), decode, prefill)
+        self._streams[rid] = stream
+        self._poll(decode)
+        finished = False
+        try:
+            target = await decode.submit.remote(rid, prompt_ids, sampling, prefill is not None)
+            if target is not None:
+                assert prefill is not None
+                self._spawn(self._prefill(rid, prompt_ids, sampling, target, stream))
+            sent = 0
+            while not finished:
+                delta = await stream.queue.get()
+                skip = max(0, sent - delta.index)  # the first token, seen twice
+                if skip >= len(delta.token_ids) and delta.finish_reason is None:
+                    continue
+                delta = dataclasses.replace(
+                    delta,
+                    index=delta.index + skip,
+                    token_ids=delta.token_ids[skip:],
+                    logprobs=delta.logprobs[skip:],
+                    text=delta.text if skip == 0 else "",
+                )
+                sent = delta.index + len(delta.token_ids)
+                finished = delta.finish_reason is not None
+                yield delta
+        finally:
+            del self._streams[rid]
+            if not finished:
+                self._spawn(self._abort(rid, stream))
+
+    async def abort(self, request_id: RequestId) -> None:
+        """Stop a request on its workers; its stream ends with an ABORT delta."""
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            await self._abort(request_id, stream)
+
+    async def _abort(self, rid: RequestId, stream: _Stream) -> None:
+        if stream.prefill is not None:
+            await stream.prefill.abort.remote(rid)
+        await stream.decode.abort.remote(rid)
+
+    async def _prefill(
+        self,
+        rid: RequestId,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        target: Any,
+        stream: _Stream,
+    ) -> None:
+        assert stream.prefill is not None
+        try:
+            first: FirstToken | None = await stream.prefill.prefill.remote(
+                rid, prompt_ids, sampling, target
+            )
+        except Exception as e:
+            log.warning("request %s: prefill failed: %s", rid, e)
+            await stream.decode.transfer_failed.remote(rid, f"prefill worker failed: {e}")
+            return
+        if first is not None:
+            lps = () if first.logprob is None else (first.logprob,)
+            stream.queue.put_nowait(TokenDelta(rid, 0, (first.token_id,), first.text, lps))
+
+    def _poll(self, decode: Any) -> None:
+        key = decode._actor_id.hex()
+        if key not in self._pollers or self._pollers[key].done():
+            self._pollers[key] = asyncio.create_task(self._read(decode))
+
+    async def _read(self, decode: Any) -> None:
+        """Hand each request its deltas from one decode worker, batch by batch."""
+        while True:
+            try:
+                deltas: list[TokenDelta] = await decode.outputs.remote(self.poll_s)
+            except Exception as e:  # the worker is gone: end its requests' streams
+                log.error("decode worker unreachable: %s", e)
+                for rid, stream in list(self._streams.items()):
+                    if stream.decode is decode:
+                        why = f"decode worker failed: {e}"
+                        stream.queue.put_nowait(
+                            TokenDelta(rid, 0, (), "", (), FinishReason.ERROR, why)
+                        )
+                return
+            for delta in deltas:
+                to = self._streams.get(delta.request_id)
+                if to is not None:
+                    to.queue.put_nowait(delta)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

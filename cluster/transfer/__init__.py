@@ -1,0 +1,1 @@
+"""KV page transport between workers: the wire format and the UCX endpoint (NIXL)."""

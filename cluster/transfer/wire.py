@@ -1,0 +1,210 @@
+"""The KV transfer wire format: a handshake and notices, fixed little-endian binary layouts.
+
+Nothing here unpickles: every field is a number, a length-prefixed UTF-8 string or raw
+bytes, and a message that is short, long, or from another version is refused with
+WireError. Peers whose compatibility hash differs (model, dtype, page size or KV
+layout) are refused with IncompatiblePeerError before any KV moves.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import struct
+from dataclasses import dataclass
+
+from cluster.engine.checkpoint import ModelSpec
+from cluster.types import PageId, RequestId
+
+MAGIC = b"SPKV"
+VERSION = 1
+LAYOUT = "layers,pages,page_size,kv_heads,head_dim;k,v"  # the KVCache tensor layout
+
+
+class WireError(ValueError):
+    """Bytes from a peer that are not a valid message of this version."""
+
+
+class IncompatiblePeerError(ConnectionError):
+    """A peer whose KV pages cannot be ours: different model, dtype, page size or layout."""
+
+
+def compat_hash(spec: ModelSpec, dtype: str, page_size: int) -> bytes:
+    """16 bytes that two peers must share before one writes KV pages into the other."""
+    key = (
+        f"{spec.name}|{spec.num_layers}|{spec.num_kv_heads}|{spec.head_dim}|{spec.vocab_size}|"
+        f"{dtype}|{page_size}|{LAYOUT}"
+    )
+    return hashlib.blake2b(key.encode(), digest_size=16).digest()
+
+
+class _Reader:
+    def __init__(self, data: bytes, what: str) -> None:
+        self.data, self.pos, self.what = memoryview(data), 0, what
+
+    def take(self, fmt: str) -> tuple[int | float, ...]:
+        size = struct.calcsize(fmt)
+        if self.pos + size > len(self.data):
+            raise WireError(f"{self.what}: truncated at byte {self.pos}")
+        values = struct.unpack_from(fmt, self.data, self.pos)
+        self.pos += size
+        return values
+
+    def raw(self) -> bytes:
+        (n,) = self.take("<I")
+        end = self.pos + int(n)
+        if end > len(self.data):
+            raise WireError(f"{self.what}: field of {n} bytes runs past the end")
+        out = bytes(self.data[self.pos : end])
+        self.pos = end
+        return out
+
+    def text(self) -> str:
+        try:
+            return self.raw().decode()
+        except UnicodeDecodeError:
+            raise WireError(f"{self.what}: a string field is not UTF-8") from None
+
+    def header(self) -> None:
+        magic, version = self.take("<4sH")
+        if magic != MAGIC:
+            raise WireError(f"{self.what}: bad magic {magic!r}, not a splitserve KV message")
+        if version != VERSION:
+            raise WireError(f"{self.what}: version {version}, this build speaks {VERSION}")
+
+    def end(self) -> None:
+        if self.pos != len(self.data):
+            raise WireError(f"{self.what}: {len(self.data) - self.pos} trailing bytes")
+
+
+def _raw(b: bytes) -> bytes:
+    return struct.pack("<I", len(b)) + b
+
+
+@dataclass(frozen=True)
+class Handshake:
+    """What a KV receiver publishes so a sender can write into its pages."""
+
+    compat: bytes  # compat_hash(...)
+    agent: str  # the receiver's transfer agent name
+    agent_metadata: bytes  # opaque to us: the transport's own connection blob
+    num_layers: int
+    num_pages: int
+    page_bytes: int  # one page of one layer of K (or V)
+    k_base: int  # address of k[0, 0]
+    v_base: int
+    on_gpu: bool
+    device_id: int
+
+    def encode(self) -> bytes:
+        return b"".join(
+            (
+                struct.pack("<4sH16s", MAGIC, VERSION, self.compat),
+                _raw(self.agent.encode()),
+                _raw(self.agent_metadata),
+                struct.pack(
+                    "<IIQQQ?I",
+                    self.num_layers,
+                    self.num_pages,
+                    self.page_bytes,
+                    self.k_base,
+                    self.v_base,
+                    self.on_gpu,
+                    self.device_id,
+                ),
+            )
+        )
+
+    @staticmethod
+    def decode(data: bytes) -> Handshake:
+        r = _Reader(data, "handshake")
+        r.header()
+        (compat,) = r.take("<16s")
+        agent, meta = r.text(), r.raw()
+        layers, pages, page_bytes, k_base, v_base, on_gpu, dev = r.take("<IIQQQ?I")
+        r.end()
+        return Handshake(
+            bytes(compat),  # type: ignore[arg-type]
+            agent,
+            meta,
+            int(layers),
+            int(pages),
+            int(page_bytes),
+            int(k_base),
+            int(v_base),
+            bool(on_gpu),
+            int(dev),
+        )
+
+    def check(self, compat: bytes) -> None:
+        """Refuse a peer that does not share our compatibility hash."""
+        if self.compat != compat:
+            raise IncompatiblePeerError(
+                f"KV peer {self.agent!r} has compatibility hash {self.compat.hex()}, ours is "
+                f"{compat.hex()}: model, dtype, page size or KV layout differ"
+            )
+
+
+class NoticeKind(enum.IntEnum):
+    LAYERS = 1  # rides on a WRITE: these layers of these pages have landed
+    DONE = 2  # the sender posted every WRITE of this request; carries the first token
+    CANCEL = 3  # the sender stopped and has no WRITE left in flight
+
+
+@dataclass(frozen=True)
+class Notice:
+    """A completion notice from a KV sender to a receiver, about one request."""
+
+    kind: NoticeKind
+    request_id: RequestId
+    layer_start: int = 0
+    layer_end: int = 0
+    pages: tuple[PageId, ...] = ()  # receiver's page ids written (LAYERS)
+    num_bytes: int = 0  # bytes written (LAYERS) or in all (DONE)
+    num_writes: int = 0  # DONE: how many LAYERS notices to expect
+    first_token: int = -1  # DONE
+    first_logprob: float = 0.0  # DONE
+
+    def encode(self) -> bytes:
+        rid = self.request_id.encode()
+        return b"".join(
+            (
+                struct.pack("<4sHB", MAGIC, VERSION, self.kind),
+                _raw(rid),
+                struct.pack(
+                    "<HHQIqd",
+                    self.layer_start,
+                    self.layer_end,
+                    self.num_bytes,
+                    self.num_writes,
+                    self.first_token,
+                    self.first_logprob,
+                ),
+                _raw(struct.pack(f"<{len(self.pages)}I", *self.pages)),
+            )
+        )
+
+    @staticmethod
+    def decode(data: bytes) -> Notice:
+        r = _Reader(data, "notice")
+        r.header()
+        (kind,) = r.take("<B")
+        if kind not in NoticeKind._value2member_map_:
+            raise WireError(f"notice: unknown kind {kind}")
+        rid = r.text()
+        start, end, nbytes, nwrites, tok, lp = r.take("<HHQIqd")
+        pages = r.raw()
+        r.end()
+        if len(pages) % 4:
+            raise WireError("notice: page list is not a whole number of u32")
+        return Notice(
+            NoticeKind(int(kind)),
+            RequestId(rid),
+            int(start),
+            int(end),
+            tuple(PageId(p) for p in struct.unpack(f"<{len(pages) // 4}I", pages)),
+            int(nbytes),
+            int(nwrites),
+            int(tok),
+            float(lp),
+        )

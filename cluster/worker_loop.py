@@ -1,0 +1,65 @@
+"""The thread a worker actor's engine runs on, and how async actor methods reach it.
+
+An actor's asyncio methods never touch the engine: they hand a function to `call`,
+which runs it on the engine thread between two steps and returns its result. The
+thread loops `tick` (one engine step plus transfer bookkeeping); tick says how long
+it may sleep before the next round, and a call wakes it earlier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class WorkerLoop:
+    def __init__(self, tick: Callable[[], float], name: str) -> None:
+        """`tick()` does one round of work and returns the seconds it may sleep (0: busy)."""
+        self._tick = tick
+        self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run fn on the engine thread; its result or its exception comes back here."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[T] = loop.create_future()
+
+        def settle(result: Any, error: BaseException | None) -> None:
+            if done.cancelled():
+                return
+            if error is None:
+                done.set_result(result)
+            else:
+                done.set_exception(error)
+
+        def run() -> None:
+            try:
+                result = fn()
+            except Exception as e:
+                loop.call_soon_threadsafe(settle, None, e)
+            else:
+                loop.call_soon_threadsafe(settle, result, None)
+
+        self._calls.put(run)
+        return await done
+
+    def _run(self) -> None:
+        wait = 0.0
+        while True:
+            try:
+                fn = self._calls.get(timeout=wait)
+            except queue.Empty:
+                pass
+            else:
+                fn()
+                while not self._calls.empty():
+                    self._calls.get()()
+            wait = self._tick()

@@ -1,0 +1,1 @@
+"""The decode role: reserve pages, receive pushed KV into them, decode in continuous batches."""

@@ -1,0 +1,312 @@
+"""DecodeWorker: a Ray actor that owns an engine in the decode role.
+
+Life of a request here:
+1. `submit` with a prefill worker chosen: unless the part of the prompt missing from
+   this worker's prefix cache is at most `local_prefill_tokens` (then it prefills
+   here, as colocated requests do), pages for the whole prompt are reserved before
+   any prefill compute is spent, and the caller gets a KVTarget leased for `lease_s`.
+   No pages: the submit waits its turn. TRANSFERRING.
+2. LAYERS notices count the WRITEs that landed; DONE brings the first token and the
+   WRITE count. Once all have landed the request joins the running batch. RUNNING.
+3. If the lease ends, the sender cancels, or the caller reports the sender gone first,
+   the request is prefilled here (`recompute`) or fails (`fail`), per `on_timeout`;
+   it never decodes from incomplete pages.
+4. Each step's new tokens for all requests leave together through `outputs`.
+5. Finish or abort frees the pages once. An abort during TRANSFERRING keeps them until
+   no WRITE can land any more: all landed, CANCEL, or the lease end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from cluster.config import EngineConfig, TransferConfig
+from cluster.engine import LLMEngine
+from cluster.transfer.endpoint import KVEndpoint
+from cluster.transfer.wire import Notice, NoticeKind, compat_hash
+from cluster.types import (
+    FinishReason,
+    KVTarget,
+    RequestId,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+    TokenDelta,
+)
+from cluster.worker_loop import WorkerLoop
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Inbound:
+    target: KVTarget
+    landed: int = 0
+    expected: int | None = None  # WRITEs the DONE notice announced
+    first: tuple[int, float] = (-1, 0.0)
+    aborted: bool = False
+
+
+@dataclass
+class _Admitting:
+    request_id: RequestId
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    done: asyncio.Future[KVTarget | None]
+
+
+@dataclass(frozen=True)
+class DecodeStats:
+    free_pages: int
+    num_pages: int
+    running: int
+    waiting: int
+    transferring: int
+    admitting: int
+    pages_received: int
+    bytes_received: int
+
+
+class DecodeWorker:
+    def __init__(self, name: str, engine: EngineConfig, transfer: TransferConfig) -> None:
+        self.engine = LLMEngine(engine)
+        self.transfer = transfer
+        compat = compat_hash(self.engine.spec, engine.dtype, engine.page_size)
+        self.endpoint = KVEndpoint(name, self.engine.cache, compat, transfer.ucx_devices)
+        self._handshake = self.endpoint.handshake()
+        self._inbound: dict[RequestId, _Inbound] = {}
+        self._admitting: deque[_Admitting] = deque()
+        self._emitted: dict[RequestId, int] = {}  # output tokens sent so far, per request
+        self._pages_received = self._bytes_received = 0
+        self._out: list[TokenDelta] = []
+        self._out_lock = threading.Lock()
+        self._out_wake: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+        self._loop = WorkerLoop(self._tick, name=f"{name}-engine")
+
+    # --- actor API -----------------------------------------------------------------------
+
+    async def handshake(self) -> bytes:
+        return self._handshake
+
+    async def submit(
+        self,
+        request_id: RequestId,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        remote: bool,
+    ) -> KVTarget | None:
+        """Admit a request: a leased KVTarget to prefill into elsewhere, or None if it
+        prefills here (colocated, short uncached part, or aborted while waiting)."""
+        done: asyncio.Future[KVTarget | None] = asyncio.get_running_loop().create_future()
+
+        def admit() -> None:
+            self._emitted[request_id] = 0
+            try:
+                uncached = len(prompt_ids) - self.engine.cached_prefix_tokens(prompt_ids)
+                if not remote or uncached <= self.transfer.local_prefill_tokens:
+                    self.engine.add_request(prompt_ids, sampling, request_id)
+                    _settle(done, None)
+                    return
+                self._admitting.append(_Admitting(request_id, prompt_ids, sampling, done))
+                self._admit()
+            except Exception:
+                del self._emitted[request_id]
+                raise
+
+        await self._loop.call(admit)
+        return await done
+
+    async def transfer_failed(self, request_id: RequestId, why: str) -> None:
+        """The caller knows no WRITE for this request can land any more (its sender died
+        or refused): recompute or fail it now, per policy."""
+        await self._loop.call(lambda: self._end_transfer(request_id, landed=False, why=why))
+
+    async def abort(self, request_id: RequestId) -> RequestStatus | None:
+        """Abort in any state; returns the state it was in (None: not here)."""
+        return await self._loop.call(lambda: self._abort(request_id))
+
+    async def outputs(self, timeout_s: float) -> list[TokenDelta]:
+        """Every delta since the last call, waiting up to timeout_s for one. One reader."""
+        if self._out_wake is None:
+            self._out_wake = (asyncio.get_running_loop(), asyncio.Event())
+        wake = self._out_wake[1]
+        if not self._out:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), timeout_s)
+        wake.clear()
+        with self._out_lock:
+            out, self._out = self._out, []
+        return out
+
+    async def stats(self) -> DecodeStats:
+        def read() -> DecodeStats:
+            sched = self.engine.scheduler
+            return DecodeStats(
+                self.engine.num_free_pages,
+                self.engine.pool.num_pages,
+                len(sched.running),
+                len(sched.waiting),
+                len(self._inbound),
+                len(self._admitting),
+                self._pages_received,
+                self._bytes_received,
+            )
+
+        return await self._loop.call(read)
+
+    # --- the engine thread ---------------------------------------------------------------
+
+    def _tick(self) -> float:
+        for notice in self.endpoint.notices():
+            self._on_notice(notice)
+        now = time.time()
+        for rid, inbound in list(self._inbound.items()):
+            if now > inbound.target.lease_expires_at:
+                why = f"KV transfer did not complete within lease_s={self.transfer.lease_s}"
+                self._end_transfer(rid, landed=False, why=why)
+        self._admit()
+        if not self.engine.scheduler.has_work:
+            return 0.001 if self._inbound else 0.05
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            log.exception("decode step failed; failing its requests")
+            for rid in list(self._emitted):
+                if rid not in self._inbound and self.engine.abort_request(rid, FinishReason.ERROR):
+                    self._publish(self._final(rid, FinishReason.ERROR, f"engine step failed: {e}"))
+            return 0.0
+        self._publish(*(self._delta(out) for out in outputs))
+        return 0.0
+
+    def _admit(self) -> None:
+        """Reserve pages for waiting submits, in order, while pages last."""
+        while self._admitting:
+            a = self._admitting[0]
+            try:
+                reservation = self.engine.reserve(a.prompt_ids, a.sampling, a.request_id)
+            except Exception as e:
+                self._admitting.popleft()
+                del self._emitted[a.request_id]
+                a.done.get_loop().call_soon_threadsafe(_fail, a.done, e)
+                continue
+            if reservation is None:
+                return
+            self._admitting.popleft()
+            target = KVTarget(
+                self._handshake,
+                tuple(reservation.pages),
+                reservation.num_cached_tokens,
+                time.time() + self.transfer.lease_s,
+            )
+            self._inbound[a.request_id] = _Inbound(target)
+            _settle(a.done, target)
+
+    def _on_notice(self, notice: Notice) -> None:
+        rid = notice.request_id
+        inbound = self._inbound.get(rid)
+        if inbound is None:
+            log.debug("notice for %s, which is not transferring: dropped", rid)
+            return
+        if notice.kind is NoticeKind.LAYERS:
+            if not set(notice.pages) <= set(inbound.target.pages):
+                log.error("request %s: a peer wrote pages outside its reservation", rid)
+            inbound.landed += 1
+            self._bytes_received += notice.num_bytes
+            if notice.layer_end == self.engine.spec.num_layers:
+                self._pages_received += len(notice.pages)
+        elif notice.kind is NoticeKind.DONE:
+            inbound.expected = notice.num_writes
+            inbound.first = (notice.first_token, notice.first_logprob)
+        else:
+            self._end_transfer(rid, landed=False, why="the prefill worker cancelled the transfer")
+            return
+        if inbound.expected is not None and inbound.landed >= inbound.expected:
+            self._end_transfer(rid, landed=True, why="")
+
+    def _end_transfer(self, rid: RequestId, landed: bool, why: str) -> None:
+        """No WRITE for rid can land any more: decode, recompute, fail or free it."""
+        inbound = self._inbound.pop(rid, None)
+        if inbound is None:
+            return
+        if inbound.aborted:
+            self.engine.abort_request(rid)
+        elif landed:
+            self._publish(self._delta(self.engine.start_decode(rid, *inbound.first)))
+        elif self.transfer.on_timeout == "recompute":
+            log.warning("request %s: %s; recomputing its prefill here", rid, why)
+            self.engine.recompute(rid)
+        else:
+            self.engine.abort_request(rid, FinishReason.ERROR)
+            self._publish(self._final(rid, FinishReason.ERROR, why))
+
+    def _abort(self, rid: RequestId) -> RequestStatus | None:
+        for a in self._admitting:
+            if a.request_id == rid:
+                self._admitting.remove(a)
+                _settle(a.done, None)
+                self._publish(self._final(rid, FinishReason.ABORT, None))
+                return RequestStatus.WAITING
+        inbound = self._inbound.get(rid)
+        status = self.engine.status(rid)
+        if inbound is not None:
+            inbound.aborted = True  # the pages wait until no WRITE can land
+        elif not self.engine.abort_request(rid):
+            return None
+        self._publish(self._final(rid, FinishReason.ABORT, None))
+        return status
+
+    def _delta(self, out: RequestOutput) -> TokenDelta:
+        rid = out.request_id
+        index = self._emitted[rid]
+        if out.finished:
+            del self._emitted[rid]
+        else:
+            self._emitted[rid] = index + len(out.new_token_ids)
+        return TokenDelta(
+            rid,
+            index,
+            tuple(out.new_token_ids),
+            out.new_text,
+            tuple(out.new_logprobs),
+            out.finish_reason,
+        )
+
+    def _final(self, rid: RequestId, reason: FinishReason, error: str | None) -> TokenDelta:
+        return TokenDelta(rid, self._emitted.pop(rid, 0), (), "", (), reason, error)
+
+    def _publish(self, *deltas: TokenDelta) -> None:
+        if not deltas:
+            return
+        with self._out_lock:
+            self._out.extend(deltas)
+        if self._out_wake is not None:
+            loop, wake = self._out_wake
+            loop.call_soon_threadsafe(wake.set)
+
+
+def _settle(done: asyncio.Future[KVTarget | None], result: KVTarget | None) -> None:
+    def run() -> None:
+        if not done.done():
+            done.set_result(result)
+
+    done.get_loop().call_soon_threadsafe(run)
+
+
+def _fail(done: asyncio.Future[KVTarget | None], error: BaseException) -> None:
+    if not done.done():
+        done.set_exception(error)
+
+
+def spawn(name: str, engine: EngineConfig, transfer: TransferConfig, num_cpus: float = 1) -> Any:
+    """Start a DecodeWorker actor named `name`; returns its Ray actor handle."""
+    actor: Any = ray.remote(DecodeWorker)
+    return actor.options(name=name, num_cpus=num_cpus).remote(name, engine, transfer)

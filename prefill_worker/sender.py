@@ -1,0 +1,165 @@
+"""Pushes prompt KV from the prefill engine's pages into a decode worker's reserved pages.
+
+One push per request. With streaming, every engine step WRITEs each layer's new pages
+as soon as that layer is computed, so the transfer hides behind the rest of the
+prefill; without it, one WRITE per request carries all layers once its prompt is done.
+Each WRITE holds a reference on its source pages until it completes. After the last
+WRITE is posted, a DONE notice carries the first token and the WRITE count; a push that
+stops early (abort, lease end, transport error) sends CANCEL once nothing is in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from cluster.engine.page_pool import PagePool, pages_for
+from cluster.engine.scheduler import Step
+from cluster.engine.sequence import Sequence
+from cluster.transfer.endpoint import KVEndpoint, Peer, TransferError, Write
+from cluster.transfer.wire import Notice, NoticeKind
+from cluster.types import KVTarget, PageId, RequestId
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Push:
+    peer: Peer
+    target: KVTarget
+    sent_upto: int  # leading prompt tokens whose KV (all layers) is posted
+    writes: list[tuple[Write, list[PageId]]] = field(default_factory=list)
+    num_writes: int = 0
+    stopped: bool = False  # no further WRITE; CANCEL once the in-flight ones finish
+    done: bool = False  # DONE sent
+
+
+@dataclass
+class SendStats:
+    writes: int = 0
+    pages: int = 0  # distinct pages sent (all their layers)
+    bytes: int = 0
+    lease_misses: int = 0
+
+
+class KVSender:
+    def __init__(
+        self,
+        endpoint: KVEndpoint,
+        pool: PagePool,
+        num_layers: int,
+        stream_layers: bool,
+        write_margin_s: float,
+    ) -> None:
+        self.endpoint = endpoint
+        self.pool = pool
+        self.num_layers = num_layers
+        self.stream_layers = stream_layers
+        self.write_margin_s = write_margin_s
+        self.stats = SendStats()
+        self._pushes: dict[RequestId, _Push] = {}
+
+    def start(self, request_id: RequestId, target: KVTarget) -> None:
+        """Connect to the target's worker (refusing an incompatible one) and track the push."""
+        peer = self.endpoint.connect(target.handshake)
+        self._pushes[request_id] = _Push(peer, target, target.num_cached_tokens)
+
+    def on_layer(self, step: Step, layer: int) -> None:
+        """Engine hook: layer `layer` of `step` is in the cache; post what is ready."""
+        if not self.stream_layers and layer != self.num_layers - 1:
+            return
+        layers = range(layer, layer + 1) if self.stream_layers else range(self.num_layers)
+        for seq, n in [*step.prefills, *((s, 1) for s in step.decodes)]:
+            push = self._pushes.get(seq.request_id)
+            if push is None or push.stopped:
+                continue
+            end = seq.num_computed + n
+            if not self.stream_layers and end < seq.num_prompt:
+                continue  # unstreamed: one WRITE once the whole prompt is computed
+            self._post(seq, push, layers, end)
+            if layer == self.num_layers - 1:
+                push.sent_upto = max(push.sent_upto, end)
+
+    def first_token(self, request_id: RequestId, token: int, logprob: float) -> None:
+        """The prompt is done: tell the receiver how many WRITEs to expect, and the token."""
+        push = self._pushes.get(request_id)
+        if push is None or push.stopped:
+            return
+        notice = Notice(
+            NoticeKind.DONE,
+            request_id,
+            num_writes=push.num_writes,
+            first_token=token,
+            first_logprob=logprob,
+        )
+        try:
+            self.endpoint.notify(push.peer, notice)
+        except TransferError as e:
+            log.warning("request %s: %s", request_id, e)
+            push.stopped = True
+            return
+        push.done = True
+
+    def stop(self, request_id: RequestId) -> None:
+        """Post nothing more for this request (abort); CANCEL follows when nothing is in flight."""
+        push = self._pushes.get(request_id)
+        if push is not None and not push.done:
+            push.stopped = True
+
+    def poll(self) -> bool:
+        """Settle finished WRITEs (releasing their pages); True while any push is open."""
+        for rid, push in list(self._pushes.items()):
+            still = []
+            for write, pages in push.writes:
+                try:
+                    finished = self.endpoint.finished(write)
+                except TransferError as e:
+                    log.warning("request %s: %s", rid, e)
+                    push.stopped, finished = not push.done, True
+                if finished:
+                    self.pool.free(pages)
+                else:
+                    still.append((write, pages))
+            push.writes = still
+            if push.writes:
+                continue
+            if push.stopped:
+                try:
+                    self.endpoint.notify(push.peer, Notice(NoticeKind.CANCEL, rid))
+                except TransferError as e:  # the receiver's lease covers a lost CANCEL
+                    log.warning("request %s: %s", rid, e)
+                del self._pushes[rid]
+            elif push.done:
+                del self._pushes[rid]
+        return bool(self._pushes)
+
+    def _post(self, seq: Sequence, push: _Push, layers: range, end: int) -> None:
+        ps = self.pool.page_size
+        first, last = push.sent_upto // ps, pages_for(end, ps)
+        if first >= last:
+            return
+        if time.time() > push.target.lease_expires_at - self.write_margin_s:
+            log.warning("request %s: lease over, KV not sent", seq.request_id)
+            self.stats.lease_misses += 1
+            push.stopped = True
+            return
+        src, dst = seq.pages[first:last], list(push.target.pages[first:last])
+        nbytes = 2 * len(src) * len(layers) * self.endpoint.page_bytes
+        notice = Notice(
+            NoticeKind.LAYERS, seq.request_id, layers.start, layers.stop, tuple(dst), nbytes
+        )
+        self.pool.retain(src)
+        try:
+            write = self.endpoint.write(push.peer, layers, src, dst, notice)
+        except TransferError as e:
+            self.pool.free(src)
+            log.warning("request %s: %s", seq.request_id, e)
+            push.stopped = True
+            return
+        push.writes.append((write, src))
+        push.num_writes += 1
+        self.stats.writes += 1
+        if layers.stop == self.num_layers:
+            self.stats.pages += len(src)
+        self.stats.bytes += write.num_bytes

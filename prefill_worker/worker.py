@@ -1,0 +1,146 @@
+"""PrefillWorker: a Ray actor that owns an engine in the prefill role.
+
+Life of a request here:
+1. `prefill` arrives with a KVTarget (pages a decode worker reserved and leased); the
+   worker connects to that decode worker, refusing an incompatible one, and queues
+   the prompt in its engine with max_tokens 1. WAITING.
+2. The engine batches prompts under its token budget, long ones in chunks, reusing
+   cached prefix pages. PREFILLING. After each layer the sender WRITEs the layer's new
+   pages into the reserved pages (all layers at once when streaming is off).
+3. The last chunk samples the first token: `prefill` returns it at once, and a DONE
+   notice tells the decode worker how many WRITEs to expect. TRANSFERRING.
+4. Each WRITE releases its source pages when it completes; they stay in the prefix
+   cache. An abort or a lease about to end stops the push and sends CANCEL instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from cluster.config import EngineConfig, TransferConfig
+from cluster.engine import LLMEngine
+from cluster.transfer.endpoint import KVEndpoint
+from cluster.transfer.wire import compat_hash
+from cluster.types import FirstToken, KVTarget, RequestId, SamplingParams
+from cluster.worker_loop import WorkerLoop
+from prefill_worker.sender import KVSender, SendStats
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PrefillStats:
+    free_pages: int
+    num_pages: int
+    queued_requests: int
+    sent: SendStats
+
+
+class PrefillWorker:
+    def __init__(self, name: str, engine: EngineConfig, transfer: TransferConfig) -> None:
+        self.engine = LLMEngine(engine)
+        self.endpoint = KVEndpoint(
+            name,
+            self.engine.cache,
+            compat_hash(self.engine.spec, engine.dtype, engine.page_size),
+            transfer.ucx_devices,
+        )
+        self.sender = KVSender(
+            self.endpoint,
+            self.engine.pool,
+            self.engine.spec.num_layers,
+            transfer.stream_layers,
+            transfer.write_margin_s,
+        )
+        self._waiting: dict[RequestId, asyncio.Future[FirstToken | None]] = {}
+        self._loop = WorkerLoop(self._tick, name=f"{name}-engine")
+
+    async def handshake(self) -> bytes:
+        return await self._loop.call(self.endpoint.handshake)
+
+    async def prefill(
+        self,
+        request_id: RequestId,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        target: KVTarget,
+    ) -> FirstToken | None:
+        """Prefill the prompt into the target's pages; the first token, or None if aborted."""
+        done: asyncio.Future[FirstToken | None] = asyncio.get_running_loop().create_future()
+
+        def admit() -> None:
+            self.sender.start(request_id, target)
+            try:
+                self.engine.add_request(
+                    prompt_ids, dataclasses.replace(sampling, max_tokens=1), request_id
+                )
+            except Exception:
+                self.sender.stop(request_id)
+                raise
+            self._waiting[request_id] = done
+
+        await self._loop.call(admit)
+        return await done
+
+    async def abort(self, request_id: RequestId) -> None:
+        def stop() -> None:
+            self.engine.abort_request(request_id)
+            self.sender.stop(request_id)
+            self._settle(request_id, None)
+
+        await self._loop.call(stop)
+
+    async def stats(self) -> PrefillStats:
+        def read() -> PrefillStats:
+            return PrefillStats(
+                self.engine.num_free_pages,
+                self.engine.pool.num_pages,
+                len(self.engine.scheduler.waiting) + len(self.engine.scheduler.running),
+                dataclasses.replace(self.sender.stats),
+            )
+
+        return await self._loop.call(read)
+
+    def _tick(self) -> float:
+        busy = self.engine.has_unfinished()
+        if busy:
+            try:
+                outputs = self.engine.step(self.sender.on_layer)
+            except Exception:
+                log.exception("prefill step failed; failing its requests")
+                for rid in list(self._waiting):
+                    self.engine.abort_request(rid)
+                    self.sender.stop(rid)
+                    self._settle(rid, None)
+                outputs = []
+            for out in outputs:
+                if out.finished:
+                    lp = out.new_logprobs[0] if out.new_logprobs else None
+                    self.sender.first_token(out.request_id, out.new_token_ids[0], lp or 0.0)
+                    self._settle(out.request_id, FirstToken(out.new_token_ids[0], lp, out.new_text))
+        pending = self.sender.poll()
+        if busy:
+            return 0.0
+        return 0.001 if pending else 0.05
+
+    def _settle(self, request_id: RequestId, result: FirstToken | None) -> None:
+        done = self._waiting.pop(request_id, None)
+        if done is not None:
+            done.get_loop().call_soon_threadsafe(_set_result, done, result)
+
+
+def _set_result(done: asyncio.Future[FirstToken | None], result: FirstToken | None) -> None:
+    if not done.done():
+        done.set_result(result)
+
+
+def spawn(name: str, engine: EngineConfig, transfer: TransferConfig, num_cpus: float = 1) -> Any:
+    """Start a PrefillWorker actor named `name`; returns its Ray actor handle."""
+    actor: Any = ray.remote(PrefillWorker)
+    return actor.options(name=name, num_cpus=num_cpus).remote(name, engine, transfer)

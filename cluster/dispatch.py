@@ -128,9 +128,10 @@ class Dispatcher:
 
     async def _read(self, decode: Any) -> None:
         """Hand each request its deltas from one decode worker, batch by batch."""
+        cursor = 0
         while True:
             try:
-                deltas: list[TokenDelta] = await decode.outputs.remote(self.poll_s)
+                cursor, deltas = await decode.outputs.remote(cursor, self.poll_s)
             except Exception as e:  # the worker is gone: end its requests' streams
                 log.error("decode worker unreachable: %s", e)
                 for rid, stream in list(self._streams.items()):

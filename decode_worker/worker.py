@@ -11,7 +11,7 @@ Life of a request here:
 3. If the lease ends, the sender cancels, or the caller reports the sender gone first,
    the request is prefilled here (`recompute`) or fails (`fail`), per `on_timeout`;
    it never decodes from incomplete pages.
-4. Each step's new tokens for all requests leave together through `outputs`.
+4. Each step's new tokens for all requests leave together, numbered, through `outputs`.
 5. Finish or abort frees the pages once. An abort during TRANSFERRING keeps them until
    no WRITE can land any more: all landed, CANCEL, or the lease end.
 """
@@ -19,7 +19,6 @@ Life of a request here:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
@@ -74,6 +73,7 @@ class DecodeStats:
     admitting: int
     pages_received: int
     bytes_received: int
+    transfer_failures: int  # transfers that ended without their KV (then recomputed or failed)
 
 
 class DecodeWorker:
@@ -86,8 +86,9 @@ class DecodeWorker:
         self._inbound: dict[RequestId, _Inbound] = {}
         self._admitting: deque[_Admitting] = deque()
         self._emitted: dict[RequestId, int] = {}  # output tokens sent so far, per request
-        self._pages_received = self._bytes_received = 0
-        self._out: list[TokenDelta] = []
+        self._pages_received = self._bytes_received = self._transfer_failures = 0
+        self._out: list[TokenDelta] = []  # deltas not yet acknowledged by the reader
+        self._out_base = 0  # the number of self._out[0]
         self._out_lock = threading.Lock()
         self._out_wake: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
         self._loop = WorkerLoop(self._tick, name=f"{name}-engine")
@@ -134,18 +135,25 @@ class DecodeWorker:
         """Abort in any state; returns the state it was in (None: not here)."""
         return await self._loop.call(lambda: self._abort(request_id))
 
-    async def outputs(self, timeout_s: float) -> list[TokenDelta]:
-        """Every delta since the last call, waiting up to timeout_s for one. One reader."""
+    async def outputs(self, after: int, timeout_s: float) -> tuple[int, list[TokenDelta]]:
+        """Deltas numbered `after` and on, waiting up to timeout_s for one, and the number
+        to ask from next. Asking from `after` drops the deltas before it; a reader that
+        went away without asking on (a closed event loop) loses nothing for the next one.
+        """
         if self._out_wake is None:
             self._out_wake = (asyncio.get_running_loop(), asyncio.Event())
         wake = self._out_wake[1]
-        if not self._out:
-            with contextlib.suppress(TimeoutError):
+        while self._out_base + len(self._out) <= after:
+            wake.clear()
+            try:
                 await asyncio.wait_for(wake.wait(), timeout_s)
-        wake.clear()
+            except TimeoutError:
+                break
         with self._out_lock:
-            out, self._out = self._out, []
-        return out
+            drop = min(max(0, after - self._out_base), len(self._out))
+            del self._out[:drop]
+            self._out_base += drop
+            return self._out_base + len(self._out), list(self._out)
 
     async def stats(self) -> DecodeStats:
         def read() -> DecodeStats:
@@ -159,6 +167,7 @@ class DecodeWorker:
                 len(self._admitting),
                 self._pages_received,
                 self._bytes_received,
+                self._transfer_failures,
             )
 
         return await self._loop.call(read)
@@ -239,9 +248,12 @@ class DecodeWorker:
             return
         if inbound.aborted:
             self.engine.abort_request(rid)
-        elif landed:
+            return
+        if landed:
             self._publish(self._delta(self.engine.start_decode(rid, *inbound.first)))
-        elif self.transfer.on_timeout == "recompute":
+            return
+        self._transfer_failures += 1
+        if self.transfer.on_timeout == "recompute":
             log.warning("request %s: %s; recomputing its prefill here", rid, why)
             self.engine.recompute(rid)
         else:

@@ -27,7 +27,7 @@ from cluster.config import EngineConfig, TransferConfig
 from cluster.engine import LLMEngine
 from cluster.transfer.endpoint import KVEndpoint
 from cluster.transfer.wire import compat_hash
-from cluster.types import FirstToken, KVTarget, RequestId, SamplingParams
+from cluster.types import FirstToken, KVTarget, RequestId, RequestStatus, SamplingParams
 from cluster.worker_loop import WorkerLoop
 from prefill_worker.sender import KVSender, SendStats
 
@@ -95,6 +95,10 @@ class PrefillWorker:
             self._settle(request_id, None)
 
         await self._loop.call(stop)
+
+    async def status(self, request_id: RequestId) -> RequestStatus | None:
+        """The request's state in this worker's engine (None: not in it)."""
+        return await self._loop.call(lambda: self.engine.status(request_id))
 
     async def stats(self) -> PrefillStats:
         def read() -> PrefillStats:

@@ -147,3 +147,72 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
     config = Qwen2Config(**TINY, num_key_value_heads=1, tie_word_embeddings=True)
     return _save_tiny(tmp_path_factory.mktemp("ckpt"), "tiny-qwen2", config)
+
+
+# --- real Ray workers ----------------------------------------------------------------------
+
+# A small token budget makes prompts of a few hundred tokens prefill in several chunks.
+WORKER_ENGINE = {"kv_cache_gb": 0.2, "threads": 1, "max_num_batched_tokens": 256}
+
+
+class Workers:
+    """Prefill and decode actors on a local Ray, spawned on first use by name and config."""
+
+    def __init__(self) -> None:
+        self.handles: dict[str, Any] = {}
+
+    def prefill(self, name: str, engine: dict[str, Any] | None = None, **transfer: Any) -> Any:
+        from prefill_worker.worker import spawn
+
+        return self._get(spawn, name, engine, transfer)
+
+    def decode(self, name: str, engine: dict[str, Any] | None = None, **transfer: Any) -> Any:
+        from decode_worker.worker import spawn
+
+        return self._get(spawn, name, engine, transfer)
+
+    def _get(self, spawn: Any, name: str, engine: Any, transfer: dict[str, Any]) -> Any:
+        from cluster.config import TransferConfig
+
+        if name not in self.handles:
+            config = EngineConfig(**{**WORKER_ENGINE, **(engine or {})})
+            self.handles[name] = spawn(name, config, TransferConfig(**transfer), num_cpus=0)
+        return self.handles[name]
+
+    def assert_all_pages_free(self, timeout_s: float = 10.0) -> None:
+        """Every worker's pages return to its free pool (leases may still have to end)."""
+        import time
+
+        import ray
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            stats = dict(
+                zip(
+                    self.handles,
+                    ray.get([h.stats.remote() for h in self.handles.values()]),
+                    strict=True,
+                )
+            )
+            busy = {n: s for n, s in stats.items() if s.free_pages != s.num_pages}
+            if not busy or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert not busy, f"pages still held: {busy}"
+
+
+@pytest.fixture(scope="session")
+def ray_workers() -> Iterator[Workers]:
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
+    workers = Workers()
+    yield workers
+    ray.shutdown()
+
+
+@pytest.fixture
+def workers(ray_workers: Workers) -> Iterator[Workers]:
+    """The session's workers; every page on every worker is free again after the test."""
+    yield ray_workers
+    ray_workers.assert_all_pages_free()

@@ -1,0 +1,84 @@
+"""The engine's two disaggregated roles, in one process with no transport: a prefill
+engine's prompt KV copied into a decode engine's reserved pages decodes to the same
+tokens as one engine doing both (the page-ownership contract, without Ray or UCX)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from cluster.engine import LLMEngine
+from cluster.engine.scheduler import Step
+from cluster.types import FinishReason, RequestId, RequestStatus, SamplingParams
+
+
+def handoff(prefill: LLMEngine, decode: LLMEngine, ids: list[int], sp: SamplingParams) -> list[int]:
+    rid = RequestId("handoff")
+    reservation = decode.reserve(ids, sp, rid)
+    assert reservation is not None
+    assert decode.status(rid) is RequestStatus.TRANSFERRING
+    ps = decode.pool.page_size
+
+    def copy_pages(step: Step, layer: int) -> None:
+        for seq, _ in step.prefills:
+            first = reservation.num_cached_tokens // ps
+            src = seq.pages[first : len(reservation.pages)]
+            dst = reservation.pages[first:]
+            decode.cache.k[layer, dst] = prefill.cache.k[layer, src]
+            decode.cache.v[layer, dst] = prefill.cache.v[layer, src]
+
+    prefill.add_request(ids, dataclasses.replace(sp, max_tokens=1), rid)
+    (first,) = prefill.step(copy_pages)
+    assert first.finish_reason is not None and not prefill.has_unfinished()
+    out = decode.start_decode(rid, first.new_token_ids[0], 0.0)
+    tokens = list(out.new_token_ids)
+    while decode.has_unfinished():
+        for o in decode.step():
+            tokens += o.new_token_ids
+    return tokens
+
+
+@pytest.mark.parametrize(
+    "sp",
+    [SamplingParams(max_tokens=12), SamplingParams(max_tokens=12, temperature=0.9, seed=5)],
+    ids=["greedy", "seeded"],
+)
+def test_kv_copied_into_reserved_pages_decodes_like_one_engine(
+    make_engine: Any, prompts: list[list[int]], sp: SamplingParams
+) -> None:
+    prefill = make_engine("handoff-prefill", kv_cache_gb=0.05, prefix_caching=False)
+    decode = make_engine("handoff-decode", kv_cache_gb=0.05, prefix_caching=False)
+    both = make_engine("handoff-both", kv_cache_gb=0.05)
+    for ids in (prompts[7], prompts[9]):
+        (expected,) = both.generate([ids], sp)
+        assert handoff(prefill, decode, ids, sp) == expected.token_ids
+
+
+def test_recompute_drops_the_reservation_and_prefills_locally(
+    make_engine: Any, prompts: list[list[int]]
+) -> None:
+    decode = make_engine("handoff-decode", kv_cache_gb=0.05, prefix_caching=False)
+    sp = SamplingParams(max_tokens=8, temperature=0.9, seed=11)
+    (expected,) = decode.generate([prompts[2]], sp)
+    rid = RequestId("late")
+    assert decode.reserve(prompts[2], sp, rid) is not None
+    decode.recompute(rid)
+    tokens: list[int] = []
+    while decode.has_unfinished():
+        for o in decode.step():
+            tokens += o.new_token_ids
+    assert tokens == expected.token_ids
+
+
+def test_a_reservation_fails_cleanly_when_pages_are_short(
+    make_engine: Any, prompts: list[list[int]]
+) -> None:
+    decode = make_engine("handoff-tiny", kv_cache_gb=0.002, prefix_caching=False)
+    pages = decode.pool.num_pages
+    long_prompt = (prompts[7] * 8)[: pages * decode.pool.page_size - 8]
+    assert decode.reserve(long_prompt, SamplingParams(max_tokens=4), RequestId("a")) is not None
+    assert decode.reserve(prompts[0], SamplingParams(max_tokens=4), RequestId("b")) is None
+    assert decode.status(RequestId("b")) is None
+    assert decode.abort_request(RequestId("a"), FinishReason.ERROR)

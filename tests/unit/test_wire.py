@@ -1,0 +1,120 @@
+"""The KV wire format: round trips, refusals with clear errors, and page-run coalescing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from cluster.engine.checkpoint import ModelSpec
+from cluster.transfer.endpoint import page_runs
+from cluster.transfer.wire import (
+    Handshake,
+    IncompatiblePeerError,
+    Notice,
+    NoticeKind,
+    WireError,
+    compat_hash,
+)
+from cluster.types import PageId, RequestId
+
+SPEC = ModelSpec(
+    vocab_size=100,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_position=128,
+    tie_embeddings=True,
+    qkv_bias=False,
+    eos_token_ids=(2,),
+    name="tiny",
+)
+OURS = compat_hash(SPEC, "float32", 16)
+
+
+def handshake(compat: bytes = OURS) -> Handshake:
+    return Handshake(compat, "decode-0", b"\x00opaque\xff", 2, 100, 2048, 2**40, 2**41, False, 0)
+
+
+def test_a_handshake_round_trips() -> None:
+    hs = handshake()
+    assert Handshake.decode(hs.encode()) == hs
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"name": "other-model"},
+        {"num_layers": 3},
+        {"num_kv_heads": 1},
+    ],
+)
+def test_a_different_model_changes_the_compatibility_hash(change: dict[str, object]) -> None:
+    assert compat_hash(dataclasses.replace(SPEC, **change), "float32", 16) != OURS  # type: ignore[arg-type]
+
+
+def test_dtype_and_page_size_change_the_compatibility_hash() -> None:
+    assert compat_hash(SPEC, "bfloat16", 16) != OURS
+    assert compat_hash(SPEC, "float32", 32) != OURS
+
+
+def test_a_peer_with_another_hash_is_refused_with_a_clear_error() -> None:
+    hs = handshake(compat_hash(SPEC, "float32", 32))
+    with pytest.raises(IncompatiblePeerError, match="decode-0.*page size"):
+        hs.check(OURS)
+    handshake().check(OURS)
+
+
+@pytest.mark.parametrize("kind", list(NoticeKind))
+def test_notices_round_trip(kind: NoticeKind) -> None:
+    n = Notice(kind, RequestId("req-é"), 3, 9, (PageId(4), PageId(70000)), 123, 7, 42, -0.5)
+    assert Notice.decode(n.encode()) == n
+
+
+def test_truncated_bytes_are_refused() -> None:
+    data = Notice(NoticeKind.DONE, RequestId("r"), num_writes=3).encode()
+    for cut in (0, 3, 6, len(data) - 1):
+        with pytest.raises(WireError, match="notice"):
+            Notice.decode(data[:cut])
+
+
+def test_bad_magic_version_kind_and_trailing_bytes_are_refused() -> None:
+    data = Notice(NoticeKind.DONE, RequestId("r")).encode()
+    with pytest.raises(WireError, match="magic"):
+        Notice.decode(b"XXXX" + data[4:])
+    with pytest.raises(WireError, match="version 9"):
+        Notice.decode(data[:4] + (9).to_bytes(2, "little") + data[6:])
+    with pytest.raises(WireError, match="kind 77"):
+        Notice.decode(data[:6] + bytes([77]) + data[7:])
+    with pytest.raises(WireError, match="trailing"):
+        Notice.decode(data + b"\x00")
+    with pytest.raises(WireError, match="handshake"):
+        Handshake.decode(handshake().encode()[:-2])
+
+
+def test_a_length_field_past_the_end_is_refused() -> None:
+    data = bytearray(Notice(NoticeKind.DONE, RequestId("r")).encode())
+    data[7:11] = (10**6).to_bytes(4, "little")  # the request id's length prefix
+    with pytest.raises(WireError, match="runs past the end"):
+        Notice.decode(bytes(data))
+
+
+def pids(*ids: int) -> list[PageId]:
+    return [PageId(i) for i in ids]
+
+
+def test_runs_of_pages_contiguous_on_both_sides_become_one_run() -> None:
+    assert page_runs(pids(4, 5, 6, 7), pids(10, 11, 12, 13)) == [(4, 10, 4)]
+
+
+def test_a_break_on_either_side_starts_a_new_run() -> None:
+    src = pids(4, 5, 9, 10, 11, 12)
+    dst = pids(0, 1, 2, 3, 7, 8)
+    assert page_runs(src, dst) == [(4, 0, 2), (9, 2, 2), (11, 7, 2)]
+    assert page_runs(pids(3, 2, 1), pids(1, 2, 3)) == [(3, 1, 1), (2, 2, 1), (1, 3, 1)]
+    assert page_runs([], []) == []

@@ -236,7 +236,8 @@ class DecodeWorker:
             inbound.expected = notice.num_writes
             inbound.first = (notice.first_token, notice.first_logprob)
         else:
-            self._end_transfer(rid, landed=False, why="the prefill worker cancelled the transfer")
+            why = "the prefill worker stopped the transfer (abort, lease end or transport error)"
+            self._end_transfer(rid, landed=False, why=why)
             return
         if inbound.expected is not None and inbound.landed >= inbound.expected:
             self._end_transfer(rid, landed=True, why="")

@@ -65,7 +65,7 @@ def test_dtype_and_page_size_change_the_compatibility_hash() -> None:
 
 def test_a_peer_with_another_hash_is_refused_with_a_clear_error() -> None:
     hs = handshake(compat_hash(SPEC, "float32", 32))
-    with pytest.raises(IncompatiblePeerError, match="decode-0.*page size"):
+    with pytest.raises(IncompatiblePeerError, match=r"decode-0.*page size"):
         hs.check(OURS)
     handshake().check(OURS)
 

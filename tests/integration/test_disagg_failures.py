@@ -1,0 +1,216 @@
+"""Failures in disaggregated serving, each ending in the right tokens or a clear status,
+never a hang, with every page free on every worker afterwards (the `workers` fixture
+checks): a missed lease, an unclaimed reservation, a dead prefill worker, aborts in
+every state, and mismatched peers."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+import ray
+
+from cluster.dispatch import Dispatcher
+from cluster.transfer.wire import IncompatiblePeerError
+from cluster.types import FinishReason, RequestId, RequestStatus, SamplingParams, TokenDelta
+from tests.integration.disagg import collect, run
+from tests.integration.test_disagg import GREEDY, SEEDED, long_prompt
+
+SHORT_LEASE = {"lease_s": 0.6, "write_margin_s": 0.3, "local_prefill_tokens": 0}
+# One prompt at a time in small chunks: a second request stays queued for many steps.
+SERIAL = {"max_num_seqs": 1, "max_num_batched_tokens": 64}
+
+
+async def until(probe: Any, what: str, timeout_s: float = 60.0) -> None:
+    """Wait until `await probe()` is true."""
+    deadline = time.monotonic() + timeout_s
+    while not await probe():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+def test_kv_that_misses_its_lease_is_recomputed_by_the_decode_worker(
+    workers: Any, prompts: list[list[int]]
+) -> None:
+    p = workers.prefill("prefill")
+    d = workers.decode("decode-short-lease", **SHORT_LEASE)
+    c = workers.decode("colocated")
+    ids = long_prompt(prompts[7], 500)  # seconds of prefill, far past the lease
+    failures = ray.get(d.stats.remote()).transfer_failures
+
+    async def go() -> None:
+        disp = Dispatcher()
+        split = await collect(disp, ids, SEEDED, d, p)
+        assert split.tokens == (await collect(disp, ids, SEEDED, c)).tokens
+
+    run(go())
+    assert ray.get(d.stats.remote()).transfer_failures == failures + 1
+    assert ray.get(p.stats.remote()).sent.lease_misses >= 1
+
+
+def test_with_policy_fail_a_missed_lease_fails_the_request_with_a_clear_status(
+    workers: Any, prompts: list[list[int]]
+) -> None:
+    p = workers.prefill("prefill")
+    d = workers.decode("decode-short-lease-fail", on_timeout="fail", **SHORT_LEASE)
+    result = run(collect(Dispatcher(), long_prompt(prompts[7], 500), GREEDY, d, p))
+    assert result.finish is FinishReason.ERROR
+    assert result.error is not None and "transfer" in result.error
+    assert result.tokens in ([], result.tokens[:1])  # at most the prefill's first token
+
+
+def test_a_reservation_nobody_fills_is_released_when_its_lease_ends(
+    workers: Any, prompts: list[list[int]]
+) -> None:
+    """The prefill worker chosen for it never pushes (it died before it could)."""
+    d = workers.decode("decode-short-lease", **SHORT_LEASE)
+    c = workers.decode("colocated")
+    rid = RequestId("unclaimed")
+
+    async def go() -> list[int]:
+        started = time.monotonic()
+        target = await d.submit.remote(rid, prompts[8], GREEDY, True)
+        assert target is not None and len(target.pages) == -(-len(prompts[8]) // 16)
+        cursor, tokens, finished = 0, [], False
+        while not finished:
+            cursor, deltas = await d.outputs.remote(cursor, 1.0)
+            mine: list[TokenDelta] = [x for x in deltas if x.request_id == rid]
+            for x in mine:
+                tokens += x.token_ids
+                finished = finished or x.finish_reason is not None
+            assert time.monotonic() - started < 60
+        assert time.monotonic() - started >= SHORT_LEASE["lease_s"]
+        return tokens
+
+    assert run(go()) == run(collect(Dispatcher(), prompts[8], GREEDY, c)).tokens
+
+
+async def _is(ref: Any, status: RequestStatus) -> bool:
+    return bool(await ref == status)
+
+
+def test_abort_while_queued_or_prefilling_on_the_prefill_worker(
+    workers: Any, prompts: list[list[int]]
+) -> None:
+    serial = workers.prefill("prefill-serial", engine=SERIAL)
+    d = workers.decode("decode", local_prefill_tokens=0)
+
+    async def go() -> None:
+        disp = Dispatcher()
+        a = asyncio.create_task(
+            collect(disp, long_prompt(prompts[7], 500), GREEDY, d, serial, "pf")
+        )
+        await until(lambda: _is(serial.status.remote("pf"), RequestStatus.PREFILLING), "pf")
+        b = asyncio.create_task(collect(disp, prompts[4], GREEDY, d, serial, "q"))
+        await until(lambda: _is(serial.status.remote("q"), RequestStatus.WAITING), "q")
+        assert await serial.status.remote("pf") is RequestStatus.PREFILLING
+        for rid, task in (("q", b), ("pf", a)):
+            await disp.abort(RequestId(rid))
+            result = await task
+            assert result.finish is FinishReason.ABORT and result.tokens == []
+            assert await serial.status.remote(rid) is None
+
+    run(go())
+
+
+def test_a_prefill_worker_that_dies_before_pushing_costs_a_recompute_not_the_request(
+    workers: Any, prompts: list[list[int]]
+) -> None:
+    doomed = workers.prefill("prefill-serial", engine=SERIAL)
+    d = workers.decode("decode", local_prefill_tokens=0)
+    c = workers.decode("colocated")
+    busy, queued = long_prompt(prompts[7], 500), prompts[4]
+    failures = ray.get(d.stats.remote()).transfer_failures
+
+    async def go() -> None:
+        disp = Dispatcher()
+        a = asyncio.create_task(collect(disp, busy, GREEDY, d, doomed, "busy"))
+        await until(lambda: _is(doomed.status.remote("busy"), RequestStatus.PREFILLING), "busy")
+        b = asyncio.create_task(collect(disp, queued, SEEDED, d, doomed, "queued"))
+        await until(lambda: _is(doomed.status.remote("queued"), RequestStatus.WAITING), "queued")
+        ray.kill(doomed)
+        del workers.handles["prefill-serial"]
+        split = await asyncio.gather(a, b)
+        assert split[0].tokens == (await collect(disp, busy, GREEDY, c)).tokens
+        assert split[1].tokens == (await collect(disp, queued, SEEDED, c)).tokens
+
+    run(go())
+    assert ray.get(d.stats.remote()).transfer_failures == failures + 2
+
+
+def test_abort_while_waiting_for_decode_pages(workers: Any, prompts: list[list[int]]) -> None:
+    p = workers.prefill("prefill")
+    d = workers.decode("decode-small", engine={"kv_cache_gb": 0.01}, local_prefill_tokens=0)
+    pages = ray.get(d.stats.remote()).num_pages
+    first = long_prompt(prompts[7], (pages - 2) * 16)
+
+    async def go() -> None:
+        disp = Dispatcher()
+        a = asyncio.create_task(collect(disp, first, SamplingParams(max_tokens=8), d, p, "big"))
+        await until(lambda: _stat(d, "transferring", 1), "big reserved")
+        b = asyncio.create_task(collect(disp, prompts[7], GREEDY, d, p, "starved"))
+        await until(lambda: _stat(d, "admitting", 1), "starved waiting")
+        assert await d.abort.remote(RequestId("starved")) is RequestStatus.WAITING
+        assert (await b).finish is FinishReason.ABORT
+        assert (await a).finish is FinishReason.LENGTH
+
+    run(go())
+
+
+async def _stat(worker: Any, name: str, value: int) -> bool:
+    return bool(getattr(await worker.stats.remote(), name) == value)
+
+
+def test_abort_while_transferring_and_while_running(workers: Any, prompts: list[list[int]]) -> None:
+    """A long local prefill keeps the decode worker in one step after another; the small
+    request's KV lands meanwhile, but the abort is read before its notices."""
+    p = workers.prefill("prefill")
+    d = workers.decode("decode", local_prefill_tokens=0)
+
+    async def go() -> None:
+        disp = Dispatcher()
+        hog = disp.generate(long_prompt(prompts[7], 900), GREEDY, d, None, RequestId("hog"))
+        hog_first = asyncio.create_task(anext(hog))
+        await until(lambda: _stat(d, "running", 1), "hog running")
+        small = disp.generate(prompts[3], GREEDY, d, p, RequestId("small"))
+        first = await anext(small)  # from the prefill worker, before the decode reads notices
+        assert first.index == 0 and len(first.token_ids) == 1
+        assert await d.abort.remote(RequestId("small")) is RequestStatus.TRANSFERRING
+        rest = [x async for x in small]
+        assert rest[-1].finish_reason is FinishReason.ABORT
+        await hog_first
+        await anext(hog)  # two tokens out: decoding
+        assert await d.abort.remote(RequestId("hog")) is RequestStatus.RUNNING
+        rest = [x async for x in hog]
+        assert rest[-1].finish_reason is FinishReason.ABORT
+
+    run(go())
+
+
+@pytest.mark.parametrize("peer", ["page_size_32", "another_model"])
+def test_mismatched_peers_are_refused_at_the_handshake_within_a_second(
+    workers: Any, prompts: list[list[int]], tiny_llama_dir: Any, peer: str
+) -> None:
+    engine = {"page_size": 32} if peer == "page_size_32" else {"model": str(tiny_llama_dir)}
+    bad = workers.prefill(f"prefill-{peer}", engine=engine)
+    d = workers.decode("decode", local_prefill_tokens=0)
+    c = workers.decode("colocated")
+    ray.get(bad.stats.remote())  # started
+    rid = RequestId(f"mismatch-{peer}")
+
+    async def go() -> None:
+        target = await d.submit.remote(rid, prompts[0], GREEDY, True)
+        started = time.monotonic()
+        with pytest.raises(IncompatiblePeerError, match="compatibility hash"):
+            await bad.prefill.remote(rid, prompts[0], GREEDY, target)
+        assert time.monotonic() - started < 1.0
+        await d.transfer_failed.remote(rid, "refused")
+        assert await d.abort.remote(rid) is not None  # it was being recomputed here
+        # Through the dispatcher the decode worker's policy (recompute) serves it anyway.
+        disp = Dispatcher()
+        split = await collect(disp, prompts[0], GREEDY, d, bad)
+        assert split.tokens == (await collect(disp, prompts[0], GREEDY, c)).tokens
+
+    run(go())

@@ -40,6 +40,10 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.kind == "transfer":
+        from bench.transfer import main as transfer_main
+
+        return transfer_main(args.bench_args)
     from bench.offline import main as offline_main
 
     return offline_main(args.bench_args)
@@ -65,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     bench = sub.add_parser("bench", help="benchmarks (bench/)")
-    bench.add_argument("kind", choices=["offline"])
+    bench.add_argument("kind", choices=["offline", "transfer"])
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)
     return parser

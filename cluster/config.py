@@ -85,6 +85,7 @@ class TransferConfig:
 
     ucx_devices: str = "lo"  # UCX network devices: "lo" keeps KV on this host; "" uses all
     stream_layers: bool = True  # write each layer's KV as soon as it is computed
+    progress_thread: bool = False  # a UCX progress thread per worker (off: workers poll)
     lease_s: float = 30.0  # how long a decode worker holds reserved pages waiting for KV
     write_margin_s: float = 1.0  # a sender posts no WRITE this close to the lease end
     on_timeout: str = "recompute"  # KV not landed in time: recompute it here, or fail
@@ -92,7 +93,9 @@ class TransferConfig:
 
     def __post_init__(self) -> None:
         _check(isinstance(self.ucx_devices, str), "ucx_devices", "must be a string")
-        _check(isinstance(self.stream_layers, bool), "stream_layers", "must be true or false")
+        for name in ("stream_layers", "progress_thread"):
+            value = getattr(self, name)
+            _check(isinstance(value, bool), name, f"must be true or false, got {value!r}")
         for name in ("lease_s", "write_margin_s"):
             value = getattr(self, name)
             _check(

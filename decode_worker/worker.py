@@ -81,7 +81,9 @@ class DecodeWorker:
         self.engine = LLMEngine(engine)
         self.transfer = transfer
         compat = compat_hash(self.engine.spec, engine.dtype, engine.page_size)
-        self.endpoint = KVEndpoint(name, self.engine.cache, compat, transfer.ucx_devices)
+        self.endpoint = KVEndpoint(
+            name, self.engine.cache, compat, transfer.ucx_devices, transfer.progress_thread
+        )
         self._handshake = self.endpoint.handshake()
         self._inbound: dict[RequestId, _Inbound] = {}
         self._admitting: deque[_Admitting] = deque()

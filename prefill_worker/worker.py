@@ -50,6 +50,7 @@ class PrefillWorker:
             self.engine.cache,
             compat_hash(self.engine.spec, engine.dtype, engine.page_size),
             transfer.ucx_devices,
+            transfer.progress_thread,
         )
         self.sender = KVSender(
             self.endpoint,

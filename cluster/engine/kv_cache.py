@@ -7,6 +7,8 @@ one contiguous span (what a transfer wants to send in one descriptor).
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -70,5 +72,24 @@ class KVCache:
         )
         self.layout = layout
         self.num_pages = num_pages
-        self.k = torch.zeros(shape, dtype=layout.dtype, device=device)
-        self.v = torch.zeros(shape, dtype=layout.dtype, device=device)
+        self.k = _zeros(shape, layout.dtype, device)
+        self.v = _zeros(shape, layout.dtype, device)
+
+
+MADV_HUGEPAGE = 14
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor; on Linux CPU backed by transparent huge pages where the kernel allows.
+
+    Huge pages matter to the KV transfer: UCX's cross-memory attach pins the pages it
+    copies, and with 4 KiB pages that pinning halved the bandwidth (6 vs 11 GB/s here).
+    """
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if device.type == "cpu" and sys.platform == "linux":
+        start = -(-t.data_ptr() // 4096) * 4096
+        end = (t.data_ptr() + t.numel() * t.element_size()) // 4096 * 4096
+        if end > start:  # advice only: refused (THP off) is fine
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE)
+    return t.zero_()

@@ -56,13 +56,23 @@ class Write:
 class KVEndpoint:
     """One NIXL agent over one KVCache. Not thread-safe: one thread drives it."""
 
-    def __init__(self, name: str, cache: KVCache, compat: bytes, ucx_devices: str) -> None:
+    def __init__(
+        self,
+        name: str,
+        cache: KVCache,
+        compat: bytes,
+        ucx_devices: str,
+        progress_thread: bool = False,
+    ) -> None:
+        """Without a progress thread, UCX moves only inside `finished`, `notices` and the
+        posting calls: the owner must call one of them regularly (workers do every tick)."""
         from nixl._api import nixl_agent, nixl_agent_config
 
         self.name = name
         self.cache = cache
         self.compat = compat
-        self._agent = nixl_agent(name, nixl_agent_config(backends=[]))
+        config = nixl_agent_config(enable_prog_thread=progress_thread, backends=[])
+        self._agent = nixl_agent(name, config)
         self._agent.create_backend("UCX", {"ucx_devices": ucx_devices})
         self._on_gpu = cache.k.is_cuda
         self._mem = "VRAM" if self._on_gpu else "DRAM"

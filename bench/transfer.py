@@ -10,7 +10,9 @@ Three measurements in one run, on one machine, between two processes:
    the time from posting to the receiver reading the last notice.
 3. Exposure: real prefills on the bundled model pushing into a receiver. Exposed
    transfer = time until the receiver holds all KV (DONE plus every WRITE notice)
-   minus the same prefill's time with no transfer at all.
+   minus the same prefill's time with no transfer at all (medians, interleaved runs).
+   Also per prefill: the time spent inside WRITE posts (on one host UCX copies with cma
+   while posting, on the prefill's thread) and the tail after the first token.
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ class Exposure:
     prefill_s: float  # the same prefill with no transfer
     kv_complete_s: float  # prefill start to the receiver holding all KV
     writes: int
+    post_s: float  # time inside WRITE posts per prefill (cma copies while posting)
+    tail_s: float  # from the first token to the receiver holding all KV
 
     @property
     def exposed_s(self) -> float:
@@ -208,20 +212,34 @@ def exposure(
             pages = tuple(PageId(p) for p in range(-(-tokens // PAGE_SIZE)))
             alone: list[float] = []
             pushed: dict[bool, list[float]] = {True: [], False: []}
+            tails: dict[bool, list[float]] = {True: [], False: []}
             writes = {s: senders[s].stats.writes for s in senders}
+            posts = {s: senders[s].stats.post_s for s in senders}
             for _ in range(reps + 1):  # the first round also connects: not counted
                 alone.append(_prefill(engine, ids, None)[0])
                 for stream, sender in senders.items():
                     receiver.start_round()
                     sender.start(RequestId("x"), KVTarget(receiver.handshake, pages, 0, 1e12))
-                    started = _prefill(engine, ids, sender)[1]
-                    pushed[stream].append(receiver.landed_at(sender.poll) - started)
+                    took, started = _prefill(engine, ids, sender)
+                    landed = receiver.landed_at(sender.poll)
+                    pushed[stream].append(landed - started)
+                    tails[stream].append(landed - started - took)
                     while sender.poll():
                         pass
             base = statistics.median(alone[1:])
             for stream, sender in senders.items():
-                n = (sender.stats.writes - writes[stream]) // (reps + 1)
-                out.append(Exposure(tokens, stream, base, statistics.median(pushed[stream][1:]), n))
+                rounds = reps + 1
+                out.append(
+                    Exposure(
+                        tokens,
+                        stream,
+                        base,
+                        statistics.median(pushed[stream][1:]),
+                        (sender.stats.writes - writes[stream]) // rounds,
+                        (sender.stats.post_s - posts[stream]) / rounds,
+                        statistics.median(tails[stream][1:]),
+                    )
+                )
     finally:
         receiver.close()
     return out
@@ -258,13 +276,13 @@ def report(bandwidth: list[Bandwidth], exposures: list[Exposure]) -> str:
         "",
         "Exposed transfer: KV complete on the receiver minus the prefill alone (bundled model)",
         f"{'prompt':>8} {'streaming':>9} {'prefill':>8} {'KV done':>8} {'exposed':>8} {'share':>6}"
-        f" {'WRITEs':>6}",
+        f" {'WRITEs':>6} {'in posts':>8} {'tail':>7}",
     ]
     for e in exposures:
         lines.append(
             f"{e.tokens:>8} {'on' if e.stream_layers else 'off':>9} {e.prefill_s:>7.3f}s "
             f"{e.kv_complete_s:>7.3f}s {e.exposed_s * 1e3:>6.1f}ms {e.exposed_share:>6.1%} "
-            f"{e.writes:>6}"
+            f"{e.writes:>6} {e.post_s * 1e3:>6.1f}ms {e.tail_s * 1e3:>5.1f}ms"
         )
     two_k = next(b for b in bandwidth if b.tokens == 2048)
     streamed = [e for e in exposures if e.stream_layers]

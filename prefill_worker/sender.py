@@ -41,6 +41,7 @@ class SendStats:
     pages: int = 0  # distinct pages sent (all their layers)
     bytes: int = 0
     lease_misses: int = 0
+    post_s: float = 0.0  # time spent posting WRITEs (on one host, cma copies while posting)
 
 
 class KVSender:
@@ -150,6 +151,7 @@ class KVSender:
             NoticeKind.LAYERS, seq.request_id, layers.start, layers.stop, tuple(dst), nbytes
         )
         self.pool.retain(src)
+        started = time.perf_counter()
         try:
             write = self.endpoint.write(push.peer, layers, src, dst, notice)
         except TransferError as e:
@@ -157,6 +159,7 @@ class KVSender:
             log.warning("request %s: %s", seq.request_id, e)
             push.stopped = True
             return
+        self.stats.post_s += time.perf_counter() - started
         push.writes.append((write, src))
         push.num_writes += 1
         self.stats.writes += 1

@@ -60,6 +60,7 @@ class KVSender:
         self.write_margin_s = write_margin_s
         self.stats = SendStats()
         self._pushes: dict[RequestId, _Push] = {}
+        self._notified = False  # a notice went out since the last poll
 
     def start(self, request_id: RequestId, target: KVTarget) -> None:
         """Connect to the target's worker (refusing an incompatible one) and track the push."""
@@ -100,7 +101,7 @@ class KVSender:
             log.warning("request %s: %s", request_id, e)
             push.stopped = True
             return
-        push.done = True
+        push.done = self._notified = True
 
     def stop(self, request_id: RequestId) -> None:
         """Post nothing more for this request (abort); CANCEL follows when nothing is in flight."""
@@ -109,7 +110,10 @@ class KVSender:
             push.stopped = True
 
     def poll(self) -> bool:
-        """Settle finished WRITEs (releasing their pages); True while any push is open."""
+        """Drive the transport and settle finished WRITEs (releasing their pages); True while
+        any push is open or a notice just went out (it needs another progress call soon)."""
+        self.endpoint.progress()
+        notified, self._notified = self._notified, False
         for rid, push in list(self._pushes.items()):
             still = []
             for write, pages in push.writes:
@@ -128,12 +132,13 @@ class KVSender:
             if push.stopped:
                 try:
                     self.endpoint.notify(push.peer, Notice(NoticeKind.CANCEL, rid))
+                    notified = True
                 except TransferError as e:  # the receiver's lease covers a lost CANCEL
                     log.warning("request %s: %s", rid, e)
                 del self._pushes[rid]
             elif push.done:
                 del self._pushes[rid]
-        return bool(self._pushes)
+        return bool(self._pushes) or notified
 
     def _post(self, seq: Sequence, push: _Push, layers: range, end: int) -> None:
         ps = self.pool.page_size

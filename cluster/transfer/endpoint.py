@@ -80,6 +80,7 @@ class KVEndpoint:
         self._regs = [self._agent.register_memory(t) for t in (cache.k, cache.v)]
         self.page_bytes = cache.k[0, 0].numel() * cache.k.element_size()
         self._peers: dict[str, Peer] = {}
+        self._inbox: list[Notice] = []
 
     def handshake(self) -> bytes:
         return Handshake(
@@ -173,13 +174,17 @@ class KVEndpoint:
         except Exception as e:
             raise TransferError(f"notice to {peer.name} failed: {e}") from e
 
-    def notices(self) -> list[Notice]:
-        """Notices that arrived since the last call; malformed ones are logged and dropped."""
-        out = []
+    def progress(self) -> None:
+        """Drive UCX: send queued notices, complete WRITEs (needed without a progress thread)."""
         for sender, messages in self._agent.get_new_notifs().items():
             for msg in messages:
                 try:
-                    out.append(Notice.decode(msg))
+                    self._inbox.append(Notice.decode(msg))
                 except WireError as e:
                     log.warning("dropped a notice from %s: %s", sender, e)
+
+    def notices(self) -> list[Notice]:
+        """Notices that arrived since the last call; malformed ones are logged and dropped."""
+        self.progress()
+        out, self._inbox = self._inbox, []
         return out

@@ -171,6 +171,15 @@ class Workers:
 
         return self._get(spawn, name, engine, transfer)
 
+    def trio(self) -> tuple[Any, Any, Any]:
+        """The usual three: a prefill worker, a decode worker that always takes remote KV,
+        and a colocated decode worker (prefills itself) as the reference."""
+        return (
+            self.prefill("prefill"),
+            self.decode("decode", local_prefill_tokens=0),
+            self.decode("colocated"),
+        )
+
     def _get(self, spawn: Any, name: str, engine: Any, transfer: dict[str, Any]) -> Any:
         from cluster.config import TransferConfig
 

@@ -27,9 +27,7 @@ def long_prompt(text: list[int], n: int) -> list[int]:
 def test_single_requests_match_colocated(
     workers: Any, prompts: list[list[int]], sp: SamplingParams
 ) -> None:
-    p = workers.prefill("prefill")
-    d = workers.decode("decode", local_prefill_tokens=0)
-    c = workers.decode("colocated")
+    p, d, c = workers.trio()
 
     async def go() -> None:
         disp = Dispatcher()
@@ -49,9 +47,7 @@ def test_single_requests_match_colocated(
 def test_a_mixed_batch_of_short_and_long_prompts_matches_colocated(
     workers: Any, prompts: list[list[int]]
 ) -> None:
-    p = workers.prefill("prefill")
-    d = workers.decode("decode", local_prefill_tokens=0)
-    c = workers.decode("colocated")
+    p, d, c = workers.trio()
     batch = [
         prompts[1],
         long_prompt(prompts[7], 600),
@@ -105,9 +101,7 @@ def test_a_short_uncached_remainder_is_prefilled_on_the_decode_worker(
 def test_only_pages_missing_on_the_decode_side_are_sent(
     workers: Any, prompts: list[list[int]]
 ) -> None:
-    p = workers.prefill("prefill")
-    d = workers.decode("decode", local_prefill_tokens=0)
-    c = workers.decode("colocated")
+    p, d, c = workers.trio()
     shared = long_prompt(prompts[2] + prompts[7], 256)  # 16 full pages
     first = shared + prompts[3]
     second = shared + prompts[5] + prompts[6]

@@ -55,7 +55,8 @@ def test_with_policy_fail_a_missed_lease_fails_the_request_with_a_clear_status(
 ) -> None:
     p = workers.prefill("prefill")
     d = workers.decode("decode-short-lease-fail", on_timeout="fail", **SHORT_LEASE)
-    result = run(collect(Dispatcher(), long_prompt(prompts[7], 500), GREEDY, d, p))
+    # A prompt no earlier test cached on the prefill worker: seconds of compute.
+    result = run(collect(Dispatcher(), long_prompt(prompts[6] + prompts[2], 500), GREEDY, d, p))
     assert result.finish is FinishReason.ERROR
     assert result.error is not None and "transfer" in result.error
     assert result.tokens in ([], result.tokens[:1])  # at most the prefill's first token
@@ -121,7 +122,8 @@ def test_a_prefill_worker_that_dies_before_pushing_costs_a_recompute_not_the_req
     doomed = workers.prefill("prefill-serial", engine=SERIAL)
     d = workers.decode("decode", local_prefill_tokens=0)
     c = workers.decode("colocated")
-    busy, queued = long_prompt(prompts[7], 500), prompts[4]
+    # Not a prompt an earlier test left in this worker's prefix cache: all of it computes.
+    busy, queued = long_prompt(prompts[5] + prompts[1], 500), prompts[4]
     failures = ray.get(d.stats.remote()).transfer_failures
 
     async def go() -> None:

@@ -37,7 +37,8 @@ def test_kv_that_misses_its_lease_is_recomputed_by_the_decode_worker(
     p = workers.prefill("prefill")
     d = workers.decode("decode-short-lease", **SHORT_LEASE)
     c = workers.decode("colocated")
-    ids = long_prompt(prompts[7], 500)  # seconds of prefill, far past the lease
+    # Seconds of prefill, far past the lease: a prompt no earlier test cached.
+    ids = long_prompt(prompts[9] + prompts[0], 500)
     failures = ray.get(d.stats.remote()).transfer_failures
 
     async def go() -> None:
@@ -101,14 +102,15 @@ def test_abort_while_queued_or_prefilling_on_the_prefill_worker(
     async def go() -> None:
         disp = Dispatcher()
         a = asyncio.create_task(
-            collect(disp, long_prompt(prompts[7], 500), GREEDY, d, serial, "pf")
+            collect(disp, long_prompt(prompts[7], 1000), GREEDY, d, serial, "pf")  # 16 steps
         )
         await until(lambda: _is(serial.status.remote("pf"), RequestStatus.PREFILLING), "pf")
         b = asyncio.create_task(collect(disp, prompts[4], GREEDY, d, serial, "q"))
         await until(lambda: _is(serial.status.remote("q"), RequestStatus.WAITING), "q")
         assert await serial.status.remote("pf") is RequestStatus.PREFILLING
+        await disp.abort(RequestId("q"))  # first: with "pf" gone, "q" would start at once
+        await disp.abort(RequestId("pf"))
         for rid, task in (("q", b), ("pf", a)):
-            await disp.abort(RequestId(rid))
             result = await task
             assert result.finish is FinishReason.ABORT and result.tokens == []
             assert await serial.status.remote(rid) is None
@@ -173,7 +175,8 @@ def test_abort_while_transferring_and_while_running(workers: Any, prompts: list[
 
     async def go() -> None:
         disp = Dispatcher()
-        hog = disp.generate(long_prompt(prompts[7], 900), GREEDY, d, None, RequestId("hog"))
+        hog_ids = long_prompt(prompts[4] + prompts[5], 900)  # uncached: several long steps
+        hog = disp.generate(hog_ids, GREEDY, d, None, RequestId("hog"))
         hog_first = asyncio.create_task(anext(hog))
         await until(lambda: _stat(d, "running", 1), "hog running")
         small = disp.generate(prompts[3], GREEDY, d, p, RequestId("small"))

@@ -62,4 +62,8 @@ class WorkerLoop:
                 fn()
                 while not self._calls.empty():
                     self._calls.get()()
-            wait = self._tick()
+            try:
+                wait = self._tick()
+            except Exception:  # a bug in one round must not stop the worker for good
+                log.exception("worker loop round failed")
+                wait = 0.01

@@ -34,6 +34,7 @@ from cluster.transfer.endpoint import KVEndpoint
 from cluster.transfer.wire import Notice, NoticeKind, compat_hash
 from cluster.types import (
     FinishReason,
+    InvalidRequestError,
     KVTarget,
     RequestId,
     RequestOutput,
@@ -97,9 +98,6 @@ class DecodeWorker:
 
     # --- actor API -----------------------------------------------------------------------
 
-    async def handshake(self) -> bytes:
-        return self._handshake
-
     async def submit(
         self,
         request_id: RequestId,
@@ -112,6 +110,8 @@ class DecodeWorker:
         done: asyncio.Future[KVTarget | None] = asyncio.get_running_loop().create_future()
 
         def admit() -> None:
+            if request_id in self._emitted:
+                raise InvalidRequestError(f"request_id: {request_id!r} is already in flight")
             self._emitted[request_id] = 0
             try:
                 uncached = len(prompt_ids) - self.engine.cached_prefix_tokens(prompt_ids)

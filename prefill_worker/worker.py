@@ -27,7 +27,14 @@ from cluster.config import EngineConfig, TransferConfig
 from cluster.engine import LLMEngine
 from cluster.transfer.endpoint import KVEndpoint
 from cluster.transfer.wire import compat_hash
-from cluster.types import FirstToken, KVTarget, RequestId, RequestStatus, SamplingParams
+from cluster.types import (
+    FirstToken,
+    InvalidRequestError,
+    KVTarget,
+    RequestId,
+    RequestStatus,
+    SamplingParams,
+)
 from cluster.worker_loop import WorkerLoop
 from prefill_worker.sender import KVSender, SendStats
 
@@ -62,9 +69,6 @@ class PrefillWorker:
         self._waiting: dict[RequestId, asyncio.Future[FirstToken | None]] = {}
         self._loop = WorkerLoop(self._tick, name=f"{name}-engine")
 
-    async def handshake(self) -> bytes:
-        return await self._loop.call(self.endpoint.handshake)
-
     async def prefill(
         self,
         request_id: RequestId,
@@ -76,6 +80,8 @@ class PrefillWorker:
         done: asyncio.Future[FirstToken | None] = asyncio.get_running_loop().create_future()
 
         def admit() -> None:
+            if request_id in self._waiting:
+                raise InvalidRequestError(f"request_id: {request_id!r} is already in flight")
             self.sender.start(request_id, target)
             try:
                 self.engine.add_request(

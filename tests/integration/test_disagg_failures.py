@@ -14,7 +14,14 @@ import ray
 
 from cluster.dispatch import Dispatcher
 from cluster.transfer.wire import IncompatiblePeerError
-from cluster.types import FinishReason, RequestId, RequestStatus, SamplingParams, TokenDelta
+from cluster.types import (
+    FinishReason,
+    InvalidRequestError,
+    RequestId,
+    RequestStatus,
+    SamplingParams,
+    TokenDelta,
+)
 from tests.integration.disagg import collect, run
 from tests.integration.test_disagg import GREEDY, SEEDED, long_prompt
 
@@ -217,5 +224,32 @@ def test_mismatched_peers_are_refused_at_the_handshake_within_a_second(
         disp = Dispatcher()
         split = await collect(disp, prompts[0], GREEDY, d, bad)
         assert split.tokens == (await collect(disp, prompts[0], GREEDY, c)).tokens
+
+    run(go())
+
+
+def test_a_duplicate_request_id_is_refused_and_the_first_request_is_untouched(
+    workers: Any, prompts: list[list[int]]
+) -> None:
+    p, d, c = workers.trio()
+    rid = RequestId("twice")
+
+    async def go() -> None:
+        target = await d.submit.remote(rid, prompts[7], GREEDY, True)
+        with pytest.raises(InvalidRequestError, match="already in flight"):
+            await d.submit.remote(rid, prompts[0], GREEDY, False)
+        first = asyncio.ensure_future(p.prefill.remote(rid, prompts[7], GREEDY, target))
+        with pytest.raises(InvalidRequestError, match="already in flight"):
+            await p.prefill.remote(rid, prompts[0], GREEDY, target)
+        token = await first
+        cursor, tokens, finished = 0, [], False
+        while not finished:
+            cursor, deltas = await d.outputs.remote(cursor, 1.0)
+            for x in deltas:
+                if x.request_id == rid:
+                    tokens += x.token_ids
+                    finished = finished or x.finish_reason is not None
+        assert tokens[0] == token.token_id
+        assert tokens == (await collect(Dispatcher(), prompts[7], GREEDY, c)).tokens
 
     run(go())

@@ -233,12 +233,13 @@ def test_a_duplicate_request_id_is_refused_and_the_first_request_is_untouched(
 ) -> None:
     p, d, c = workers.trio()
     rid = RequestId("twice")
+    ids = long_prompt(prompts[8] + prompts[1], 400)  # uncached: seconds of prefill
 
     async def go() -> None:
-        target = await d.submit.remote(rid, prompts[7], GREEDY, True)
+        target = await d.submit.remote(rid, ids, GREEDY, True)
         with pytest.raises(InvalidRequestError, match="already in flight"):
             await d.submit.remote(rid, prompts[0], GREEDY, False)
-        first = asyncio.ensure_future(p.prefill.remote(rid, prompts[7], GREEDY, target))
+        first = asyncio.ensure_future(p.prefill.remote(rid, ids, GREEDY, target))
         with pytest.raises(InvalidRequestError, match="already in flight"):
             await p.prefill.remote(rid, prompts[0], GREEDY, target)
         token = await first
@@ -250,6 +251,6 @@ def test_a_duplicate_request_id_is_refused_and_the_first_request_is_untouched(
                     tokens += x.token_ids
                     finished = finished or x.finish_reason is not None
         assert tokens[0] == token.token_id
-        assert tokens == (await collect(Dispatcher(), prompts[7], GREEDY, c)).tokens
+        assert tokens == (await collect(Dispatcher(), ids, GREEDY, c)).tokens
 
     run(go())

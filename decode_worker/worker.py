@@ -36,6 +36,7 @@ from cluster.types import (
     FinishReason,
     InvalidRequestError,
     KVTarget,
+    PageId,
     RequestId,
     RequestOutput,
     RequestStatus,
@@ -50,6 +51,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Inbound:
     target: KVTarget
+    pages: frozenset[PageId]  # target.pages, for checking each notice
     landed: int = 0
     expected: int | None = None  # WRITEs the DONE notice announced
     first: tuple[int, float] = (-1, 0.0)
@@ -218,7 +220,7 @@ class DecodeWorker:
                 reservation.num_cached_tokens,
                 time.time() + self.transfer.lease_s,
             )
-            self._inbound[a.request_id] = _Inbound(target)
+            self._inbound[a.request_id] = _Inbound(target, frozenset(target.pages))
             _settle(a.done, target)
 
     def _on_notice(self, notice: Notice) -> None:
@@ -228,7 +230,7 @@ class DecodeWorker:
             log.debug("notice for %s, which is not transferring: dropped", rid)
             return
         if notice.kind is NoticeKind.LAYERS:
-            if not set(notice.pages) <= set(inbound.target.pages):
+            if not inbound.pages.issuperset(notice.pages):
                 log.error("request %s: a peer wrote pages outside its reservation", rid)
             inbound.landed += 1
             self._bytes_received += notice.num_bytes

@@ -19,8 +19,9 @@ import asyncio
 import dataclasses
 import logging
 import random
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,10 +31,22 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class Trace:
+    """Where one request's time went (time.monotonic()), filled in by `generate`."""
+
+    admitted_at: float | None = None  # the decode worker took it (pages reserved)
+    first_token_at: float | None = None  # the first token reached the caller
+    kv_ready_at: float | None = None  # the decode worker began decoding it
+    num_cached_tokens: int = 0  # prompt tokens the prefilling worker's cache held
+    remote_prefill: bool = False  # a prefill worker computed the prompt
+
+
+@dataclass
 class _Stream:
     queue: asyncio.Queue[TokenDelta]
     decode: Any
     prefill: Any | None
+    trace: Trace
 
 
 class Dispatcher:
@@ -52,19 +65,24 @@ class Dispatcher:
         decode: Any,
         prefill: Any | None = None,
         request_id: RequestId | None = None,
-    ) -> AsyncIterator[TokenDelta]:
-        """Deltas of one request in order; the last one has a finish reason."""
+        trace: Trace | None = None,
+    ) -> AsyncGenerator[TokenDelta, None]:
+        """Deltas of one request in order; the last one has a finish reason. `trace`, if
+        given, is filled in as the request passes each point."""
         rid = request_id or RequestId(uuid.uuid4().hex)
         if rid in self._streams:
             raise ValueError(f"request_id: {rid!r} is already in flight")
         if not sampling.greedy and sampling.seed is None:  # both workers must draw alike
             sampling = dataclasses.replace(sampling, seed=random.getrandbits(63))
-        stream = _Stream(asyncio.Queue(), decode, prefill)
+        trace = trace or Trace()
+        stream = _Stream(asyncio.Queue(), decode, prefill, trace)
         self._streams[rid] = stream
         self._poll(decode)
         finished = False
         try:
             target = await decode.submit.remote(rid, prompt_ids, sampling, prefill is not None)
+            trace.admitted_at = time.monotonic()
+            trace.remote_prefill = target is not None
             if target is not None:
                 assert prefill is not None
                 self._spawn(self._prefill(rid, prompt_ids, sampling, target, stream))
@@ -83,6 +101,8 @@ class Dispatcher:
                 )
                 sent = delta.index + len(delta.token_ids)
                 finished = delta.finish_reason is not None
+                if trace.first_token_at is None and delta.token_ids:
+                    trace.first_token_at = time.monotonic()
                 yield delta
         finally:
             del self._streams[rid]
@@ -118,6 +138,7 @@ class Dispatcher:
             await stream.decode.transfer_failed.remote(rid, f"prefill worker failed: {e}")
             return
         if first is not None:
+            stream.trace.num_cached_tokens = first.num_cached_tokens
             lps = () if first.logprob is None else (first.logprob,)
             stream.queue.put_nowait(TokenDelta(rid, 0, (first.token_id,), first.text, lps))
 
@@ -143,8 +164,13 @@ class Dispatcher:
                 return
             for delta in deltas:
                 to = self._streams.get(delta.request_id)
-                if to is not None:
-                    to.queue.put_nowait(delta)
+                if to is None:
+                    continue
+                if to.trace.kv_ready_at is None and delta.token_ids:
+                    to.trace.kv_ready_at = time.monotonic()
+                    if not to.trace.remote_prefill:
+                        to.trace.num_cached_tokens = delta.num_cached_tokens
+                to.queue.put_nowait(delta)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)

@@ -127,6 +127,7 @@ class FirstToken:
     token_id: int
     logprob: float | None
     text: str
+    num_cached_tokens: int = 0  # prompt tokens the prefill found in its prefix cache
 
 
 @dataclass(frozen=True)
@@ -140,3 +141,14 @@ class TokenDelta:
     logprobs: tuple[float, ...] = ()
     finish_reason: FinishReason | None = None
     error: str | None = None  # set when finish_reason is ERROR: what went wrong
+    num_cached_tokens: int = 0  # prompt tokens this worker found in its prefix cache
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a worker serves, for the router's validation and its ServerInfo."""
+
+    name: str  # the model file's stem or checkpoint directory's name
+    max_model_len: int
+    vocab_size: int
+    page_size: int

@@ -22,6 +22,7 @@ import asyncio
 import logging
 import threading
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,7 @@ from cluster.types import (
     FinishReason,
     InvalidRequestError,
     KVTarget,
+    ModelInfo,
     PageId,
     RequestId,
     RequestOutput,
@@ -68,6 +70,7 @@ class _Admitting:
 
 @dataclass(frozen=True)
 class DecodeStats:
+    epoch: str  # new each time the worker starts: its prefix cache is gone with the old one
     free_pages: int
     num_pages: int
     running: int
@@ -82,6 +85,7 @@ class DecodeStats:
 class DecodeWorker:
     def __init__(self, name: str, engine: EngineConfig, transfer: TransferConfig) -> None:
         self.engine = LLMEngine(engine)
+        self.epoch = uuid.uuid4().hex[:12]
         self.transfer = transfer
         compat = compat_hash(self.engine.spec, engine.dtype, engine.page_size)
         self.endpoint = KVEndpoint(
@@ -159,10 +163,14 @@ class DecodeWorker:
             self._out_base += drop
             return self._out_base + len(self._out), list(self._out)
 
+    async def info(self) -> ModelInfo:
+        return self.engine.model_info
+
     async def stats(self) -> DecodeStats:
         def read() -> DecodeStats:
             sched = self.engine.scheduler
             return DecodeStats(
+                self.epoch,
                 self.engine.num_free_pages,
                 self.engine.pool.num_pages,
                 len(sched.running),
@@ -295,6 +303,7 @@ class DecodeWorker:
             out.new_text,
             tuple(out.new_logprobs),
             out.finish_reason,
+            num_cached_tokens=out.num_cached_tokens,
         )
 
     def _final(self, rid: RequestId, reason: FinishReason, error: str | None) -> TokenDelta:
@@ -323,7 +332,15 @@ def _fail(done: asyncio.Future[KVTarget | None], error: BaseException) -> None:
         done.set_exception(error)
 
 
-def spawn(name: str, engine: EngineConfig, transfer: TransferConfig, num_cpus: float = 1) -> Any:
+def spawn(
+    name: str,
+    engine: EngineConfig,
+    transfer: TransferConfig,
+    num_cpus: float = 1,
+    num_gpus: float = 0,
+) -> Any:
     """Start a DecodeWorker actor named `name`; returns its Ray actor handle."""
     actor: Any = ray.remote(DecodeWorker)
-    return actor.options(name=name, num_cpus=num_cpus).remote(name, engine, transfer)
+    return actor.options(name=name, num_cpus=num_cpus, num_gpus=num_gpus).remote(
+        name, engine, transfer
+    )

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,7 @@ from cluster.types import (
     FirstToken,
     InvalidRequestError,
     KVTarget,
+    ModelInfo,
     RequestId,
     RequestStatus,
     SamplingParams,
@@ -43,15 +45,18 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PrefillStats:
+    epoch: str  # new each time the worker starts: its prefix cache is gone with the old one
     free_pages: int
     num_pages: int
     queued_requests: int
+    queued_tokens: int  # prompt tokens queued or prefilling, not yet computed
     sent: SendStats
 
 
 class PrefillWorker:
     def __init__(self, name: str, engine: EngineConfig, transfer: TransferConfig) -> None:
         self.engine = LLMEngine(engine)
+        self.epoch = uuid.uuid4().hex[:12]
         self.endpoint = KVEndpoint(
             name,
             self.engine.cache,
@@ -107,12 +112,19 @@ class PrefillWorker:
         """The request's state in this worker's engine (None: not in it)."""
         return await self._loop.call(lambda: self.engine.status(request_id))
 
+    async def info(self) -> ModelInfo:
+        return self.engine.model_info
+
     async def stats(self) -> PrefillStats:
         def read() -> PrefillStats:
+            sched = self.engine.scheduler
+            queued = [*sched.waiting, *sched.running]
             return PrefillStats(
+                self.epoch,
                 self.engine.num_free_pages,
                 self.engine.pool.num_pages,
-                len(self.engine.scheduler.waiting) + len(self.engine.scheduler.running),
+                len(queued),
+                sum(seq.num_uncomputed for seq in queued),
                 dataclasses.replace(self.sender.stats),
             )
 
@@ -134,7 +146,10 @@ class PrefillWorker:
                 if out.finished:
                     lp = out.new_logprobs[0] if out.new_logprobs else None
                     self.sender.first_token(out.request_id, out.new_token_ids[0], lp or 0.0)
-                    self._settle(out.request_id, FirstToken(out.new_token_ids[0], lp, out.new_text))
+                    first = FirstToken(
+                        out.new_token_ids[0], lp, out.new_text, out.num_cached_tokens
+                    )
+                    self._settle(out.request_id, first)
         pending = self.sender.poll()
         if busy:
             return 0.0
@@ -151,7 +166,15 @@ def _set_result(done: asyncio.Future[FirstToken | None], result: FirstToken | No
         done.set_result(result)
 
 
-def spawn(name: str, engine: EngineConfig, transfer: TransferConfig, num_cpus: float = 1) -> Any:
+def spawn(
+    name: str,
+    engine: EngineConfig,
+    transfer: TransferConfig,
+    num_cpus: float = 1,
+    num_gpus: float = 0,
+) -> Any:
     """Start a PrefillWorker actor named `name`; returns its Ray actor handle."""
     actor: Any = ray.remote(PrefillWorker)
-    return actor.options(name=name, num_cpus=num_cpus).remote(name, engine, transfer)
+    return actor.options(name=name, num_cpus=num_cpus, num_gpus=num_gpus).remote(
+        name, engine, transfer
+    )

@@ -31,6 +31,7 @@ from cluster.types import (
     Completion,
     FinishReason,
     InvalidRequestError,
+    ModelInfo,
     PageId,
     RequestId,
     RequestOutput,
@@ -71,6 +72,7 @@ class LLMEngine:
         if config.threads is not None:
             torch.set_num_threads(config.threads)
         path = Path(config.model) if config.model else bundled_model_path()
+        self.model_id = path.name if path.is_dir() else path.stem
         self.device = pick_device(config.device)
         dtype = getattr(torch, config.dtype)
         started = time.perf_counter()
@@ -172,6 +174,12 @@ class LLMEngine:
     @property
     def num_free_pages(self) -> int:
         return self.pool.num_free
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return ModelInfo(
+            self.model_id, self.max_model_len, self.spec.vocab_size, self.pool.page_size
+        )
 
     def step(self, on_layer: Callable[[Step, int], None] | None = None) -> list[RequestOutput]:
         """Run one batch; an output for every request that produced tokens or finished.

@@ -1,0 +1,1 @@
+"""The gRPC front door: validation, routing policy, session placement."""

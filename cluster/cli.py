@@ -3,25 +3,39 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import dataclasses
 import logging
 import sys
+import uuid
 from collections.abc import Sequence
+from typing import Any
 
-from cluster.config import ConfigError, EngineConfig, engine_config_from_dict, load_engine_config
+import grpc
+
+from cluster.config import (
+    ConfigError,
+    EngineConfig,
+    ServeConfig,
+    engine_config_from_dict,
+    load_engine_config,
+    load_serve_config,
+)
 from cluster.engine.checkpoint import ModelLoadError
 from cluster.types import InvalidRequestError, SamplingParams
 
 
+def _sampling(args: argparse.Namespace) -> dict[str, Any]:
+    fields = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+    return {f: getattr(args, f) for f in fields if getattr(args, f) is not None}
+
+
 def _generate(args: argparse.Namespace) -> int:
+    if args.server:
+        return asyncio.run(_generate_remote(args))
     from cluster.engine import LLMEngine
 
-    sampling = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-    )
+    sampling = SamplingParams(**_sampling(args))
     base = load_engine_config(args.config) if args.config else EngineConfig()
     overrides = {"model": args.model, "dtype": args.dtype, "kv_cache_gb": args.kv_cache_gb}
     fields = {**vars(base), **{k: v for k, v in overrides.items() if v is not None}}
@@ -39,6 +53,71 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _generate_remote(args: argparse.Namespace) -> int:
+    from splitserve.client import Client, Prompt
+
+    prompt: Prompt = args.prompt
+    if args.chat:
+        prompt = [{"role": "user", "content": args.prompt}]
+    async with Client(args.server) as client:
+        async for piece in client.stream(prompt, **_sampling(args)):
+            sys.stdout.write(piece.text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    return asyncio.run(_chat_loop(args))
+
+
+async def _chat_loop(args: argparse.Namespace) -> int:
+    """Read a line, stream the reply, keep the conversation (and its session) going."""
+    from splitserve.client import Client
+
+    session = uuid.uuid4().hex
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    async with Client(args.server) as client:
+        while True:
+            if interactive:
+                print("you> ", end="", flush=True)
+            line = await asyncio.to_thread(sys.stdin.readline)
+            if not line or line.strip() in ("/exit", "/quit"):
+                return 0
+            if not line.strip():
+                continue
+            messages.append({"role": "user", "content": line.strip()})
+            reply: list[str] = []
+            async for piece in client.stream(messages, session_id=session, **_sampling(args)):
+                reply.append(piece.text)
+                sys.stdout.write(piece.text)
+                sys.stdout.flush()
+                if piece.finish_reason and args.verbose:
+                    u = piece.usage
+                    print(
+                        f"\n[{u.prompt_tokens} prompt tokens, {u.cached_prompt_tokens} cached, "
+                        f"{u.completion_tokens} generated; first token "
+                        f"{piece.timing.first_token_ms:.0f} ms]",
+                        file=sys.stderr,
+                    )
+            sys.stdout.write("\n")
+            messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from cluster.launch import serve
+
+    config = load_serve_config(args.config) if args.config else ServeConfig()
+    router = config.router
+    if args.host is not None:
+        router = dataclasses.replace(router, host=args.host)
+    if args.port is not None:
+        router = dataclasses.replace(router, port=args.port)
+    redis_url = args.redis_url or config.redis_url
+    return serve(dataclasses.replace(config, router=router, redis_url=redis_url))
+
+
 def _bench(args: argparse.Namespace) -> int:
     if args.kind == "transfer":
         from bench.transfer import main as transfer_main
@@ -54,14 +133,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate text for one prompt on the local engine")
+    serve = sub.add_parser("serve", help="run the whole cluster on this machine (gRPC router)")
+    serve.add_argument("--config", default=None, help="YAML config: pools, transfer, router")
+    serve.add_argument("--redis-url", default=None, help="an external Redis (default: embedded)")
+    serve.add_argument("--host", default=None, help="router address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=None, help="router port (default 50051)")
+    serve.set_defaults(func=_serve)
+
+    chat = sub.add_parser("chat", help="chat with a running server, streaming its replies")
+    chat.add_argument("--server", default="127.0.0.1:50051")
+    chat.add_argument("--system", default=None, help="a system message to start with")
+    _sampling_args(chat, max_tokens=256)
+    chat.set_defaults(func=_chat)
+
+    gen = sub.add_parser("generate", help="generate text for one prompt (local engine or server)")
     gen.add_argument("prompt")
+    gen.add_argument("--server", default=None, help="ask a running server (host:port) instead")
     gen.add_argument("--chat", action="store_true", help="wrap as one user turn (chat template)")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
+    _sampling_args(gen, max_tokens=128)
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     gen.add_argument("--model", default=None, help="GGUF file or HF checkpoint dir")
     gen.add_argument("--kv-cache-gb", type=float, default=None)
@@ -73,6 +162,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)
     return parser
+
+
+def _sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+    parser.add_argument("--temperature", type=float, default=None, help="0 (default) = greedy")
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -87,6 +184,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, ModelLoadError, InvalidRequestError) as e:
         print(f"splitserve: error: {e}", file=sys.stderr)
         return 2
+    except grpc.aio.AioRpcError as e:
+        print(f"splitserve: error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
     return code
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -120,6 +120,88 @@ class TransferConfig:
         )
 
 
+POLICIES = ("round_robin", "least_loaded", "cache_aware")
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """One phase's workers: how many, what each asks of Ray, and the engine each runs."""
+
+    replicas: int = 1
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self) -> None:
+        _check(
+            _is_int(self.replicas) and self.replicas >= 1,
+            "replicas",
+            f"must be an integer >= 1, got {self.replicas!r}",
+        )
+        for name in ("num_cpus", "num_gpus"):
+            value = getattr(self, name)
+            _check(_is_number(value) and value >= 0, name, f"must be a number >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """The gRPC front door: where it listens, how it routes, what it refuses."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    policy: str = "cache_aware"
+    affinity_slack_tokens: int = 2048  # see router/policy.py
+    max_pending: int = 256  # requests in flight; past it, RESOURCE_EXHAUSTED at once
+    max_tokens: int = 4096  # the most a request may ask for
+    max_message_bytes: int = 4 * 2**20
+    session_ttl_s: float = 3600.0  # how long Redis keeps a session's placement
+    redis_timeout_s: float = 0.05  # per Redis call on the request path
+    stats_interval_s: float = 0.1  # how often worker loads are read
+    grace_s: float = 10.0  # on shutdown, how long in-flight requests may run on
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.host, str) and bool(self.host), "host", "must be a host name")
+        _check(
+            _is_int(self.port) and 0 <= self.port < 65536,
+            "port",
+            f"must be an integer in [0, 65535] (0: any free port), got {self.port!r}",
+        )
+        _check(self.policy in POLICIES, "policy", f"must be one of {POLICIES}, got {self.policy!r}")
+        for name in ("affinity_slack_tokens", "max_pending", "max_tokens", "max_message_bytes"):
+            value, least = getattr(self, name), 0 if name == "affinity_slack_tokens" else 1
+            _check(
+                _is_int(value) and value >= least,
+                name,
+                f"must be an integer >= {least}, got {value!r}",
+            )
+        for name in ("session_ttl_s", "redis_timeout_s", "stats_interval_s", "grace_s"):
+            value = getattr(self, name)
+            _check(_is_number(value) and value > 0, name, f"must be a number > 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Everything `splitserve serve` runs: both pools, the transfer, the router, Redis."""
+
+    prefill: PoolConfig = field(default_factory=PoolConfig)
+    decode: PoolConfig = field(default_factory=PoolConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    redis_url: str | None = None  # None: an embedded valkey-server, started and stopped here
+
+    def __post_init__(self) -> None:
+        _check(
+            self.redis_url is None
+            or (isinstance(self.redis_url, str) and self.redis_url.startswith("redis")),
+            "redis_url",
+            f"must be a redis:// or rediss:// URL or null, got {self.redis_url!r}",
+        )
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -152,8 +234,25 @@ def transfer_config_from_dict(data: dict[str, Any], where: str = "transfer") -> 
     return _from_dict(TransferConfig, data, where)
 
 
-def load_engine_config(path: str | Path) -> EngineConfig:
-    """Read the `engine:` section of a YAML config file."""
+def serve_config_from_dict(doc: dict[str, Any]) -> ServeConfig:
+    """Build a ServeConfig from a config file's plain data. The top-level `engine:` holds
+    defaults for both pools; a pool's own `engine:` overrides them field by field."""
+    doc = dict(doc)
+    shared = doc.pop("engine", None) or {}
+    if not isinstance(shared, dict):
+        raise ConfigError(f"engine: must be a mapping, got {type(shared).__name__}")
+    fields: dict[str, Any] = {}
+    for phase in ("prefill", "decode"):
+        pool = dict(doc.pop(phase, None) or {})
+        engine = {**shared, **(pool.get("engine") or {})}
+        pool["engine"] = engine_config_from_dict(engine, f"{phase}.engine")
+        fields[phase] = _from_dict(PoolConfig, pool, phase)
+    fields["transfer"] = transfer_config_from_dict(doc.pop("transfer", None) or {})
+    fields["router"] = _from_dict(RouterConfig, doc.pop("router", None) or {}, "router")
+    return _from_dict(ServeConfig, {**doc, **fields}, "config")
+
+
+def _read_yaml(path: str | Path) -> tuple[Path, dict[str, Any]]:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {p}: not found")
@@ -163,7 +262,22 @@ def load_engine_config(path: str | Path) -> EngineConfig:
         raise ConfigError(f"config file {p}: not valid YAML: {e}") from None
     if not isinstance(doc, dict):
         raise ConfigError(f"config file {p}: top level must be a mapping")
+    return p, doc
+
+
+def load_engine_config(path: str | Path) -> EngineConfig:
+    """Read the `engine:` section of a YAML config file."""
+    p, doc = _read_yaml(path)
     try:
         return engine_config_from_dict(doc.get("engine") or {})
+    except ConfigError as e:
+        raise ConfigError(f"config file {p}: {e}") from None
+
+
+def load_serve_config(path: str | Path) -> ServeConfig:
+    """Read a whole YAML config file for `splitserve serve`."""
+    p, doc = _read_yaml(path)
+    try:
+        return serve_config_from_dict(doc)
     except ConfigError as e:
         raise ConfigError(f"config file {p}: {e}") from None

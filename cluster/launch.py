@@ -1,0 +1,94 @@
+"""`splitserve serve`: Redis, Ray, a prefill and a decode pool, and the gRPC router.
+
+Start order: Redis (embedded valkey-server unless redis_url is set), a local Ray, the
+workers (all spawned at once, then awaited), the router. SIGINT or SIGTERM: the router
+stops accepting and gives requests in flight `grace_s` to finish (then aborts them),
+and everything started here is stopped in reverse order, whatever failed before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import signal
+from contextlib import AsyncExitStack
+from typing import Any
+
+import ray
+
+from cluster.config import PoolConfig, ServeConfig
+from cluster.redis_server import EmbeddedRedis
+from decode_worker.worker import spawn as spawn_decode
+from prefill_worker.worker import spawn as spawn_prefill
+from router.app import start_router
+
+log = logging.getLogger("splitserve")
+
+
+def serve(config: ServeConfig) -> int:
+    asyncio.run(_serve(config))
+    return 0
+
+
+async def _serve(config: ServeConfig) -> None:
+    stop = asyncio.Event()
+    async with AsyncExitStack() as stack:
+        redis_url = config.redis_url
+        if redis_url is None:
+            redis = EmbeddedRedis()
+            redis_url = redis.start()
+            stack.callback(redis.stop)
+            log.info("redis: embedded valkey-server at %s", redis_url)
+        else:
+            log.info("redis: %s (external)", redis_url)
+
+        pools = (config.prefill, config.decode)
+        wanted = sum(p.replicas * p.num_cpus for p in pools)
+        num_cpus = max(os.cpu_count() or 1, math.ceil(wanted))
+        # A local cluster listens on loopback only; joining a cluster is issue 5's.
+        ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+        )
+        stack.callback(ray.shutdown)
+        # After ray.init, which installs its own SIGTERM handler: ours must win.
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        log.info("ray: local cluster with %d CPUs", num_cpus)
+
+        prefill = _spawn("prefill", config.prefill, config, spawn_prefill)
+        decode = _spawn("decode", config.decode, config, spawn_decode)
+        workers = {**prefill, **decode}
+        for handle in workers.values():
+            stack.callback(ray.kill, handle)
+        for name, handle in workers.items():
+            info = await handle.info.remote()
+            log.info("%s: ready (%s, max_model_len %d)", name, info.name, info.max_model_len)
+
+        app = await start_router(
+            config.router,
+            config.transfer.local_prefill_tokens,
+            prefill,
+            decode,
+            redis_url,
+            config.decode.engine.model,
+        )
+        log.info("splitserve: serving on %s; Ctrl-C to stop", app.address)
+        await stop.wait()
+        log.info("splitserve: stopping; requests in flight get %.0fs", config.router.grace_s)
+        await app.stop(config.router.grace_s)
+    log.info("splitserve: stopped")
+
+
+def _spawn(phase: str, pool: PoolConfig, config: ServeConfig, spawn: Any) -> dict[str, Any]:
+    return {
+        f"{phase}-{i}": spawn(
+            f"{phase}-{i}", pool.engine, config.transfer, pool.num_cpus, pool.num_gpus
+        )
+        for i in range(pool.replicas)
+    }

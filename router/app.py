@@ -1,0 +1,86 @@
+"""Assemble a running router from worker handles: loads, placement, policy, gRPC server."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cluster.config import RouterConfig
+from cluster.engine.checkpoint import bundled_model_path
+from cluster.engine.tokenizer import Tokenizer
+from cluster.types import ModelInfo
+from router.placement import PlacementStore
+from router.policy import PolicyConfig, PolicyName
+from router.router import Router
+from router.server import GenerationServicer, RouterServer
+from router.workers import WorkerRegistry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RouterApp:
+    server: RouterServer
+    router: Router
+    workers: WorkerRegistry
+    placements: PlacementStore | None
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    async def stop(self, grace_s: float) -> None:
+        """Stop accepting; calls in flight get grace_s to finish, then are aborted."""
+        await self.server.stop(grace_s)
+        await self.workers.stop()
+        if self.placements is not None:
+            await self.placements.close()
+
+
+async def start_router(
+    config: RouterConfig,
+    local_prefill_tokens: int,
+    prefill: dict[str, Any],
+    decode: dict[str, Any],
+    redis_url: str | None,
+    model: str | None = None,
+) -> RouterApp:
+    """Start serving gRPC on config.host:config.port for these workers. `model` is the
+    checkpoint the workers run (None: the bundled one): the router tokenizes with it."""
+    if not decode:
+        raise ValueError("a router needs at least one decode worker")
+    info: ModelInfo = await next(iter(decode.values())).info.remote()
+    path = Path(model) if model else bundled_model_path()
+    tokenizer = await asyncio.to_thread(Tokenizer.load, path)
+    workers = WorkerRegistry(prefill, decode, info.page_size, config.stats_interval_s)
+    await workers.start()
+    placements = None
+    if redis_url is not None:
+        placements = PlacementStore(redis_url, config.session_ttl_s, config.redis_timeout_s)
+    policy = PolicyConfig(
+        PolicyName(config.policy), local_prefill_tokens, config.affinity_slack_tokens
+    )
+    router = Router(policy, workers, placements, config.max_pending)
+    server = RouterServer(GenerationServicer(router, tokenizer, info, config), config)
+    await server.start()
+    await server.set_serving(bool(workers.snapshot().decode))
+    tasks: set[asyncio.Task[None]] = set()
+
+    def on_change(num_decode: int) -> None:
+        task = asyncio.get_running_loop().create_task(server.set_serving(num_decode > 0))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    workers.on_change = on_change
+    log.info(
+        "router: gRPC on %s (policy %s, %d prefill + %d decode workers, model %s)",
+        server.address,
+        config.policy,
+        len(prefill),
+        len(decode),
+        info.name,
+    )
+    return RouterApp(server, router, workers, placements)

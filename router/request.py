@@ -1,0 +1,146 @@
+"""A Generate call checked field by field and turned into token ids and SamplingParams.
+
+Every check runs before any work is spent; a bad field raises InvalidRequestError with
+a message that names it, which the servicer answers with INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from cluster.engine.tokenizer import Tokenizer
+from cluster.types import InvalidRequestError, ModelInfo, RequestId, SamplingParams
+from splitserve.v1 import splitserve_pb2 as pb
+
+ROLES = ("system", "user", "assistant")
+MAX_MESSAGES = 1024
+MAX_STOP = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+# Text longer than this many characters per token of context cannot fit: refuse it
+# before spending time tokenizing it.
+MAX_CHARS_PER_TOKEN = 32
+# Ids and session ids become Redis keys and log fields: keep them short and plain.
+ID_PATTERN = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request ready to route."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    session_id: str | None
+    request_id: RequestId | None
+
+
+def prepare(
+    msg: pb.GenerateRequest, tokenizer: Tokenizer, model: ModelInfo, max_tokens_limit: int
+) -> Prepared:
+    """Check every field of `msg` and tokenize its input; InvalidRequestError names the field."""
+    if msg.model and msg.model != model.name:
+        raise InvalidRequestError(
+            f"model: {msg.model!r} is not served here (serving {model.name!r})"
+        )
+    session_id = _id(msg.session_id, "session_id")
+    request_id = _id(msg.request_id, "request_id")
+    sampling = _sampling(msg.sampling, model, max_tokens_limit)
+    ids = _prompt_ids(msg, tokenizer, model)
+    if len(ids) + sampling.max_tokens > model.max_model_len:
+        raise InvalidRequestError(
+            f"sampling.max_tokens: prompt ({len(ids)} tokens) + max_tokens "
+            f"({sampling.max_tokens}) exceeds the model's context of {model.max_model_len} tokens"
+        )
+    return Prepared(ids, sampling, session_id, RequestId(request_id) if request_id else None)
+
+
+def _id(value: str, name: str) -> str | None:
+    if not value:
+        return None
+    if not ID_PATTERN.fullmatch(value):
+        raise InvalidRequestError(
+            f"{name}: must be 1-128 characters of letters, digits and . _ : -, got {value[:40]!r}"
+        )
+    return value
+
+
+def _prompt_ids(msg: pb.GenerateRequest, tokenizer: Tokenizer, model: ModelInfo) -> list[int]:
+    kind = msg.WhichOneof("input")
+    if kind is None:
+        raise InvalidRequestError("input: set one of text, chat or token_ids")
+    chars = len(msg.text) + sum(len(m.content) for m in msg.chat.messages)
+    if chars > model.max_model_len * MAX_CHARS_PER_TOKEN:
+        raise InvalidRequestError(
+            f"{kind}: {chars} characters cannot fit the model's context of "
+            f"{model.max_model_len} tokens"
+        )
+    if kind == "token_ids":
+        ids = list(msg.token_ids.ids)
+        bad = [t for t in ids if not 0 <= t < model.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"token_ids: id {bad[0]} is outside the vocabulary [0, {model.vocab_size})"
+            )
+    elif kind == "text":
+        if not msg.text:
+            raise InvalidRequestError("text: must not be empty")
+        ids = tokenizer.encode(msg.text)
+    else:
+        ids = tokenizer.encode(tokenizer.apply_chat_template(_messages(msg.chat)))
+    if not ids:
+        raise InvalidRequestError(f"{kind}: the prompt has no tokens")
+    if len(ids) >= model.max_model_len:
+        raise InvalidRequestError(
+            f"{kind}: the prompt is {len(ids)} tokens; the model's context is "
+            f"{model.max_model_len} tokens, one of them for the reply"
+        )
+    return ids
+
+
+def _messages(chat: pb.Chat) -> list[dict[str, str]]:
+    if not chat.messages:
+        raise InvalidRequestError("chat.messages: must not be empty")
+    if len(chat.messages) > MAX_MESSAGES:
+        raise InvalidRequestError(f"chat.messages: at most {MAX_MESSAGES} messages")
+    for i, m in enumerate(chat.messages):
+        if m.role not in ROLES:
+            raise InvalidRequestError(
+                f"chat.messages[{i}].role: must be one of {ROLES}, got {m.role!r}"
+            )
+    return [{"role": m.role, "content": m.content} for m in chat.messages]
+
+
+def _sampling(s: pb.SamplingParams, model: ModelInfo, max_tokens_limit: int) -> SamplingParams:
+    def bad(name: str, why: str) -> InvalidRequestError:
+        return InvalidRequestError(f"sampling.{name}: {why}")
+
+    for name in ("temperature", "top_p", "min_p"):
+        if s.HasField(name) and not math.isfinite(getattr(s, name)):
+            raise bad(name, "must be a finite number")
+    if s.HasField("max_tokens") and not 1 <= s.max_tokens <= max_tokens_limit:
+        raise bad("max_tokens", f"must be in [1, {max_tokens_limit}], got {s.max_tokens}")
+    if len(s.stop) > MAX_STOP or any(len(x) > MAX_STOP_CHARS for x in s.stop):
+        raise bad("stop", f"at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters")
+    if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids")
+    outside = [t for t in s.stop_token_ids if not 0 <= t < model.vocab_size]
+    if outside:
+        raise bad("stop_token_ids", f"id {outside[0]} is outside the vocabulary")
+    if s.HasField("seed") and s.seed < 0:
+        raise bad("seed", f"must be >= 0, got {s.seed}")
+    fields = {name: getattr(s, name) for name in _OPTIONAL if s.HasField(name)}
+    try:
+        return SamplingParams(
+            **fields,
+            stop_token_ids=tuple(s.stop_token_ids),
+            stop=tuple(s.stop),
+            ignore_eos=s.ignore_eos,
+            logprobs=s.logprobs,
+        )
+    except InvalidRequestError as e:
+        raise InvalidRequestError(f"sampling.{e}") from None
+
+
+_OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed")

@@ -1,0 +1,182 @@
+"""The router: one prepared request in, its token stream out, placed by the policy.
+
+Life of a request here:
+1. Past `max_pending` requests in flight it is refused at once (Overloaded).
+2. Its session's placement is read from Redis (a hint; Redis down means no hint).
+3. The policy picks a decode worker and maybe a prefill worker from the last loads.
+4. The Dispatcher runs it on them and streams its deltas; the trace records when it
+   was admitted, when its first token came and when its KV was ready for decode.
+5. On a normal finish the session's placement is written back (in the background),
+   and the last delta goes out with usage and timing. A failed or aborted request
+   raises RequestFailed instead: it never ends as if it had finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from ray.exceptions import RayActorError
+
+from cluster.dispatch import Dispatcher, Trace
+from cluster.types import FinishReason, RequestId, TokenDelta
+from router.placement import Placement, PlacementStore
+from router.policy import NoWorkerError, PolicyConfig, Route, RouteRequest, SessionHint, route
+from router.request import Prepared
+from router.workers import WorkerRegistry
+
+log = logging.getLogger(__name__)
+
+
+class Overloaded(Exception):
+    """Too many requests in flight: try again later."""
+
+
+class Unavailable(Exception):
+    """No worker can take the request now."""
+
+
+class RequestFailed(Exception):
+    """An accepted request ended with an error or was aborted; the message says why."""
+
+    def __init__(self, reason: FinishReason, why: str) -> None:
+        super().__init__(why)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Milliseconds; see the proto's Timing for what each one spans."""
+
+    queue_ms: float
+    prefill_ms: float
+    transfer_ms: float
+    first_token_ms: float
+    total_ms: float
+
+
+@dataclass(frozen=True)
+class Final:
+    """What the last message of a stream carries besides its tokens."""
+
+    usage: Usage
+    timing: Timing
+    route: Route
+
+
+class Router:
+    def __init__(
+        self,
+        policy: PolicyConfig,
+        workers: WorkerRegistry,
+        placements: PlacementStore | None,
+        max_pending: int,
+        dispatcher: Dispatcher | None = None,
+    ) -> None:
+        self.policy = policy
+        self.workers = workers
+        self.placements = placements
+        self.max_pending = max_pending
+        self.dispatcher = dispatcher or Dispatcher()
+        self.pending = 0
+        self._turn = 0
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    async def generate(self, p: Prepared) -> AsyncIterator[tuple[TokenDelta, Final | None]]:
+        """The request's deltas in order; the last one comes with its Final."""
+        if self.pending >= self.max_pending:
+            raise Overloaded(f"{self.pending} requests in flight, the limit is {self.max_pending}")
+        self.pending += 1
+        try:
+            async for item in self._generate(p, time.monotonic()):
+                yield item
+        finally:
+            self.pending -= 1
+
+    async def _generate(
+        self, p: Prepared, arrived: float
+    ) -> AsyncIterator[tuple[TokenDelta, Final | None]]:
+        placement = None
+        if p.session_id is not None and self.placements is not None:
+            placement = await self.placements.get(p.session_id)
+        hint = None
+        if placement is not None:
+            hint = SessionHint(
+                placement.decode_worker,
+                placement.decode_epoch,
+                placement.prefill_worker,
+                placement.cached_tokens,
+            )
+        self._turn += 1
+        snapshot = self.workers.snapshot()
+        request = RouteRequest(len(p.prompt_ids), p.sampling.max_tokens, hint, self._turn)
+        try:
+            chosen = route(self.policy, snapshot, request)
+        except NoWorkerError as e:
+            raise Unavailable(str(e)) from None
+        decode = self.workers.handle(chosen.decode)
+        prefill = None if chosen.prefill is None else self.workers.handle(chosen.prefill)
+        trace = Trace()
+        completion = 0
+        stream = self.dispatcher.generate(
+            p.prompt_ids, p.sampling, decode, prefill, p.request_id, trace
+        )
+        try:
+            async for delta in stream:
+                if delta.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
+                    raise RequestFailed(delta.finish_reason, delta.error or "aborted")
+                completion += len(delta.token_ids)
+                if delta.finish_reason is None:
+                    yield delta, None
+                    continue
+                usage = Usage(len(p.prompt_ids), trace.num_cached_tokens, completion)
+                final = Final(usage, _timing(trace, arrived), chosen)
+                if p.session_id is not None:
+                    epoch = next(w.epoch for w in snapshot.decode if w.worker == chosen.decode)
+                    self._remember(p.session_id, chosen, epoch, len(p.prompt_ids) + completion)
+                yield delta, final
+        except RayActorError as e:  # the decode worker died before taking the request
+            self.workers.mark_dead(chosen.decode, str(e))
+            raise Unavailable(f"decode worker {chosen.decode} failed: {e}") from None
+        finally:
+            await stream.aclose()
+
+    async def abort(self, request_id: RequestId) -> None:
+        await self.dispatcher.abort(request_id)
+
+    def _remember(self, session_id: str, chosen: Route, epoch: str, num_tokens: int) -> None:
+        """Write the session's placement back without holding up the reply."""
+        if self.placements is None:
+            return
+        # The last sampled token was never fed back, so its KV is not on the worker.
+        placement = Placement(chosen.decode, epoch, chosen.prefill, num_tokens - 1, time.time())
+        task = asyncio.create_task(self.placements.put(session_id, placement))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+def _timing(trace: Trace, arrived: float) -> Timing:
+    now = time.monotonic()
+    admitted = trace.admitted_at or now
+    first = trace.first_token_at or now
+    transfer = 0.0
+    if trace.remote_prefill and trace.kv_ready_at is not None:
+        transfer = max(0.0, trace.kv_ready_at - first)
+    return Timing(
+        queue_ms=1e3 * (admitted - arrived),
+        prefill_ms=1e3 * max(0.0, first - admitted),
+        transfer_ms=1e3 * transfer,
+        first_token_ms=1e3 * (first - arrived),
+        total_ms=1e3 * (now - arrived),
+    )

@@ -1,0 +1,166 @@
+"""The gRPC server: splitserve.v1.Generation, the standard health service and reflection.
+
+Status codes: a bad field is INVALID_ARGUMENT (the message names it), a full router is
+RESOURCE_EXHAUSTED, no live decode worker is UNAVAILABLE, a request a worker failed is
+INTERNAL, one the server aborted (shutdown) is ABORTED. A client that cancels, or
+whose deadline passes, has its request aborted on every worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from importlib.metadata import version
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from cluster.config import RouterConfig
+from cluster.engine.tokenizer import Tokenizer
+from cluster.types import FinishReason, InvalidRequestError, ModelInfo, TokenDelta
+from decode_worker.worker import DecodeStats
+from router.request import prepare
+from router.router import Final, Overloaded, RequestFailed, Router, Unavailable
+from splitserve.v1 import splitserve_pb2 as pb
+from splitserve.v1 import splitserve_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+FINISH = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH}
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    def __init__(
+        self, router: Router, tokenizer: Tokenizer, model: ModelInfo, config: RouterConfig
+    ) -> None:
+        self.router = router
+        self.tokenizer = tokenizer
+        self.model = model
+        self.config = config
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            prepared = await asyncio.to_thread(
+                prepare, request, self.tokenizer, self.model, self.config.max_tokens
+            )
+            async for delta, final in self.router.generate(prepared):
+                yield _response(delta, final)
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Overloaded as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except Unavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except RequestFailed as e:
+            code = grpc.StatusCode.ABORTED
+            if e.reason is FinishReason.ERROR:
+                code = grpc.StatusCode.INTERNAL
+            await context.abort(code, str(e))
+
+    async def ListModels(
+        self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListModelsResponse:
+        return pb.ListModelsResponse(
+            models=[pb.Model(id=self.model.name, max_model_len=self.model.max_model_len)]
+        )
+
+    async def GetServerInfo(
+        self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ServerInfo:
+        workers = []
+        for name, s in sorted(self.router.workers.stats().items()):
+            if isinstance(s, DecodeStats):
+                w = pb.Worker(role="decode", running=s.running)
+            else:
+                w = pb.Worker(role="prefill", queued_tokens=s.queued_tokens)
+            w.id, w.epoch, w.num_pages, w.free_pages = name, s.epoch, s.num_pages, s.free_pages
+            workers.append(w)
+        snapshot = self.router.workers.snapshot()
+        placements = self.router.placements
+        return pb.ServerInfo(
+            version=version("splitserve"),
+            model=self.model.name,
+            max_model_len=self.model.max_model_len,
+            page_size=self.model.page_size,
+            num_prefill_workers=len(snapshot.prefill),
+            num_decode_workers=len(snapshot.decode),
+            workers=workers,
+            routing_policy=self.router.policy.name.value,
+            placement_available=placements is not None and placements.available,
+        )
+
+
+def _response(delta: TokenDelta, final: Final | None) -> pb.GenerateResponse:
+    msg = pb.GenerateResponse(
+        request_id=delta.request_id,
+        token_ids=delta.token_ids,
+        text=delta.text,
+        logprobs=delta.logprobs,
+    )
+    if final is not None and delta.finish_reason is not None:
+        msg.finish_reason = FINISH[delta.finish_reason]
+        u, t = final.usage, final.timing
+        msg.usage.CopyFrom(
+            pb.Usage(
+                prompt_tokens=u.prompt_tokens,
+                cached_prompt_tokens=u.cached_prompt_tokens,
+                completion_tokens=u.completion_tokens,
+            )
+        )
+        msg.timing.CopyFrom(
+            pb.Timing(
+                queue_ms=t.queue_ms,
+                prefill_ms=t.prefill_ms,
+                transfer_ms=t.transfer_ms,
+                first_token_ms=t.first_token_ms,
+                total_ms=t.total_ms,
+            )
+        )
+        msg.decode_worker = final.route.decode
+        msg.prefill_worker = final.route.prefill or ""
+    return msg
+
+
+class RouterServer:
+    """The router's gRPC server with health (NOT_SERVING without a live decode worker)
+    and reflection, bound to config.host:config.port."""
+
+    def __init__(self, servicer: GenerationServicer, config: RouterConfig) -> None:
+        self.config = config
+        self.health = health.aio.HealthServicer()
+        options = [
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", config.max_message_bytes),
+        ]
+        self.server = grpc.aio.server(options=options)
+        pb_grpc.add_GenerationServicer_to_server(servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
+        reflection.enable_server_reflection((*names, reflection.SERVICE_NAME), self.server)
+        self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        if self.port == 0:
+            raise OSError(f"router: cannot listen on {config.host}:{config.port}")
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    async def start(self) -> None:
+        await self.server.start()
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.NOT_SERVING
+        if serving:
+            status = health_pb2.HealthCheckResponse.SERVING
+        for name in ("", SERVICE):
+            await self.health.set(name, status)
+
+    async def stop(self, grace_s: float) -> None:
+        """Refuse new calls; let calls in flight run up to grace_s, then cancel them."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)

@@ -1,0 +1,120 @@
+"""The router's view of the worker pools: Ray handles by worker id, and their loads.
+
+A background task reads every worker's stats each `interval_s` and builds the Snapshot
+the routing policy decides on. A worker whose call fails (its actor died) leaves the
+snapshot at once and is not routed to again; `on_change` hears when the set of live
+decode workers changes (the health service follows it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from decode_worker.worker import DecodeStats
+from prefill_worker.worker import PrefillStats
+from router.policy import DecodeLoad, PrefillLoad, Snapshot
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Worker:
+    handle: Any
+    stats: DecodeStats | PrefillStats | None = None
+
+
+class WorkerRegistry:
+    def __init__(
+        self,
+        prefill: dict[str, Any],
+        decode: dict[str, Any],
+        page_size: int,
+        interval_s: float = 0.1,
+    ) -> None:
+        self.page_size = page_size
+        self.interval_s = interval_s
+        self._prefill = {w: _Worker(h) for w, h in prefill.items()}
+        self._decode = {w: _Worker(h) for w, h in decode.items()}
+        self._snapshot = Snapshot((), ())
+        self._task: asyncio.Task[None] | None = None
+        self.on_change: Callable[[int], None] = lambda num_decode: None
+
+    async def start(self) -> None:
+        """Read every worker's stats once, then keep reading them in the background."""
+        await self.refresh()
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def snapshot(self) -> Snapshot:
+        return self._snapshot
+
+    def handle(self, worker: str) -> Any:
+        w = self._decode.get(worker) or self._prefill[worker]
+        return w.handle
+
+    def stats(self) -> dict[str, DecodeStats | PrefillStats]:
+        """The last stats read from each live worker."""
+        return {
+            name: w.stats
+            for name, w in [*self._prefill.items(), *self._decode.items()]
+            if w.stats is not None
+        }
+
+    def mark_dead(self, worker: str, why: str) -> None:
+        """Stop routing to `worker` now (a call to it failed)."""
+        for pool in (self._decode, self._prefill):
+            if pool.pop(worker, None) is not None:
+                log.error("worker %s is gone (%s); no longer routing to it", worker, why)
+                self._rebuild()
+
+    async def refresh(self) -> None:
+        workers = [*self._prefill.items(), *self._decode.items()]
+        results = await asyncio.gather(
+            *(w.handle.stats.remote() for _, w in workers), return_exceptions=True
+        )
+        for (name, w), result in zip(workers, results, strict=True):
+            if isinstance(result, BaseException):
+                self.mark_dead(name, f"stats failed: {result}")
+            else:
+                w.stats = result
+        self._rebuild()
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.refresh()
+            except Exception:  # never let the loads go stale silently
+                log.exception("reading worker loads failed")
+
+    def _rebuild(self) -> None:
+        before = len(self._snapshot.decode)
+        decode = tuple(
+            DecodeLoad(
+                name,
+                s.epoch,
+                s.free_pages,
+                s.num_pages,
+                self.page_size,
+                s.running,
+                s.waiting + s.transferring + s.admitting,
+            )
+            for name, w in self._decode.items()
+            if isinstance(s := w.stats, DecodeStats)
+        )
+        prefill = tuple(
+            PrefillLoad(name, s.epoch, s.queued_tokens)
+            for name, w in self._prefill.items()
+            if isinstance(s := w.stats, PrefillStats)
+        )
+        self._snapshot = Snapshot(decode, prefill)
+        if len(decode) != before:
+            self.on_change(len(decode))

@@ -1,0 +1,288 @@
+"""End to end over real gRPC, Ray, UCX and a Redis-protocol server: the router's contract."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+from redis import Redis
+
+from cluster.engine import LLMEngine
+from cluster.redis_server import EmbeddedRedis
+from cluster.types import SamplingParams
+from splitserve.client import Client
+from tests.integration.router_harness import RouterHarness, ask
+
+
+@pytest.fixture(scope="module")
+def redis() -> Iterator[EmbeddedRedis]:
+    server = EmbeddedRedis()
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def routers(ray_workers: Any, redis: EmbeddedRedis) -> Iterator[tuple[RouterHarness, ...]]:
+    """Two routers sharing one Redis, over one prefill and two decode workers."""
+    prefill = {"prefill": ray_workers.prefill("prefill")}
+    decode = {
+        "decode": ray_workers.decode("decode", local_prefill_tokens=0),
+        "colocated": ray_workers.decode("colocated"),
+    }
+    pair = (RouterHarness(prefill, decode, redis.url), RouterHarness(prefill, decode, redis.url))
+    yield pair
+    for r in pair:
+        r.stop()
+
+
+def _story(tag: str, words: int) -> str:
+    """A prompt no other test sends (the workers' prefix caches are shared)."""
+    return f"[{tag}] " + " ".join(
+        f"The {tag} river flows past hill number {i}." for i in range(words)
+    )
+
+
+@pytest.mark.parametrize(
+    "kind, sampling",
+    [
+        ("text", {"max_tokens": 16}),
+        ("chat", {"max_tokens": 16}),
+        ("long", {"max_tokens": 12, "temperature": 0.8, "top_p": 0.9, "seed": 7}),
+        ("token_ids", {"max_tokens": 12, "temperature": 1.0, "top_k": 20, "seed": 3}),
+    ],
+)
+def test_stream_equals_offline_engine(
+    routers: tuple[RouterHarness, ...],
+    workers: Any,
+    engine: LLMEngine,
+    kind: str,
+    sampling: dict[str, Any],
+) -> None:
+    tok = engine.tokenizer
+    prompt: Any
+    if kind == "text":
+        prompt = "The three primary colours are"
+        ids = tok.encode(prompt)
+    elif kind == "chat":
+        prompt = [{"role": "user", "content": "Name a planet with rings."}]
+        ids = tok.encode(tok.apply_chat_template(prompt))
+    elif kind == "long":  # long enough that a prefill worker computes it
+        prompt = _story("offline", 12)
+        ids = tok.encode(prompt)
+    else:
+        ids = tok.encode("Count with me: one, two, three,")
+        prompt = ids
+    reply = ask(routers[0].address, prompt, **sampling)
+    offline = engine.generate([ids], SamplingParams(**sampling))[0]
+    assert reply.token_ids == offline.token_ids
+    assert reply.text == offline.text
+    assert reply.finish_reason == offline.finish_reason.value
+    assert reply.usage.prompt_tokens == len(ids)
+    assert reply.usage.completion_tokens == len(offline.token_ids)
+    assert 0 < reply.timing.first_token_ms <= reply.timing.total_ms
+    if kind == "long":
+        assert reply.prefill_worker == "prefill"
+        assert reply.timing.transfer_ms >= 0 and reply.timing.prefill_ms > 0
+
+
+def _busy_worker(address: str, timeout_s: float = 20) -> str:
+    """The decode worker with a running sequence, once the router's loads show one."""
+
+    async def run() -> str:
+        async with Client(address) as client:
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                info = await client.server_info()
+                busy = [w.id for w in info.workers if w.role == "decode" and w.running]
+                if busy:
+                    return busy[0]
+                await asyncio.sleep(0.05)
+        raise AssertionError("no decode worker became busy")
+
+    return asyncio.run(run())
+
+
+def _hold_worker_busy(address: str) -> tuple[asyncio.AbstractEventLoop, Any]:
+    """Start a long generation in the background; returns its loop and future."""
+    loop = asyncio.new_event_loop()
+    import threading
+
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+
+    async def run() -> Any:
+        async with Client(address) as client:
+            return await client.generate(
+                _story("busy" + uuid.uuid4().hex[:6], 2), max_tokens=120, ignore_eos=True
+            )
+
+    return loop, asyncio.run_coroutine_threadsafe(run(), loop)
+
+
+def test_second_turn_lands_on_the_worker_holding_its_kv(
+    routers: tuple[RouterHarness, ...], workers: Any
+) -> None:
+    a, b = routers
+    session = "s-" + uuid.uuid4().hex
+    turn1 = [{"role": "user", "content": _story("turns", 60)}]
+    r1 = ask(a.address, turn1, session_id=session, max_tokens=16)
+    assert r1.usage.prompt_tokens > 500
+    # Keep r1's worker busy, so a load-only choice would send turn two elsewhere.
+    time.sleep(0.3)
+    loop, busy = _hold_worker_busy(a.address)
+    try:
+        assert _busy_worker(a.address) == r1.decode_worker
+        turn2 = [*turn1, {"role": "assistant", "content": r1.text}]
+        turn2.append({"role": "user", "content": "And then?"})
+        # The second router reads the placement the first one wrote.
+        r2 = ask(b.address, turn2, session_id=session, max_tokens=8)
+        assert r2.decode_worker == r1.decode_worker
+        computed = r2.usage.prompt_tokens - r2.usage.cached_prompt_tokens
+        assert r2.usage.prompt_tokens > r1.usage.prompt_tokens + r1.usage.completion_tokens
+        assert computed <= 64, r2.usage
+        # Without a session the same prompt goes by load alone: to the idle worker.
+        r3 = ask(b.address, turn2, max_tokens=8)
+        assert r3.decode_worker != r1.decode_worker
+        assert r3.token_ids == r2.token_ids
+    finally:
+        busy.result(120)
+        loop.call_soon_threadsafe(loop.stop)
+
+
+BAD = [
+    ({"prompt": ""}, "text"),
+    ({"prompt": [70000]}, "token_ids"),
+    ({"prompt": [-1]}, "token_ids"),
+    ({"prompt": [{"role": "robot", "content": "hi"}]}, "chat.messages[0].role"),
+    ({"prompt": "x" * 300_000}, "text"),
+    ({"prompt": "hi", "max_tokens": 0}, "sampling.max_tokens"),
+    ({"prompt": "hi", "max_tokens": 10**6}, "sampling.max_tokens"),
+    ({"prompt": "hi", "temperature": -1.0}, "sampling.temperature"),
+    ({"prompt": "hi", "temperature": float("nan")}, "sampling.temperature"),
+    ({"prompt": "hi", "top_p": 0.0}, "sampling.top_p"),
+    ({"prompt": "hi", "top_p": 1.5}, "sampling.top_p"),
+    ({"prompt": "hi", "top_k": -2}, "sampling.top_k"),
+    ({"prompt": "hi", "min_p": 2.0}, "sampling.min_p"),
+    ({"prompt": "hi", "seed": -5}, "sampling.seed"),
+    ({"prompt": "hi", "stop": [""]}, "sampling.stop"),
+    ({"prompt": "hi", "stop": ["x"] * 17}, "sampling.stop"),
+    ({"prompt": "hi", "stop_token_ids": [10**9]}, "sampling.stop_token_ids"),
+    ({"prompt": "hi", "session_id": "bad id with spaces"}, "session_id"),
+    ({"prompt": "hi", "request_id": "x" * 200}, "request_id"),
+    ({"prompt": "hi", "model": "gpt-9"}, "model"),
+    ({"prompt": "word " * 9000}, "text"),
+]
+
+
+def test_bad_input_is_refused_by_field_and_the_server_keeps_serving(
+    routers: tuple[RouterHarness, ...], workers: Any
+) -> None:
+    address = routers[0].address
+
+    async def refuse(fields: dict[str, Any]) -> grpc.aio.AioRpcError:
+        async with Client(address) as client:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await client.generate(**fields)
+            return err.value
+
+    for fields, name in BAD:
+        e = asyncio.run(refuse(fields))
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, (fields, e.details())
+        assert (e.details() or "").startswith(name), (name, e.details())
+    no_input = asyncio.run(refuse({"prompt": []}))
+    assert no_input.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "input" in (no_input.details() or "")
+    assert ask(address, "The sky is", max_tokens=4).usage.completion_tokens == 4
+
+
+def test_message_over_the_size_limit_is_refused(
+    routers: tuple[RouterHarness, ...], workers: Any
+) -> None:
+    big = "y" * (5 * 2**20)  # over max_message_bytes (4 MiB)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        ask(routers[0].address, big)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert ask(routers[0].address, "Water boils at", max_tokens=3).usage.completion_tokens == 3
+
+
+def test_cancelled_and_expired_streams_free_every_page(
+    routers: tuple[RouterHarness, ...], workers: Any
+) -> None:
+    address = routers[0].address
+
+    async def cancel_after(pieces: int, prompt: str) -> int:
+        got = 0
+        async with Client(address) as client:
+            async for _ in client.stream(prompt, max_tokens=200, ignore_eos=True):
+                got += 1
+                if got == pieces:
+                    break  # leaving the stream cancels the call
+        return got
+
+    assert asyncio.run(cancel_after(2, "Tell me about the sea.")) == 2
+    assert asyncio.run(cancel_after(1, _story("cancel", 20))) == 1  # remote prefill
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        ask(address, "Tell me about mountains.", max_tokens=400, ignore_eos=True, timeout_s=0.5)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    workers.assert_all_pages_free()
+    assert all(r.app.router.pending == 0 for r in routers)
+
+
+def test_past_max_pending_requests_are_refused_at_once(
+    routers: tuple[RouterHarness, ...], workers: Any
+) -> None:
+    a = routers[0]
+    a.app.router.max_pending = 1
+    try:
+        loop, busy = _hold_worker_busy(a.address)
+        _busy_worker(a.address)
+        started = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            ask(a.address, "Hello there", max_tokens=4)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert time.monotonic() - started < 2
+        assert busy.result(120).usage.completion_tokens == 120
+        loop.call_soon_threadsafe(loop.stop)
+    finally:
+        a.app.router.max_pending = 256
+    assert ask(a.address, "Hello there", max_tokens=4).usage.completion_tokens == 4
+
+
+def test_redis_outage_fails_open_and_affinity_resumes(
+    routers: tuple[RouterHarness, ...], workers: Any, redis: EmbeddedRedis
+) -> None:
+    a = routers[0]
+    redis.stop()
+    try:
+        for i in range(3):
+            reply = ask(a.address, f"Outage number {i} is", session_id=f"down-{i}", max_tokens=4)
+            assert reply.usage.completion_tokens == 4
+        info = asyncio.run(_server_info(a.address))
+        assert not info.placement_available
+        assert a.app.placements is not None and a.app.placements.failures >= 1
+    finally:
+        redis.start()
+    time.sleep(1.2)  # the store retries Redis once retry_s has passed
+    session = "back-" + uuid.uuid4().hex
+    turn1 = [{"role": "user", "content": _story("back", 40)}]
+    r1 = ask(a.address, turn1, session_id=session, max_tokens=8)
+    turn2 = [
+        *turn1,
+        {"role": "assistant", "content": r1.text},
+        {"role": "user", "content": "Go on."},
+    ]
+    r2 = ask(a.address, turn2, session_id=session, max_tokens=4)
+    assert asyncio.run(_server_info(a.address)).placement_available
+    stored = Redis.from_url(redis.url).hgetall(f"splitserve:session:{session}")
+    assert stored[b"decode_worker"].decode() == r1.decode_worker == r2.decode_worker
+    assert r2.usage.prompt_tokens - r2.usage.cached_prompt_tokens <= 64
+
+
+async def _server_info(address: str) -> Any:
+    async with Client(address) as client:
+        return await client.server_info()

@@ -1,0 +1,127 @@
+"""`splitserve serve` as users run it: a child process with its own Ray and Redis, the
+`generate --server` and `chat` commands against it, and a clean stop on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from tests.integration.router_harness import ask
+
+CONFIG = """
+engine: {kv_cache_gb: 0.2, threads: 1, max_num_batched_tokens: 256}
+router: {port: 0, grace_s: 30}
+"""
+SPLITSERVE = [sys.executable, "-m", "cluster.cli"]
+
+
+def _descendants(pid: int) -> set[int]:
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_serve_answers_cli_clients_and_stops_cleanly(tmp_path: Path) -> None:
+    config = tmp_path / "serve.yaml"
+    config.write_text(CONFIG)
+    server = subprocess.Popen(
+        [*SPLITSERVE, "serve", "--config", str(config)],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    log: list[str] = []
+    assert server.stderr is not None
+    address = None
+    deadline = time.monotonic() + 180
+    while address is None and time.monotonic() < deadline:
+        line = server.stderr.readline()
+        assert line, "splitserve serve exited early:\n" + "".join(log)
+        log.append(line)
+        if m := re.search(r"serving on (\S+);", line):
+            address = m.group(1)
+    assert address is not None, "".join(log)
+    threading.Thread(target=lambda: log.extend(server.stderr), daemon=True).start()
+    text = "\n".join(log)
+    for component in (
+        "redis: embedded valkey-server at redis://127.0.0.1:",
+        "ray: local",
+        "prefill-0: ready",
+        "decode-0: ready",
+        "router: gRPC on 127.0.0.1:",
+    ):
+        assert component in text, component
+    children = _descendants(server.pid)
+    try:
+        gen = subprocess.run(
+            [
+                *SPLITSERVE,
+                "generate",
+                "--server",
+                address,
+                "--chat",
+                "What is 2+2?",
+                "--max-tokens",
+                "12",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert gen.returncode == 0, gen.stderr
+        assert gen.stdout.strip(), gen.stderr
+        chat = subprocess.run(
+            [*SPLITSERVE, "chat", "--server", address, "--max-tokens", "8"],
+            input="Hello, who are you?\nSay that again.\n",
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert chat.returncode == 0, chat.stderr
+        assert len([line for line in chat.stdout.splitlines() if line.strip()]) >= 2, chat.stdout
+
+        # SIGTERM mid-stream: the request in flight still finishes, within the grace period.
+        replies = []
+        streaming = threading.Thread(
+            target=lambda: replies.append(
+                ask(address, "Tell me about the moon.", max_tokens=48, ignore_eos=True)
+            )
+        )
+        streaming.start()
+        time.sleep(1.0)
+        server.send_signal(signal.SIGTERM)
+        streaming.join(60)
+        assert replies and replies[0].usage.completion_tokens == 48
+        assert server.wait(60) == 0, "".join(log)
+    finally:
+        if server.poll() is None:
+            server.kill()
+    deadline = time.monotonic() + 15
+    while (left := [p for p in children if _alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"still running after splitserve serve exited: {left}"
+    assert "splitserve: stopped" in "".join(log)

@@ -25,7 +25,14 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.types import FinishReason, FirstToken, RequestId, SamplingParams, TokenDelta
+from cluster.types import (
+    FinishReason,
+    FirstToken,
+    InvalidRequestError,
+    RequestId,
+    SamplingParams,
+    TokenDelta,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,13 +57,15 @@ class _Stream:
 
 
 class Dispatcher:
-    """One per process, used from one asyncio event loop."""
+    """Used from one asyncio event loop. Each Dispatcher reads its own requests' deltas
+    from each decode worker (its outbox there), so several routers can share workers."""
 
     def __init__(self, poll_s: float = 1.0) -> None:
         self.poll_s = poll_s
         self._streams: dict[RequestId, _Stream] = {}
         self._pollers: dict[str, asyncio.Task[None]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self.reader = uuid.uuid4().hex  # this Dispatcher's outbox on each decode worker
 
     async def generate(
         self,
@@ -71,16 +80,22 @@ class Dispatcher:
         given, is filled in as the request passes each point."""
         rid = request_id or RequestId(uuid.uuid4().hex)
         if rid in self._streams:
-            raise ValueError(f"request_id: {rid!r} is already in flight")
+            raise InvalidRequestError(f"request_id: {rid!r} is already in flight")
         if not sampling.greedy and sampling.seed is None:  # both workers must draw alike
             sampling = dataclasses.replace(sampling, seed=random.getrandbits(63))
         trace = trace or Trace()
         stream = _Stream(asyncio.Queue(), decode, prefill, trace)
         self._streams[rid] = stream
         self._poll(decode)
-        finished = False
+        finished = False  # or refused: then there is nothing to abort (the id may be live)
         try:
-            target = await decode.submit.remote(rid, prompt_ids, sampling, prefill is not None)
+            try:
+                target = await decode.submit.remote(
+                    rid, prompt_ids, sampling, prefill is not None, self.reader
+                )
+            except Exception:
+                finished = True
+                raise
             trace.admitted_at = time.monotonic()
             trace.remote_prefill = target is not None
             if target is not None:
@@ -152,7 +167,7 @@ class Dispatcher:
         cursor = 0
         while True:
             try:
-                cursor, deltas = await decode.outputs.remote(cursor, self.poll_s)
+                cursor, deltas = await decode.outputs.remote(self.reader, cursor, self.poll_s)
             except Exception as e:  # the worker is gone: end its requests' streams
                 log.error("decode worker unreachable: %s", e)
                 for rid, stream in list(self._streams.items()):

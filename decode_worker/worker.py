@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 import uuid
 from collections import deque
@@ -46,6 +45,7 @@ from cluster.types import (
     TokenDelta,
 )
 from cluster.worker_loop import WorkerLoop
+from decode_worker.outbox import Outboxes
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +96,7 @@ class DecodeWorker:
         self._admitting: deque[_Admitting] = deque()
         self._emitted: dict[RequestId, int] = {}  # output tokens sent so far, per request
         self._pages_received = self._bytes_received = self._transfer_failures = 0
-        self._out: list[TokenDelta] = []  # deltas not yet acknowledged by the reader
-        self._out_base = 0  # the number of self._out[0]
-        self._out_lock = threading.Lock()
-        self._out_wake: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+        self._outboxes = Outboxes()
         self._loop = WorkerLoop(self._tick, name=f"{name}-engine")
 
     # --- actor API -----------------------------------------------------------------------
@@ -110,15 +107,18 @@ class DecodeWorker:
         prompt_ids: list[int],
         sampling: SamplingParams,
         remote: bool,
+        reader: str,
     ) -> KVTarget | None:
         """Admit a request: a leased KVTarget to prefill into elsewhere, or None if it
-        prefills here (colocated, short uncached part, or aborted while waiting)."""
+        prefills here (colocated, short uncached part, or aborted while waiting). Its
+        deltas go to `reader`'s outbox (see `outputs`)."""
         done: asyncio.Future[KVTarget | None] = asyncio.get_running_loop().create_future()
 
         def admit() -> None:
             if request_id in self._emitted:
                 raise InvalidRequestError(f"request_id: {request_id!r} is already in flight")
             self._emitted[request_id] = 0
+            self._outboxes.claim(request_id, reader)
             try:
                 uncached = len(prompt_ids) - self.engine.cached_prefix_tokens(prompt_ids)
                 if not remote or uncached <= self.transfer.local_prefill_tokens:
@@ -129,6 +129,7 @@ class DecodeWorker:
                 self._admit()
             except Exception:
                 del self._emitted[request_id]
+                self._outboxes.forget(request_id)
                 raise
 
         await self._loop.call(admit)
@@ -143,25 +144,13 @@ class DecodeWorker:
         """Abort in any state; returns the state it was in (None: not here)."""
         return await self._loop.call(lambda: self._abort(request_id))
 
-    async def outputs(self, after: int, timeout_s: float) -> tuple[int, list[TokenDelta]]:
-        """Deltas numbered `after` and on, waiting up to timeout_s for one, and the number
-        to ask from next. Asking from `after` drops the deltas before it; a reader that
-        went away without asking on (a closed event loop) loses nothing for the next one.
-        """
-        if self._out_wake is None:
-            self._out_wake = (asyncio.get_running_loop(), asyncio.Event())
-        wake = self._out_wake[1]
-        while self._out_base + len(self._out) <= after:
-            wake.clear()
-            try:
-                await asyncio.wait_for(wake.wait(), timeout_s)
-            except TimeoutError:
-                break
-        with self._out_lock:
-            drop = min(max(0, after - self._out_base), len(self._out))
-            del self._out[:drop]
-            self._out_base += drop
-            return self._out_base + len(self._out), list(self._out)
+    async def outputs(
+        self, reader: str, after: int, timeout_s: float
+    ) -> tuple[int, list[TokenDelta]]:
+        """The deltas of requests `reader` submitted, numbered `after` and on, waiting up
+        to timeout_s for one, and the number to ask from next. Asking from `after` drops
+        the ones before it; a reader that went away without asking on loses nothing."""
+        return await self._outboxes.read(reader, after, timeout_s)
 
     async def info(self) -> ModelInfo:
         return self.engine.model_info
@@ -217,6 +206,7 @@ class DecodeWorker:
             except Exception as e:
                 self._admitting.popleft()
                 del self._emitted[a.request_id]
+                self._outboxes.forget(a.request_id)
                 a.done.get_loop().call_soon_threadsafe(_fail, a.done, e)
                 continue
             if reservation is None:
@@ -310,13 +300,7 @@ class DecodeWorker:
         return TokenDelta(rid, self._emitted.pop(rid, 0), (), "", (), reason, error)
 
     def _publish(self, *deltas: TokenDelta) -> None:
-        if not deltas:
-            return
-        with self._out_lock:
-            self._out.extend(deltas)
-        if self._out_wake is not None:
-            loop, wake = self._out_wake
-            loop.call_soon_threadsafe(wake.set)
+        self._outboxes.publish(list(deltas))
 
 
 def _settle(done: asyncio.Future[KVTarget | None], result: KVTarget | None) -> None:

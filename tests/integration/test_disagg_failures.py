@@ -25,6 +25,7 @@ from cluster.types import (
 from tests.integration.disagg import collect, run
 from tests.integration.test_disagg import GREEDY, SEEDED, long_prompt
 
+READER = "failure-tests"  # the outbox these tests read by hand
 SHORT_LEASE = {"lease_s": 0.6, "write_margin_s": 0.3, "local_prefill_tokens": 0}
 # One prompt at a time in small chunks: a second request stays queued for many steps.
 SERIAL = {"max_num_seqs": 1, "max_num_batched_tokens": 64}
@@ -80,11 +81,11 @@ def test_a_reservation_nobody_fills_is_released_when_its_lease_ends(
 
     async def go() -> list[int]:
         started = time.monotonic()
-        target = await d.submit.remote(rid, prompts[8], GREEDY, True)
+        target = await d.submit.remote(rid, prompts[8], GREEDY, True, READER)
         assert target is not None and len(target.pages) == -(-len(prompts[8]) // 16)
         cursor, tokens, finished = 0, [], False
         while not finished:
-            cursor, deltas = await d.outputs.remote(cursor, 1.0)
+            cursor, deltas = await d.outputs.remote(READER, cursor, 1.0)
             mine: list[TokenDelta] = [x for x in deltas if x.request_id == rid]
             for x in mine:
                 tokens += x.token_ids
@@ -213,7 +214,7 @@ def test_mismatched_peers_are_refused_at_the_handshake_within_a_second(
     rid = RequestId(f"mismatch-{peer}")
 
     async def go() -> None:
-        target = await d.submit.remote(rid, prompts[0], GREEDY, True)
+        target = await d.submit.remote(rid, prompts[0], GREEDY, True, READER)
         started = time.monotonic()
         with pytest.raises(IncompatiblePeerError, match="compatibility hash"):
             await bad.prefill.remote(rid, prompts[0], GREEDY, target)
@@ -236,21 +237,43 @@ def test_a_duplicate_request_id_is_refused_and_the_first_request_is_untouched(
     ids = long_prompt(prompts[8] + prompts[1], 400)  # uncached: seconds of prefill
 
     async def go() -> None:
-        target = await d.submit.remote(rid, ids, GREEDY, True)
+        target = await d.submit.remote(rid, ids, GREEDY, True, READER)
         with pytest.raises(InvalidRequestError, match="already in flight"):
-            await d.submit.remote(rid, prompts[0], GREEDY, False)
+            await d.submit.remote(rid, prompts[0], GREEDY, False, READER)
         first = asyncio.ensure_future(p.prefill.remote(rid, ids, GREEDY, target))
         with pytest.raises(InvalidRequestError, match="already in flight"):
             await p.prefill.remote(rid, prompts[0], GREEDY, target)
         token = await first
         cursor, tokens, finished = 0, [], False
         while not finished:
-            cursor, deltas = await d.outputs.remote(cursor, 1.0)
+            cursor, deltas = await d.outputs.remote(READER, cursor, 1.0)
             for x in deltas:
                 if x.request_id == rid:
                     tokens += x.token_ids
                     finished = finished or x.finish_reason is not None
         assert tokens[0] == token.token_id
         assert tokens == (await collect(Dispatcher(), ids, GREEDY, c)).tokens
+
+    run(go())
+
+
+def test_a_duplicate_id_from_another_dispatcher_leaves_the_live_request_running(
+    workers: Any, prompts: list[list[int]]
+) -> None:
+    """Two routers share a decode worker: one's refused duplicate must not abort the
+    other's request (a refused submit has nothing of its own to abort)."""
+    c = workers.decode("colocated")
+    rid = RequestId("shared-id")
+    sampling = SamplingParams(max_tokens=40, ignore_eos=True)
+
+    async def go() -> None:
+        first, second = Dispatcher(), Dispatcher()
+        live = asyncio.ensure_future(collect(first, prompts[2], sampling, c, request_id=rid))
+        while (await c.stats.remote()).running == 0:  # the first request is decoding
+            await asyncio.sleep(0.01)
+        with pytest.raises(InvalidRequestError, match="already in flight"):
+            await collect(second, prompts[0], sampling, c, request_id=rid)
+        done = await live
+        assert done.finish is FinishReason.LENGTH and len(done.tokens) == 40
 
     run(go())

@@ -1,0 +1,95 @@
+"""Outboxes: each reader's deltas, numbered, until the reader acknowledges them.
+
+A reader (one Dispatcher: one router process) claims each request it submits; the
+engine thread publishes deltas into the claiming reader's box, and the reader long-polls
+its own box from the actor's event loop. Readers never see, or drop, each other's
+deltas. A box whose reader stopped asking and that holds no live request is removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+
+from cluster.types import RequestId, TokenDelta
+
+
+@dataclass
+class _Box:
+    deltas: list[TokenDelta] = field(default_factory=list)  # not yet acknowledged
+    base: int = 0  # the number of deltas[0]
+    live: int = 0  # requests claimed and not finished
+    fresh: bool = True  # not read yet: numbered from wherever its reader's cursor is
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    last_read: float = field(default_factory=time.monotonic)
+
+
+class Outboxes:
+    def __init__(self, idle_s: float = 300.0) -> None:
+        self.idle_s = idle_s
+        self._boxes: dict[str, _Box] = {}
+        self._owner: dict[RequestId, str] = {}
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def claim(self, request_id: RequestId, reader: str) -> None:
+        """`reader` gets every delta of `request_id`, until one that finishes it."""
+        with self._lock:
+            self._owner[request_id] = reader
+            self._boxes.setdefault(reader, _Box()).live += 1
+
+    def forget(self, request_id: RequestId) -> None:
+        """Drop a claim that will get no delta (its request was refused)."""
+        with self._lock:
+            reader = self._owner.pop(request_id, None)
+            if reader is not None:
+                self._boxes[reader].live -= 1
+
+    def publish(self, deltas: list[TokenDelta]) -> None:
+        """From any thread: file each delta with its request's reader and wake it."""
+        woken: list[_Box] = []
+        with self._lock:
+            for delta in deltas:
+                rid = delta.request_id
+                reader = self._owner.get(rid)
+                if reader is None:
+                    continue  # its reader is gone, or the request already finished
+                box = self._boxes[reader]
+                box.deltas.append(delta)
+                if delta.finish_reason is not None:
+                    del self._owner[rid]
+                    box.live -= 1
+                woken.append(box)
+        if self._loop is not None:
+            for box in woken:
+                self._loop.call_soon_threadsafe(box.wake.set)
+
+    async def read(self, reader: str, after: int, timeout_s: float) -> tuple[int, list[TokenDelta]]:
+        """`reader`'s deltas numbered `after` and on (waiting up to timeout_s for one), and
+        the number to ask from next. Asking from `after` acknowledges the ones before it."""
+        self._loop = asyncio.get_running_loop()
+        with self._lock:
+            self._sweep()
+            box = self._boxes.setdefault(reader, _Box())
+            if box.fresh:  # also a box swept while its reader was away: carry on numbering
+                box.base, box.fresh = after, False
+        while box.base + len(box.deltas) <= after:
+            box.wake.clear()
+            try:
+                await asyncio.wait_for(box.wake.wait(), timeout_s)
+            except TimeoutError:
+                break
+        with self._lock:
+            box.last_read = time.monotonic()
+            drop = min(max(0, after - box.base), len(box.deltas))
+            del box.deltas[:drop]
+            box.base += drop
+            return box.base + len(box.deltas), list(box.deltas)
+
+    def _sweep(self) -> None:
+        idle = time.monotonic() - self.idle_s
+        for reader, box in list(self._boxes.items()):
+            if box.live == 0 and box.last_read < idle:
+                del self._boxes[reader]

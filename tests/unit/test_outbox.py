@@ -1,0 +1,74 @@
+"""Outboxes: each reader gets exactly its own requests' deltas, in order, once."""
+
+from __future__ import annotations
+
+import asyncio
+
+from cluster.types import FinishReason, RequestId, TokenDelta
+from decode_worker.outbox import Outboxes
+
+
+def _delta(rid: str, index: int, done: bool = False) -> TokenDelta:
+    reason = FinishReason.STOP if done else None
+    return TokenDelta(RequestId(rid), index, (index,), str(index), (), reason)
+
+
+def test_readers_see_only_their_own_requests_and_never_drop_each_others() -> None:
+    async def go() -> None:
+        boxes = Outboxes()
+        boxes.claim(RequestId("a1"), "A")
+        boxes.claim(RequestId("b1"), "B")
+        boxes.publish([_delta("a1", 0), _delta("b1", 0), _delta("a1", 1)])
+        cursor_b, got_b = await boxes.read("B", 0, 0.01)
+        assert [(d.request_id, d.index) for d in got_b] == [("b1", 0)]
+        boxes.publish([_delta("b1", 1, done=True)])
+        cursor_b, got_b = await boxes.read("B", cursor_b, 0.01)  # B runs ahead of A
+        assert [(d.request_id, d.index) for d in got_b] == [("b1", 1)]
+        cursor_a, got_a = await boxes.read("A", 0, 0.01)
+        assert [(d.request_id, d.index) for d in got_a] == [("a1", 0), ("a1", 1)]
+        assert cursor_a == 2
+        # Asking on acknowledges: the same deltas are not handed out twice.
+        assert await boxes.read("A", cursor_a, 0.01) == (2, [])
+
+    asyncio.run(go())
+
+
+def test_a_finished_request_gets_no_more_deltas_and_unclaimed_ones_are_dropped() -> None:
+    async def go() -> None:
+        boxes = Outboxes()
+        boxes.claim(RequestId("r"), "A")
+        boxes.publish([_delta("r", 0, done=True), _delta("r", 1), _delta("stranger", 0)])
+        _, got = await boxes.read("A", 0, 0.01)
+        assert [d.index for d in got] == [0]
+
+    asyncio.run(go())
+
+
+def test_a_read_waits_for_the_next_delta_published_from_another_thread() -> None:
+    async def go() -> None:
+        boxes = Outboxes()
+        boxes.claim(RequestId("r"), "A")
+        await boxes.read("A", 0, 0.01)  # binds the loop, as a polling reader does
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.05, lambda: loop.run_in_executor(None, boxes.publish, [_delta("r", 0)]))
+        _, got = await boxes.read("A", 0, 5.0)
+        assert [d.index for d in got] == [0]
+
+    asyncio.run(go())
+
+
+def test_an_idle_reader_is_swept_and_coming_back_continues_its_numbering() -> None:
+    async def go() -> None:
+        boxes = Outboxes(idle_s=0.0)
+        boxes.claim(RequestId("r"), "A")
+        boxes.publish([_delta("r", 0), _delta("r", 1, done=True)])
+        cursor, _ = await boxes.read("A", 0, 0.01)
+        await boxes.read("A", cursor, 0.01)  # acknowledged; nothing live: sweepable
+        await asyncio.sleep(0.01)
+        boxes.claim(RequestId("s"), "B")
+        await boxes.read("B", 0, 0.01)  # sweeps A's empty box
+        boxes.claim(RequestId("t"), "A")  # A comes back, its cursor still at 2
+        boxes.publish([_delta("t", 0)])
+        assert [d.request_id for d in (await boxes.read("A", cursor, 0.01))[1]] == ["t"]
+
+    asyncio.run(go())

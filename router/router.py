@@ -107,17 +107,7 @@ class Router:
     async def _generate(
         self, p: Prepared, arrived: float
     ) -> AsyncIterator[tuple[TokenDelta, Final | None]]:
-        placement = None
-        if p.session_id is not None and self.placements is not None:
-            placement = await self.placements.get(p.session_id)
-        hint = None
-        if placement is not None:
-            hint = SessionHint(
-                placement.decode_worker,
-                placement.decode_epoch,
-                placement.prefill_worker,
-                placement.cached_tokens,
-            )
+        hint = await self._session(p.session_id)
         self._turn += 1
         snapshot = self.workers.snapshot()
         request = RouteRequest(len(p.prompt_ids), p.sampling.max_tokens, hint, self._turn)
@@ -132,35 +122,59 @@ class Router:
         stream = self.dispatcher.generate(
             p.prompt_ids, p.sampling, decode, prefill, p.request_id, trace
         )
+        prefilling = chosen.prefill
+        self.workers.routed(chosen.decode, prefilling, len(p.prompt_ids))
         try:
             async for delta in stream:
                 if delta.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
                     raise RequestFailed(delta.finish_reason, delta.error or "aborted")
+                if prefilling is not None and delta.token_ids:
+                    self.workers.prefilled(prefilling, len(p.prompt_ids))
+                    prefilling = None
                 completion += len(delta.token_ids)
                 if delta.finish_reason is None:
                     yield delta, None
                     continue
-                usage = Usage(len(p.prompt_ids), trace.num_cached_tokens, completion)
-                final = Final(usage, _timing(trace, arrived), chosen)
                 if p.session_id is not None:
                     epoch = next(w.epoch for w in snapshot.decode if w.worker == chosen.decode)
-                    self._remember(p.session_id, chosen, epoch, len(p.prompt_ids) + completion)
-                yield delta, final
+                    # A local prefill leaves the session's prefix where it was prefilled before.
+                    prefill_worker = chosen.prefill or (hint.prefill_worker if hint else None)
+                    # The last sampled token was never fed back: its KV is not there.
+                    cached = len(p.prompt_ids) + completion - 1
+                    placement = Placement(chosen.decode, epoch, prefill_worker, cached, time.time())
+                    self._remember(p.session_id, placement)
+                usage = Usage(len(p.prompt_ids), trace.num_cached_tokens, completion)
+                yield delta, Final(usage, _timing(trace, arrived), chosen)
         except RayActorError as e:  # the decode worker died before taking the request
             self.workers.mark_dead(chosen.decode, str(e))
             raise Unavailable(f"decode worker {chosen.decode} failed: {e}") from None
         finally:
             await stream.aclose()
+            if prefilling is not None:
+                self.workers.prefilled(prefilling, len(p.prompt_ids))
+            self.workers.finished(chosen.decode)
+
+    async def _session(self, session_id: str | None) -> SessionHint | None:
+        """Where the session's KV was left, as Redis remembers it (None: no hint)."""
+        if session_id is None or self.placements is None:
+            return None
+        placement = await self.placements.get(session_id)
+        if placement is None:
+            return None
+        return SessionHint(
+            placement.decode_worker,
+            placement.decode_epoch,
+            placement.prefill_worker,
+            placement.cached_tokens,
+        )
 
     async def abort(self, request_id: RequestId) -> None:
         await self.dispatcher.abort(request_id)
 
-    def _remember(self, session_id: str, chosen: Route, epoch: str, num_tokens: int) -> None:
+    def _remember(self, session_id: str, placement: Placement) -> None:
         """Write the session's placement back without holding up the reply."""
         if self.placements is None:
             return
-        # The last sampled token was never fed back, so its KV is not on the worker.
-        placement = Placement(chosen.decode, epoch, chosen.prefill, num_tokens - 1, time.time())
         task = asyncio.create_task(self.placements.put(session_id, placement))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

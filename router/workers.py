@@ -1,7 +1,9 @@
 """The router's view of the worker pools: Ray handles by worker id, and their loads.
 
 A background task reads every worker's stats each `interval_s` and builds the Snapshot
-the routing policy decides on. A worker whose call fails (its actor died) leaves the
+the routing policy decides on. Between two reads, the requests this router sent count
+too (`routed` ... `finished`), so that a burst does not all go to the worker that
+looked idlest at the last read. A worker whose call fails (its actor died) leaves the
 snapshot at once and is not routed to again; `on_change` hears when the set of live
 decode workers changes (the health service follows it).
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +43,8 @@ class WorkerRegistry:
         self._prefill = {w: _Worker(h) for w, h in prefill.items()}
         self._decode = {w: _Worker(h) for w, h in decode.items()}
         self._snapshot = Snapshot((), ())
+        self._sequences: Counter[str] = Counter()  # this router's requests per decode worker
+        self._prompt_tokens: Counter[str] = Counter()  # ... and its tokens per prefill worker
         self._task: asyncio.Task[None] | None = None
         self.on_change: Callable[[int], None] = lambda num_decode: None
 
@@ -67,6 +72,22 @@ class WorkerRegistry:
             for name, w in [*self._prefill.items(), *self._decode.items()]
             if w.stats is not None
         }
+
+    def routed(self, decode: str, prefill: str | None, prompt_tokens: int) -> None:
+        """This router sent a request to these workers."""
+        self._sequences[decode] += 1
+        if prefill is not None:
+            self._prompt_tokens[prefill] += prompt_tokens
+        self._rebuild()
+
+    def prefilled(self, prefill: str, prompt_tokens: int) -> None:
+        """The request's prefill is done (its first token came back)."""
+        self._prompt_tokens[prefill] -= prompt_tokens
+        self._rebuild()
+
+    def finished(self, decode: str) -> None:
+        self._sequences[decode] -= 1
+        self._rebuild()
 
     def mark_dead(self, worker: str, why: str) -> None:
         """Stop routing to `worker` now (a call to it failed)."""
@@ -105,13 +126,13 @@ class WorkerRegistry:
                 s.num_pages,
                 self.page_size,
                 s.running,
-                s.waiting + s.transferring + s.admitting,
+                max(s.waiting + s.transferring + s.admitting, self._sequences[name] - s.running),
             )
             for name, w in self._decode.items()
             if isinstance(s := w.stats, DecodeStats)
         )
         prefill = tuple(
-            PrefillLoad(name, s.epoch, s.queued_tokens)
+            PrefillLoad(name, s.epoch, max(s.queued_tokens, self._prompt_tokens[name]))
             for name, w in self._prefill.items()
             if isinstance(s := w.stats, PrefillStats)
         )

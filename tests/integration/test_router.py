@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -91,6 +92,26 @@ def test_stream_equals_offline_engine(
         assert reply.timing.transfer_ms >= 0 and reply.timing.prefill_ms > 0
 
 
+def test_two_routers_stream_at_once_over_the_same_workers(
+    routers: tuple[RouterHarness, ...], workers: Any, engine: LLMEngine
+) -> None:
+    """Each router reads only its own requests' tokens from a shared decode worker."""
+    prompts = [f"Fact number {i} about owls:" for i in range(6)]
+
+    async def one(address: str, prompt: str) -> Any:
+        async with Client(address) as client:
+            return await client.generate(prompt, max_tokens=20, ignore_eos=True, timeout_s=120)
+
+    async def all_at_once() -> list[Any]:
+        jobs = [one(routers[i % 2].address, p) for i, p in enumerate(prompts)]
+        return await asyncio.gather(*jobs)
+
+    replies = asyncio.run(all_at_once())
+    offline = engine.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))
+    assert [r.token_ids for r in replies] == [c.token_ids for c in offline]
+    assert {r.decode_worker for r in replies} == {"decode", "colocated"}
+
+
 def _busy_worker(address: str, timeout_s: float = 20) -> str:
     """The decode worker with a running sequence, once the router's loads show one."""
 
@@ -108,17 +129,15 @@ def _busy_worker(address: str, timeout_s: float = 20) -> str:
     return asyncio.run(run())
 
 
-def _hold_worker_busy(address: str) -> tuple[asyncio.AbstractEventLoop, Any]:
+def _hold_worker_busy(address: str, **fields: Any) -> tuple[asyncio.AbstractEventLoop, Any]:
     """Start a long generation in the background; returns its loop and future."""
     loop = asyncio.new_event_loop()
-    import threading
-
     threading.Thread(target=loop.run_forever, daemon=True).start()
 
     async def run() -> Any:
         async with Client(address) as client:
             return await client.generate(
-                _story("busy" + uuid.uuid4().hex[:6], 2), max_tokens=120, ignore_eos=True
+                _story("busy" + uuid.uuid4().hex[:6], 2), max_tokens=120, ignore_eos=True, **fields
             )
 
     return loop, asyncio.run_coroutine_threadsafe(run(), loop)
@@ -251,6 +270,22 @@ def test_past_max_pending_requests_are_refused_at_once(
     finally:
         a.app.router.max_pending = 256
     assert ask(a.address, "Hello there", max_tokens=4).usage.completion_tokens == 4
+
+
+def test_a_request_id_already_in_flight_is_refused(
+    routers: tuple[RouterHarness, ...], workers: Any
+) -> None:
+    a = routers[0]
+    loop, busy = _hold_worker_busy(a.address, request_id="twice")
+    try:
+        _busy_worker(a.address)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            ask(a.address, "Hello there", max_tokens=4, request_id="twice")
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "request_id: 'twice' is already in flight" in (err.value.details() or "")
+        assert busy.result(120).usage.completion_tokens == 120
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
 
 
 def test_redis_outage_fails_open_and_affinity_resumes(

@@ -123,6 +123,10 @@ def _bench(args: argparse.Namespace) -> int:
         from bench.transfer import main as transfer_main
 
         return transfer_main(args.bench_args)
+    if args.kind == "router":
+        from bench.router import main as router_main
+
+        return router_main(args.bench_args)
     from bench.offline import main as offline_main
 
     return offline_main(args.bench_args)
@@ -158,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     bench = sub.add_parser("bench", help="benchmarks (bench/)")
-    bench.add_argument("kind", choices=["offline", "transfer"])
+    bench.add_argument("kind", choices=["offline", "transfer", "router"])
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)
     return parser

@@ -7,7 +7,15 @@ from typing import Any
 
 import pytest
 
-from cluster.config import ConfigError, EngineConfig, engine_config_from_dict, load_engine_config
+from cluster.config import (
+    ConfigError,
+    EngineConfig,
+    ServeConfig,
+    engine_config_from_dict,
+    load_engine_config,
+    load_serve_config,
+    serve_config_from_dict,
+)
 
 
 def test_the_defaults_are_valid() -> None:
@@ -125,3 +133,44 @@ def test_load_names_an_unknown_field(tmp_path: Path) -> None:
     path.write_text("engine:\n  max_batch: 8\n")
     with pytest.raises(ConfigError, match=r"serve\.yaml: engine\.max_batch: unknown field"):
         load_engine_config(path)
+
+
+# --- the whole serve config ----------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_example_serve_config_spells_out_the_defaults() -> None:
+    assert load_serve_config(ROOT / "configs" / "serve.example.yaml") == ServeConfig()
+
+
+def test_pool_engines_override_the_shared_engine_field_by_field() -> None:
+    config = serve_config_from_dict(
+        {"engine": {"kv_cache_gb": 0.5, "threads": 2}, "decode": {"engine": {"threads": 1}}}
+    )
+    assert config.prefill.engine == EngineConfig(kv_cache_gb=0.5, threads=2)
+    assert config.decode.engine == EngineConfig(kv_cache_gb=0.5, threads=1)
+
+
+@pytest.mark.parametrize(
+    "doc, message",
+    [
+        ({"decode": {"replicas": 0}}, "decode.replicas: must be an integer >= 1"),
+        ({"prefill": {"num_cpus": -1}}, "prefill.num_cpus: must be a number >= 0"),
+        ({"prefill": {"engine": {"dtype": "int3"}}}, "prefill.engine.dtype: must be one of"),
+        ({"engine": {"page_size": 0}}, "prefill.engine.page_size: must be an integer >= 1"),
+        ({"router": {"policy": "random"}}, "router.policy: must be one of"),
+        ({"router": {"port": 70000}}, "router.port: must be an integer in [0, 65535]"),
+        ({"router": {"max_pending": 0}}, "router.max_pending: must be an integer >= 1"),
+        ({"router": {"grace_s": 0}}, "router.grace_s: must be a number > 0"),
+        ({"router": {"colour": "red"}}, "router.colour: unknown field"),
+        ({"transfer": {"lease_s": -1}}, "transfer.lease_s: must be a number > 0"),
+        ({"redis_url": "http://x"}, "config.redis_url: must be a redis:// or rediss:// URL"),
+        ({"pools": 3}, "config.pools: unknown field"),
+        ({"engine": [1]}, "engine: must be a mapping"),
+    ],
+)
+def test_a_bad_serve_config_is_refused_naming_its_field(doc: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        serve_config_from_dict(doc)
+    assert str(err.value).startswith(message), str(err.value)

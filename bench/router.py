@@ -1,0 +1,396 @@
+"""`splitserve bench router`: what the gRPC router adds per request, how fast it decides,
+and what session affinity saves on a conversation's second turn.
+
+One process and one asyncio loop run the client, the routers and the direct path, over real
+Ray workers on the bundled model; each router has its own Dispatcher, the direct path another.
+Wall-clock times (perf_counter). The client shares the loop, so its gRPC work is on the
+critical path, as for any sequential client, and so is router work left running after a
+reply (the session's Redis PUT).
+
+1. Overhead. One decode worker (TransferConfig() defaults, EngineConfig(kv_cache_gb=0.2,
+   threads=1)); a short prompt it prefills itself; max_tokens 4, greedy; sequential requests,
+   three paths interleaved in one loop (order rotated per rep), `--reps` after `--warmup`.
+   Latency: from the call to the stream's end. direct: Dispatcher.generate on the prompt's
+   token ids. router: a gRPC Client sends the text; the router tokenizes, validates, routes
+   and streams back over loopback. router+session: the same with a session id, so a Redis
+   GET (EmbeddedRedis) before routing and a background PUT after the last token. Added
+   latency: median over reps of (router path - direct) within a rep. As the model's steps
+   make each latency vary by milliseconds, also the in-band part outside the Router: median
+   of (client latency - the reply's timing.total_ms, which spans Router.generate: Redis GET,
+   routing, Dispatcher). Breakdown, medians of `--reps` calls on the same loop: a unary gRPC
+   round trip (ListModels), `prepare` (tokenize+validate) inline, an asyncio.to_thread hop
+   (the servicer runs `prepare` in a thread), a PlacementStore GET and PUT.
+2. Routing. Decisions/s of the pure `route()` on snapshots of 2, 16 and 128 workers per pool,
+   1,000-token prompts (a prefill worker is picked too; cache_aware gets a session hint), 0.3 s
+   per cell. Router cost with a stub worker (answers at once; no model, no Ray): mean ms per
+   request through Dispatcher.generate, Router.generate, and a client over gRPC.
+3. Affinity. 2 prefill + 2 decode workers (EngineConfig(kv_cache_gb=0.3, threads=1)), two
+   routers over them: cache_aware with Redis; round_robin, whose turn two lands on the other
+   workers and recomputes the prompt. `--conversations` per policy, interleaved, each with its
+   own ~1,000-token first user message (a unique tag: prefix caches do not help across them):
+   turn 1 (max_tokens 32), then turn 2 = turn 1 + the reply + a short user message (max_tokens
+   8), same session id. TTFT: client time from sending turn 2 to its first streamed message;
+   also the server's timing.first_token_ms and usage.cached_prompt_tokens. Reported: medians
+   and the ratio of median client TTFTs, cache_aware / round_robin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import statistics
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from types import SimpleNamespace as Method
+from typing import Any
+
+import ray
+
+from cluster.config import EngineConfig, RouterConfig, TransferConfig
+from cluster.dispatch import Dispatcher
+from cluster.engine.checkpoint import bundled_model_path
+from cluster.engine.tokenizer import Tokenizer
+from cluster.redis_server import EmbeddedRedis
+from cluster.types import FinishReason, ModelInfo, RequestId, SamplingParams, TokenDelta
+from decode_worker.worker import DecodeStats
+from decode_worker.worker import spawn as spawn_decode
+from prefill_worker.worker import spawn as spawn_prefill
+from router import policy as routing
+from router.app import RouterApp, start_router
+from router.placement import Placement, PlacementStore
+from router.request import Prepared, prepare
+from splitserve.client import Client, request
+from splitserve.v1 import splitserve_pb2 as pb
+
+RESULTS = Path(__file__).parent / "results"
+PROMPT = "The capital of France is"
+MAX_TOKENS = 4
+SESSION = "bench-overhead"  # the router+session path's session id
+POLICIES = ("cache_aware", "round_robin")
+Call = Callable[[], Awaitable[Any]]
+ADDED, OUTSIDE = "added_median_ms", "outside_router_median_ms"
+
+
+def _ms(xs: list[float]) -> dict[str, float]:
+    """Median and p90 of seconds, in ms."""
+    return {
+        "median_ms": 1e3 * statistics.median(xs),
+        "p90_ms": 1e3 * statistics.quantiles(xs, n=10)[-1],
+    }
+
+
+async def _median_ms(call: Call, n: int) -> float:
+    took = []
+    for _ in range(n):
+        started = time.perf_counter()
+        await call()
+        took.append(time.perf_counter() - started)
+    return 1e3 * statistics.median(took)
+
+
+async def _drain(stream: AsyncIterator[Any]) -> list[Any]:
+    return [item async for item in stream]
+
+
+async def _value(value: Any) -> Any:
+    return value
+
+
+# --- 2. routing decisions and the router's own cost ------------------------------------------
+
+
+def route_rates() -> dict[str, dict[str, float]]:
+    """Decisions per second of `route()`, by workers per pool and policy."""
+    out: dict[str, dict[str, float]] = {}
+    for n in (2, 16, 128):
+        decode = [routing.DecodeLoad(f"d{i}", "e", 400 + 37 * i % 200, 1000, 16, i % 5, i % 3)
+                  for i in range(n)]  # fmt: skip
+        prefill = [routing.PrefillLoad(f"p{i}", "e", 97 * i % 4000) for i in range(n)]
+        snapshot = routing.Snapshot(tuple(decode), tuple(prefill))
+        hint = routing.SessionHint(f"d{n // 2}", "e", f"p{n // 2}", 900)
+        out[str(n)] = {}
+        for policy in routing.PolicyName:
+            config = routing.PolicyConfig(policy)
+            calls, started = 0, time.perf_counter()
+            while time.perf_counter() - started < 0.3:
+                for turn in range(100):
+                    routing.route(config, snapshot, routing.RouteRequest(1000, 32, hint, turn))
+                calls += 100
+            out[str(n)][policy.value] = calls / (time.perf_counter() - started)
+    return out
+
+
+class StubDecode:
+    """A decode worker that answers at once: each request gets max_tokens one-token deltas."""
+
+    def __init__(self) -> None:
+        self._actor_id = os.urandom(16)  # the Dispatcher keys its pollers by this
+        self._out: asyncio.Queue[TokenDelta] = asyncio.Queue()
+        self._cursor = 0
+        stats = DecodeStats("e", 1000, 1000, 0, 0, 0, 0, 0, 0, 0)
+        self.submit, self.outputs = Method(remote=self._submit), Method(remote=self._outputs)
+        self.stats = Method(remote=lambda: _value(stats))
+        self.info = Method(remote=lambda: _value(ModelInfo("stub", 2048, 49152, 16)))
+        self.abort = Method(remote=lambda rid: _value(None))
+
+    async def _submit(
+        self, rid: RequestId, ids: list[int], s: SamplingParams, remote: bool, reader: str
+    ) -> None:
+        for i in range(s.max_tokens):
+            end = FinishReason.LENGTH if i == s.max_tokens - 1 else None
+            self._out.put_nowait(TokenDelta(rid, i, (100 + i,), "x", (), end))
+
+    async def _outputs(
+        self, reader: str, after: int, timeout_s: float
+    ) -> tuple[int, list[TokenDelta]]:
+        delta = await self._out.get()
+        self._cursor += 1
+        return self._cursor, [delta]
+
+
+async def router_cost(dispatcher: Dispatcher, reps: int) -> dict[str, float]:
+    """Mean ms per request over `reps` sequential requests to a stub worker, by path."""
+    stub = StubDecode()
+    app = await start_router(RouterConfig(port=0), 32, {}, {"stub": stub}, None)
+    sampling = SamplingParams(max_tokens=MAX_TOKENS)
+    prepared = Prepared(list(range(100, 108)), sampling, None, None)
+    out = {}
+    async with Client(app.address) as client:
+        paths: dict[str, Call] = {
+            "dispatcher": lambda: _drain(dispatcher.generate(prepared.prompt_ids, sampling, stub)),
+            "router": lambda: _drain(app.router.generate(prepared)),
+            "grpc": lambda: client.generate(PROMPT, max_tokens=MAX_TOKENS),
+        }
+        for name, call in paths.items():
+            for _ in range(reps // 10):  # warm-up
+                await call()
+            started = time.perf_counter()
+            for _ in range(reps):
+                await call()
+            out[name + "_ms"] = 1e3 * (time.perf_counter() - started) / reps
+    await app.stop(1.0)
+    return out
+
+
+# --- 1. router overhead ----------------------------------------------------------------------
+
+
+async def overhead(
+    tok: Tokenizer, dispatcher: Dispatcher, redis_url: str, reps: int, warmup: int
+) -> dict[str, Any]:
+    decode = spawn_decode("bench-overhead", EngineConfig(kv_cache_gb=0.2, threads=1),
+                          TransferConfig(), num_cpus=0)  # fmt: skip
+    info: ModelInfo = await decode.info.remote()
+    local = TransferConfig().local_prefill_tokens
+    app = await start_router(RouterConfig(port=0), local, {}, {"d": decode}, redis_url)
+    store = app.placements
+    assert store is not None
+    ids, sampling = tok.encode(PROMPT), SamplingParams(max_tokens=MAX_TOKENS)
+    took: dict[str, list[float]] = {"direct": [], "router": [], "router+session": []}
+    edge: dict[str, list[float]] = {path: [] for path in took}  # e2e - the router's total_ms
+    try:
+        async with Client(app.address) as client:
+
+            async def run(path: str) -> tuple[list[int], float]:
+                """The tokens, and the router's own timing.total_ms (0 for direct)."""
+                if path == "direct":
+                    deltas = await _drain(dispatcher.generate(ids, sampling, decode))
+                    return [t for d in deltas for t in d.token_ids], 0.0
+                sid = SESSION if path == "router+session" else ""
+                reply = await client.generate(PROMPT, session_id=sid, max_tokens=MAX_TOKENS)
+                return reply.token_ids, reply.timing.total_ms / 1e3
+
+            expected, _ = await run("direct")
+            for rep in range(warmup + reps):
+                order = list(took)[rep % 3 :] + list(took)[: rep % 3]
+                for path in order:
+                    started = time.perf_counter()
+                    got, inside = await run(path)
+                    if rep >= warmup:
+                        took[path].append(time.perf_counter() - started)
+                        edge[path].append(took[path][-1] - inside)
+                    assert got == expected, f"{path}: {got} != {expected} (greedy, same prompt)"
+            breakdown = await _breakdown(client, store, tok, info, reps)
+    finally:
+        await app.stop(1.0)
+    paths = {path: _ms(xs) for path, xs in took.items()}
+    for path in ("router", "router+session"):
+        diffs = [a - b for a, b in zip(took[path], took["direct"], strict=True)]
+        paths[path][ADDED] = 1e3 * statistics.median(diffs)
+        paths[path][OUTSIDE] = 1e3 * statistics.median(edge[path])
+    samples = {path: [1e3 * x for x in xs] for path, xs in took.items()}
+    return dict(prompt_tokens=len(ids), paths=paths, breakdown=breakdown, samples_ms=samples)
+
+
+async def _breakdown(
+    client: Client, store: PlacementStore, tok: Tokenizer, info: ModelInfo, reps: int
+) -> dict[str, float]:
+    """Median ms of each piece of the router's path, measured alone on this loop."""
+    msg, spot = request(PROMPT, max_tokens=4), Placement("d", "e", None, 9, time.time())
+    return {
+        "grpc_unary_round_trip_ms": await _median_ms(client.models, reps),
+        "tokenize_validate_ms": await _median_ms(
+            lambda: _value(prepare(msg, tok, info, 4096)), reps
+        ),
+        "to_thread_hop_ms": await _median_ms(lambda: asyncio.to_thread(int), reps),
+        "redis_get_ms": await _median_ms(lambda: store.get(SESSION), reps),
+        "redis_put_ms": await _median_ms(lambda: store.put("bench-put", spot), reps),
+    }
+
+
+# --- 3. second-turn TTFT with and without affinity -------------------------------------------
+
+
+def first_message(tok: Tokenizer, tag: str, tokens: int) -> str:
+    """A user message of about `tokens` tokens (chat template included), tagged throughout
+    with `tag` so that no other conversation shares its prefix."""
+    notes = [f"Conversation {tag}. Please read my notes."]
+    chat = lambda: [{"role": "user", "content": " ".join(notes)}]
+    while len(tok.encode(tok.apply_chat_template(chat()))) < tokens:
+        i = len(notes)
+        notes.append(f"Note {i} ({tag}): the boat passed {7 * i % 13} lighthouses and {i} gulls.")
+    return " ".join(notes)
+
+
+async def _turn(
+    client: Client, messages: list[dict[str, str]], session: str, max_tokens: int
+) -> tuple[float, str, pb.GenerateResponse]:
+    """(client TTFT in s, the reply's text, its last message)."""
+    started, ttft, text, last = time.perf_counter(), 0.0, [], pb.GenerateResponse()
+    async for piece in client.stream(messages, session_id=session, max_tokens=max_tokens):
+        ttft = ttft or time.perf_counter() - started
+        text.append(piece.text)
+        last = piece
+    return ttft, "".join(text), last
+
+
+async def conversation(client: Client, tok: Tokenizer, tokens: int) -> dict[str, Any]:
+    tag = uuid.uuid4().hex[:10]
+    messages = [{"role": "user", "content": first_message(tok, tag, tokens)}]
+    _, reply, one = await _turn(client, messages, tag, 32)
+    messages += [
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "Thanks. Which note mentions the most gulls?"},
+    ]
+    ttft, _, two = await _turn(client, messages, tag, 8)
+    return {
+        "ttft_ms": 1e3 * ttft,
+        "server_first_token_ms": two.timing.first_token_ms,
+        "prompt_tokens": two.usage.prompt_tokens,
+        "cached_prompt_tokens": two.usage.cached_prompt_tokens,
+        "workers": [one.prefill_worker, one.decode_worker, two.prefill_worker, two.decode_worker],
+    }
+
+
+async def affinity(tok: Tokenizer, redis_url: str, conversations: int) -> dict[str, Any]:
+    engine, transfer = EngineConfig(kv_cache_gb=0.3, threads=1), TransferConfig()
+    prefill = {f"prefill-{i}": spawn_prefill(f"prefill-{i}", engine, transfer, 0) for i in (0, 1)}
+    decode = {f"decode-{i}": spawn_decode(f"decode-{i}", engine, transfer, 0) for i in (0, 1)}
+    await asyncio.gather(*(h.info.remote() for h in [*prefill.values(), *decode.values()]))
+    apps: dict[str, RouterApp] = {}
+    runs: dict[str, list[dict[str, Any]]] = {p: [] for p in POLICIES}
+    try:
+        for p in POLICIES:
+            config, local = RouterConfig(port=0, policy=p), transfer.local_prefill_tokens
+            apps[p] = await start_router(config, local, prefill, decode, redis_url)
+        clients = {p: Client(app.address) for p, app in apps.items()}
+        await conversation(clients["round_robin"], tok, 200)  # warms up all four workers
+        for k in range(conversations):
+            for p in POLICIES[k % 2 :] + POLICIES[: k % 2]:
+                runs[p].append(await conversation(clients[p], tok, 1000))
+        await asyncio.gather(*(c.close() for c in clients.values()))
+    finally:
+        await asyncio.gather(*(app.stop(1.0) for app in apps.values()))
+    keys = ("ttft_ms", "server_first_token_ms", "prompt_tokens", "cached_prompt_tokens")
+    medians = {p: {k: statistics.median(r[k] for r in rs) for k in keys} for p, rs in runs.items()}
+    ratio = medians["cache_aware"]["ttft_ms"] / medians["round_robin"]["ttft_ms"]
+    return {"conversations": runs, "medians": medians, "ttft_ratio": ratio}
+
+
+# --- report ----------------------------------------------------------------------------------
+
+
+def _target(what: str, value: float, limit: float, unit: str = "") -> str:
+    met = "met" if value <= limit else "MISSED"
+    return f"target: {what} <= {limit}{unit}: {value:.3g}{unit} ({met})"
+
+
+def report(r: dict[str, Any]) -> str:
+    o, b, cost, a = r["overhead"], r["overhead"]["breakdown"], r["router_cost"], r["affinity"]
+    lines = [
+        f"1. Router overhead: one decode worker, {o['prompt_tokens']}-token prompt, max_tokens "
+        f"{MAX_TOKENS}, greedy, {r['reps']} interleaved reps after {r['warmup']} warm-up",
+        f"{'path':<16} {'median':>9} {'p90':>9} {'added: median paired diff':>26} "
+        f"{'e2e - router total_ms':>22}",
+    ]
+    for name, p in o["paths"].items():
+        added, edge = (f"{p[k]:+.2f} ms" if k in p else "-" for k in (ADDED, OUTSIDE))
+        lines.append(
+            f"{name:<16} {p['median_ms']:>6.2f} ms {p['p90_ms']:>6.2f} ms {added:>26} {edge:>22}"
+        )
+    lines += [
+        f"breakdown (medians): gRPC unary round trip {b['grpc_unary_round_trip_ms']:.2f} ms, "
+        f"tokenize+validate {b['tokenize_validate_ms']:.2f} ms, to_thread hop "
+        f"{b['to_thread_hop_ms']:.2f} ms,\n  Redis GET {b['redis_get_ms']:.2f} ms, Redis PUT "
+        f"(background) {b['redis_put_ms']:.2f} ms",
+        f"stub workers (mean per request): Dispatcher {cost['dispatcher_ms']:.3f} ms, "
+        f"Router.generate {cost['router_ms']:.3f} ms, over gRPC {cost['grpc_ms']:.3f} ms",
+    ]
+    for name in ("router", "router+session"):
+        lines.append(_target(f"{name} added median", o["paths"][name][ADDED], 1, " ms"))
+    names = [p.value for p in routing.PolicyName]
+    lines += ["", "2. Routing decisions per second, pure route() (1,000-token prompt)",
+              f"{'workers/pool':>12} " + " ".join(f"{p:>13}" for p in names)]  # fmt: skip
+    for n, rates in r["route_rates"].items():
+        lines.append(f"{n:>12} " + " ".join(f"{rates[p]:>13,.0f}" for p in names))
+    lines += [
+        "",
+        f"3. Second-turn TTFT, ~1,000-token conversations, {r['conversations']} per policy, "
+        "2 prefill + 2 decode workers (medians)",
+        f"{'policy':<12} {'client TTFT':>12} {'server 1st tok':>15} {'prompt':>7} {'cached':>7}",
+    ]
+    for policy, m in a["medians"].items():
+        lines.append(
+            f"{policy:<12} {m['ttft_ms']:>9.1f} ms {m['server_first_token_ms']:>12.1f} ms "
+            f"{m['prompt_tokens']:>7.0f} {m['cached_prompt_tokens']:>7.0f}"
+        )
+    lines.append(_target("TTFT cache_aware / round_robin", a["ttft_ratio"], 0.5))
+    return "\n".join(lines)
+
+
+async def _run(args: argparse.Namespace, redis_url: str) -> dict[str, Any]:
+    results: dict[str, Any] = {k: getattr(args, k) for k in ("reps", "warmup", "conversations")}
+    results["route_rates"] = route_rates()
+    dispatcher = Dispatcher()  # the direct path's
+    results["router_cost"] = await router_cost(dispatcher, 20 * args.reps)
+    tok = await asyncio.to_thread(Tokenizer.load, bundled_model_path())
+    results["overhead"] = await overhead(tok, dispatcher, redis_url, args.reps, args.warmup)
+    results["affinity"] = await affinity(tok, redis_url, args.conversations)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="splitserve bench router", description=__doc__)
+    parser.add_argument("--reps", type=int, default=60)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--conversations", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=RESULTS / "router.json")
+    args = parser.parse_args(argv)
+    redis = EmbeddedRedis()
+    redis_url = redis.start()
+    try:
+        ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
+        results = asyncio.run(_run(args, redis_url))
+    finally:
+        ray.shutdown()
+        redis.stop()
+    print(report(results))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2))
+    print(f"\nresults: {args.out}")
+    return 0

@@ -188,6 +188,13 @@ class Workers:
             self.handles[name] = spawn(name, config, TransferConfig(**transfer), num_cpus=0)
         return self.handles[name]
 
+    def release(self, keep: tuple[str, ...]) -> None:
+        """Kill every actor but those named in `keep`."""
+        import ray
+
+        for name in [n for n in self.handles if n not in keep]:
+            ray.kill(self.handles.pop(name))
+
     def assert_all_pages_free(self, timeout_s: float = 10.0) -> None:
         """Every worker's pages return to its free pool (leases may still have to end)."""
         import time
@@ -210,14 +217,29 @@ class Workers:
         assert not busy, f"pages still held: {busy}"
 
 
+# Every actor holds its own copy of the model: those a module spawns for itself go when
+# the module ends, or a whole run would not fit in this machine's 24 GB.
+SHARED_WORKERS = ("prefill", "decode", "colocated")
+_session_workers: list[Workers] = []
+
+
 @pytest.fixture(scope="session")
 def ray_workers() -> Iterator[Workers]:
     import ray
 
     ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
     workers = Workers()
+    _session_workers.append(workers)
     yield workers
+    _session_workers.clear()
     ray.shutdown()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def release_module_workers() -> Iterator[None]:
+    yield
+    for workers in _session_workers:
+        workers.release(keep=SHARED_WORKERS)
 
 
 @pytest.fixture

@@ -124,6 +124,13 @@ class Dispatcher:
             if not finished:
                 self._spawn(self._abort(rid, stream))
 
+    async def close(self) -> None:
+        """Stop reading from the decode workers (after the last stream has ended)."""
+        tasks = [*self._pollers.values(), *self._tasks]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     async def abort(self, request_id: RequestId) -> None:
         """Stop a request on its workers; its stream ends with an ABORT delta."""
         stream = self._streams.get(request_id)

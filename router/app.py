@@ -35,6 +35,7 @@ class RouterApp:
     async def stop(self, grace_s: float) -> None:
         """Stop accepting; calls in flight get grace_s to finish, then are aborted."""
         await self.server.stop(grace_s)
+        await self.router.dispatcher.close()
         await self.workers.stop()
         if self.placements is not None:
             await self.placements.close()

@@ -59,8 +59,9 @@ async def _generate_remote(args: argparse.Namespace) -> int:
     prompt: Prompt = args.prompt
     if args.chat:
         prompt = [{"role": "user", "content": args.prompt}]
+    wait = {"timeout_s": args.wait_s, "wait_for_ready": True} if args.wait_s else {}
     async with Client(args.server) as client:
-        async for piece in client.stream(prompt, **_sampling(args)):
+        async for piece in client.stream(prompt, **wait, **_sampling(args)):
             sys.stdout.write(piece.text)
             sys.stdout.flush()
     sys.stdout.write("\n")
@@ -153,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text for one prompt (local engine or server)")
     gen.add_argument("prompt")
     gen.add_argument("--server", default=None, help="ask a running server (host:port) instead")
+    gen.add_argument(
+        "--wait-s", type=float, default=0, help="with --server: wait this long for it to be up"
+    )
     gen.add_argument("--chat", action="store_true", help="wrap as one user turn (chat template)")
     _sampling_args(gen, max_tokens=128)
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)

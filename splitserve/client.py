@@ -79,10 +79,16 @@ class Client:
         await self.channel.close()
 
     async def stream(
-        self, prompt: Prompt, timeout_s: float | None = None, **fields: Any
+        self,
+        prompt: Prompt,
+        timeout_s: float | None = None,
+        wait_for_ready: bool = False,
+        **fields: Any,
     ) -> AsyncIterator[pb.GenerateResponse]:
-        """The reply as the server streams it; leaving the loop early cancels the request."""
-        call = self.stub.Generate(request(prompt, **fields), timeout=timeout_s)
+        """The reply as the server streams it; leaving the loop early cancels the request.
+        `wait_for_ready`: a server not up yet is waited for (until timeout_s), not refused."""
+        msg = request(prompt, **fields)
+        call = self.stub.Generate(msg, timeout=timeout_s, wait_for_ready=wait_for_ready)
         try:
             async for piece in call:
                 yield piece

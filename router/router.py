@@ -14,7 +14,6 @@ Life of a request here:
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -23,13 +22,11 @@ from typing import Any
 from ray.exceptions import RayActorError
 
 from cluster.dispatch import Dispatcher, Trace
-from cluster.types import FinishReason, RequestId, TokenDelta
+from cluster.types import FinishReason, TokenDelta
 from router.placement import Placement, PlacementStore
 from router.policy import NoWorkerError, PolicyConfig, Route, RouteRequest, SessionHint, route
 from router.request import Prepared
 from router.workers import WorkerRegistry
-
-log = logging.getLogger(__name__)
 
 
 class Overloaded(Exception):
@@ -167,9 +164,6 @@ class Router:
             placement.prefill_worker,
             placement.cached_tokens,
         )
-
-    async def abort(self, request_id: RequestId) -> None:
-        await self.dispatcher.abort(request_id)
 
     def _remember(self, session_id: str, placement: Placement) -> None:
         """Write the session's placement back without holding up the reply."""

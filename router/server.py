@@ -55,8 +55,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 prepared = await asyncio.to_thread(prepare, *args)
             async for delta, final in self.router.generate(prepared):
                 yield _response(delta, final)
-        except InvalidRequestError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except InvalidRequestError as e:  # ours, or a worker's (Ray wraps it: its cause)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(getattr(e, "cause", e)))
         except Overloaded as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except Unavailable as e:
@@ -66,6 +66,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             if e.reason is FinishReason.ERROR:
                 code = grpc.StatusCode.INTERNAL
             await context.abort(code, str(e))
+        except Exception as e:  # a bug of ours: say so, and keep serving
+            log.exception("Generate failed")
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {e}")
 
     async def ListModels(
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext

@@ -195,6 +195,8 @@ BAD = [
     ({"prompt": "hi", "request_id": "x" * 200}, "request_id"),
     ({"prompt": "hi", "model": "gpt-9"}, "model"),
     ({"prompt": "word " * 9000}, "text"),
+    # Fits the model's context but not a worker's whole KV cache (0.2 GB): the worker says so.
+    ({"prompt": "word " * 900, "max_tokens": 4000}, "max_tokens: the request needs"),
 ]
 
 

@@ -241,6 +241,8 @@ def test_a_duplicate_request_id_is_refused_and_the_first_request_is_untouched(
         with pytest.raises(InvalidRequestError, match="already in flight"):
             await d.submit.remote(rid, prompts[0], GREEDY, False, READER)
         first = asyncio.ensure_future(p.prefill.remote(rid, ids, GREEDY, target))
+        while await p.status.remote(rid) is None:  # an async actor may run calls out of order
+            await asyncio.sleep(0.005)
         with pytest.raises(InvalidRequestError, match="already in flight"):
             await p.prefill.remote(rid, prompts[0], GREEDY, target)
         token = await first

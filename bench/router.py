@@ -132,7 +132,7 @@ class StubDecode:
         self._actor_id = os.urandom(16)  # the Dispatcher keys its pollers by this
         self._out: asyncio.Queue[TokenDelta] = asyncio.Queue()
         self._cursor = 0
-        stats = DecodeStats("e", 1000, 1000, 0, 0, 0, 0, 0, 0, 0)
+        stats = DecodeStats("e", 1000, 1000, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
         self.submit, self.outputs = Method(remote=self._submit), Method(remote=self._outputs)
         self.stats = Method(remote=lambda: _value(stats))
         self.info = Method(remote=lambda: _value(ModelInfo("stub", 2048, 49152, 16)))

@@ -116,7 +116,9 @@ def _serve(args: argparse.Namespace) -> int:
     if args.port is not None:
         router = dataclasses.replace(router, port=args.port)
     redis_url = args.redis_url or config.redis_url
-    return serve(dataclasses.replace(config, router=router, redis_url=redis_url))
+    address = args.address or config.ray_address
+    config = dataclasses.replace(config, router=router, redis_url=redis_url, ray_address=address)
+    return serve(config)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -141,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the whole cluster on this machine (gRPC router)")
     serve.add_argument("--config", default=None, help="YAML config: pools, transfer, router")
     serve.add_argument("--redis-url", default=None, help="an external Redis (default: embedded)")
+    serve.add_argument(
+        "--address", default=None, help="join this Ray cluster (auto, ray://...) instead"
+    )
     serve.add_argument("--host", default=None, help="router address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=None, help="router port (default 50051)")
     serve.set_defaults(func=_serve)

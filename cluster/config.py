@@ -130,6 +130,9 @@ class PoolConfig:
     replicas: int = 1
     num_cpus: float = 1.0
     num_gpus: float = 0.0
+    # Custom Ray resources each worker asks for, e.g. {prefill_node: 1} so a phase lands
+    # on its own node type (deploy/ declares them on the nodes).
+    resources: dict[str, float] = field(default_factory=dict)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -141,6 +144,13 @@ class PoolConfig:
         for name in ("num_cpus", "num_gpus"):
             value = getattr(self, name)
             _check(_is_number(value) and value >= 0, name, f"must be a number >= 0, got {value!r}")
+        _check(isinstance(self.resources, dict), "resources", "must be a mapping")
+        for key, value in self.resources.items():
+            _check(
+                isinstance(key, str) and _is_number(value) and value >= 0,
+                f"resources.{key}",
+                f"must be a number >= 0, got {value!r}",
+            )
 
 
 @dataclass(frozen=True)
@@ -158,6 +168,7 @@ class RouterConfig:
     redis_timeout_s: float = 0.05  # per Redis call on the request path
     stats_interval_s: float = 0.1  # how often worker loads are read
     grace_s: float = 10.0  # on shutdown, how long in-flight requests may run on
+    metrics_port: int | None = 9464  # Prometheus /metrics on host:port; 0: any; null: off
 
     def __post_init__(self) -> None:
         _check(isinstance(self.host, str) and bool(self.host), "host", "must be a host name")
@@ -165,6 +176,12 @@ class RouterConfig:
             _is_int(self.port) and 0 <= self.port < 65536,
             "port",
             f"must be an integer in [0, 65535] (0: any free port), got {self.port!r}",
+        )
+        _check(
+            self.metrics_port is None
+            or (_is_int(self.metrics_port) and 0 <= self.metrics_port < 65536),
+            "metrics_port",
+            f"must be an integer in [0, 65535] or null, got {self.metrics_port!r}",
         )
         _check(self.policy in POLICIES, "policy", f"must be one of {POLICIES}, got {self.policy!r}")
         for name in ("affinity_slack_tokens", "max_pending", "max_tokens", "max_message_bytes"):
@@ -188,6 +205,7 @@ class ServeConfig:
     transfer: TransferConfig = field(default_factory=TransferConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     redis_url: str | None = None  # None: an embedded valkey-server, started and stopped here
+    ray_address: str | None = None  # None: start a local Ray; "auto" or ray://...: join one
 
     def __post_init__(self) -> None:
         _check(

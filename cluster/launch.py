@@ -44,22 +44,32 @@ async def _serve(config: ServeConfig) -> None:
         else:
             log.info("redis: %s (external)", redis_url)
 
-        pools = (config.prefill, config.decode)
-        wanted = sum(p.replicas * p.num_cpus for p in pools)
-        num_cpus = max(os.cpu_count() or 1, math.ceil(wanted))
-        # A local cluster listens on loopback only; joining a cluster is issue 5's.
-        ray.init(
-            address="local",
-            num_cpus=num_cpus,
-            include_dashboard=False,
-            _node_ip_address="127.0.0.1",
-        )
+        if config.ray_address is None:
+            pools = (config.prefill, config.decode)
+            wanted = sum(p.replicas * p.num_cpus for p in pools)
+            num_cpus = max(os.cpu_count() or 1, math.ceil(wanted))
+            # This machine plays every node type: it has the pools' custom resources.
+            custom: dict[str, float] = {}
+            for pool in pools:
+                for key, amount in pool.resources.items():
+                    custom[key] = custom.get(key, 0) + pool.replicas * amount
+            # A cluster of this machine alone listens on loopback only.
+            ray.init(
+                address="local",
+                num_cpus=num_cpus,
+                resources=custom,
+                include_dashboard=False,
+                _node_ip_address="127.0.0.1",
+            )
+            log.info("ray: local cluster with %d CPUs", num_cpus)
+        else:
+            ray.init(address=config.ray_address)
+            log.info("ray: joined %s, %s", config.ray_address, ray.cluster_resources())
         stack.callback(ray.shutdown)
         # After ray.init, which installs its own SIGTERM handler: ours must win.
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        log.info("ray: local cluster with %d CPUs", num_cpus)
 
         prefill = _spawn("prefill", config.prefill, config, spawn_prefill)
         decode = _spawn("decode", config.decode, config, spawn_decode)
@@ -88,7 +98,12 @@ async def _serve(config: ServeConfig) -> None:
 def _spawn(phase: str, pool: PoolConfig, config: ServeConfig, spawn: Any) -> dict[str, Any]:
     return {
         f"{phase}-{i}": spawn(
-            f"{phase}-{i}", pool.engine, config.transfer, pool.num_cpus, pool.num_gpus
+            f"{phase}-{i}",
+            pool.engine,
+            config.transfer,
+            pool.num_cpus,
+            pool.num_gpus,
+            pool.resources,
         )
         for i in range(pool.replicas)
     }

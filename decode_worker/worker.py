@@ -77,6 +77,9 @@ class DecodeStats:
     waiting: int
     transferring: int
     admitting: int
+    queued_tokens: int  # prompt tokens of waiting requests, not yet computed
+    prefix_queries: int  # prompt tokens looked up in the prefix cache, since the start
+    prefix_hits: int  # ... and found there
     pages_received: int
     bytes_received: int
     transfer_failures: int  # transfers that ended without their KV (then recomputed or failed)
@@ -166,6 +169,9 @@ class DecodeWorker:
                 len(sched.waiting),
                 len(self._inbound),
                 len(self._admitting),
+                sum(seq.num_uncomputed for seq in sched.waiting),
+                self.engine.pool.prefix_queries,
+                self.engine.pool.prefix_hits,
                 self._pages_received,
                 self._bytes_received,
                 self._transfer_failures,
@@ -322,9 +328,9 @@ def spawn(
     transfer: TransferConfig,
     num_cpus: float = 1,
     num_gpus: float = 0,
+    resources: dict[str, float] | None = None,
 ) -> Any:
     """Start a DecodeWorker actor named `name`; returns its Ray actor handle."""
     actor: Any = ray.remote(DecodeWorker)
-    return actor.options(name=name, num_cpus=num_cpus, num_gpus=num_gpus).remote(
-        name, engine, transfer
-    )
+    options = {"name": name, "num_cpus": num_cpus, "num_gpus": num_gpus}
+    return actor.options(**options, resources=resources or {}).remote(name, engine, transfer)

@@ -172,9 +172,9 @@ def spawn(
     transfer: TransferConfig,
     num_cpus: float = 1,
     num_gpus: float = 0,
+    resources: dict[str, float] | None = None,
 ) -> Any:
     """Start a PrefillWorker actor named `name`; returns its Ray actor handle."""
     actor: Any = ray.remote(PrefillWorker)
-    return actor.options(name=name, num_cpus=num_cpus, num_gpus=num_gpus).remote(
-        name, engine, transfer
-    )
+    options = {"name": name, "num_cpus": num_cpus, "num_gpus": num_gpus}
+    return actor.options(**options, resources=resources or {}).remote(name, engine, transfer)

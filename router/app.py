@@ -12,6 +12,7 @@ from cluster.config import RouterConfig
 from cluster.engine.checkpoint import bundled_model_path
 from cluster.engine.tokenizer import Tokenizer
 from cluster.types import ModelInfo
+from router.metrics import RouterMetrics
 from router.placement import PlacementStore
 from router.policy import PolicyConfig, PolicyName
 from router.router import Router
@@ -27,6 +28,7 @@ class RouterApp:
     router: Router
     workers: WorkerRegistry
     placements: PlacementStore | None
+    metrics_http: Any | None  # the /metrics HTTP server, if one was asked for
 
     @property
     def address(self) -> str:
@@ -35,6 +37,9 @@ class RouterApp:
     async def stop(self, grace_s: float) -> None:
         """Stop accepting; calls in flight get grace_s to finish, then are aborted."""
         await self.server.stop(grace_s)
+        if self.metrics_http is not None:
+            self.metrics_http.shutdown()
+            self.metrics_http.server_close()
         await self.router.dispatcher.close()
         await self.workers.stop()
         if self.placements is not None:
@@ -65,7 +70,9 @@ async def start_router(
         PolicyName(config.policy), local_prefill_tokens, config.affinity_slack_tokens
     )
     router = Router(policy, workers, placements, config.max_pending)
-    server = RouterServer(GenerationServicer(router, tokenizer, info, config), config)
+    metrics = RouterMetrics(workers)
+    servicer = GenerationServicer(router, tokenizer, info, config, metrics)
+    server = RouterServer(servicer, config)
     await server.start()
     await server.set_serving(bool(workers.snapshot().decode))
     tasks: set[asyncio.Task[None]] = set()
@@ -76,6 +83,11 @@ async def start_router(
         task.add_done_callback(tasks.discard)
 
     workers.on_change = on_change
+    metrics_http = None
+    if config.metrics_port is not None:
+        metrics_http = metrics.serve(config.host, config.metrics_port)
+        host, port = metrics_http.server_address[:2]
+        log.info("router: Prometheus metrics on http://%s:%d/metrics", host, port)
     log.info(
         "router: gRPC on %s (policy %s, %d prefill + %d decode workers, model %s)",
         server.address,
@@ -84,4 +96,4 @@ async def start_router(
         len(decode),
         info.name,
     )
-    return RouterApp(server, router, workers, placements)
+    return RouterApp(server, router, workers, placements, metrics_http)

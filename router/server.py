@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from importlib.metadata import version
 
@@ -21,6 +22,7 @@ from cluster.config import RouterConfig
 from cluster.engine.tokenizer import Tokenizer
 from cluster.types import FinishReason, InvalidRequestError, ModelInfo, TokenDelta
 from decode_worker.worker import DecodeStats
+from router.metrics import RouterMetrics
 from router.request import prepare
 from router.router import Final, Overloaded, RequestFailed, Router, Unavailable
 from splitserve.v1 import splitserve_pb2 as pb
@@ -35,9 +37,15 @@ FINISH = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINI
 
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(
-        self, router: Router, tokenizer: Tokenizer, model: ModelInfo, config: RouterConfig
+        self,
+        router: Router,
+        tokenizer: Tokenizer,
+        model: ModelInfo,
+        config: RouterConfig,
+        metrics: RouterMetrics,
     ) -> None:
         self.router = router
+        self.metrics = metrics
         self.tokenizer = tokenizer
         self.model = model
         self.config = config
@@ -45,6 +53,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
+        status = "cancelled"  # unless it ends otherwise: the client left or its deadline passed
+        code: grpc.StatusCode | None = None
+        why = ""
         try:
             args = (request, self.tokenizer, self.model, self.config.max_tokens)
             # Tokenizing a long input takes milliseconds: not on the event loop. A short
@@ -53,22 +64,46 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 prepared = prepare(*args)
             else:
                 prepared = await asyncio.to_thread(prepare, *args)
+            last: float | None = None
             async for delta, final in self.router.generate(prepared):
+                last = self._observe(delta, final, last)
                 yield _response(delta, final)
+            status = "ok"
         except InvalidRequestError as e:  # ours, or a worker's (Ray wraps it: its cause)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(getattr(e, "cause", e)))
+            code, why = grpc.StatusCode.INVALID_ARGUMENT, str(getattr(e, "cause", e))
         except Overloaded as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            code, why = grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
         except Unavailable as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            code, why = grpc.StatusCode.UNAVAILABLE, str(e)
         except RequestFailed as e:
-            code = grpc.StatusCode.ABORTED
+            code, why = grpc.StatusCode.ABORTED, str(e)
             if e.reason is FinishReason.ERROR:
                 code = grpc.StatusCode.INTERNAL
-            await context.abort(code, str(e))
         except Exception as e:  # a bug of ours: say so, and keep serving
             log.exception("Generate failed")
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {e}")
+            code, why = grpc.StatusCode.INTERNAL, f"internal error: {e}"
+        finally:
+            self.metrics.requests.labels(status if code is None else code.name.lower()).inc()
+        if code is not None:
+            await context.abort(code, why)
+
+    def _observe(self, delta: TokenDelta, final: Final | None, last: float | None) -> float:
+        """Record the latencies one streamed delta shows; returns when it was sent."""
+        now = time.monotonic()
+        m = self.metrics
+        if last is not None and delta.token_ids:
+            gap = (now - last) / len(delta.token_ids)
+            for _ in delta.token_ids:
+                m.itl.observe(gap)
+        if final is not None:
+            t, n = final.timing, final.usage.completion_tokens
+            m.ttft.observe(t.first_token_ms / 1e3)
+            m.e2e.observe(t.total_ms / 1e3)
+            if n > 1:
+                m.tpot.observe((t.total_ms - t.first_token_ms) / 1e3 / (n - 1))
+            if final.route.prefill is not None:
+                m.transfer.observe(t.transfer_ms / 1e3)
+        return now
 
     async def ListModels(
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext

@@ -66,7 +66,8 @@ class WorkerRegistry:
         return w.handle
 
     def stats(self) -> dict[str, DecodeStats | PrefillStats]:
-        """The last stats read from each live worker."""
+        """The last stats read from each live worker. Safe from another thread (a metrics
+        scrape): the pools are copied in one step before they are read."""
         return {
             name: w.stats
             for name, w in [*self._prefill.items(), *self._decode.items()]

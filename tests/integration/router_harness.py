@@ -26,7 +26,7 @@ class RouterHarness:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        config = RouterConfig(port=0, redis_timeout_s=0.1, **router)
+        config = RouterConfig(**{"port": 0, "redis_timeout_s": 0.1, "metrics_port": None, **router})
         self.app: RouterApp = self.call(
             start_router(config, local_prefill_tokens, prefill, decode, redis_url)
         )

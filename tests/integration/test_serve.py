@@ -10,13 +10,16 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 from tests.integration.router_harness import ask
 
 CONFIG = """
 engine: {kv_cache_gb: 0.2, threads: 1, max_num_batched_tokens: 256}
-router: {port: 0, grace_s: 30}
+prefill: {resources: {prefill_node: 1}}  # the local Ray plays both node types
+decode: {resources: {decode_node: 1}}
+router: {port: 0, grace_s: 30, metrics_port: 0}
 """
 SPLITSERVE = [sys.executable, "-m", "cluster.cli"]
 
@@ -73,8 +76,12 @@ def test_serve_answers_cli_clients_and_stops_cleanly(tmp_path: Path) -> None:
         "prefill-0: ready",
         "decode-0: ready",
         "router: gRPC on 127.0.0.1:",
+        "router: Prometheus metrics on http://127.0.0.1:",
     ):
         assert component in text, component
+    found = re.search(r"metrics on (\S+)", text)
+    assert found is not None
+    metrics_url = found.group(1)
     children = _descendants(server.pid)
     try:
         gen = subprocess.run(
@@ -94,6 +101,8 @@ def test_serve_answers_cli_clients_and_stops_cleanly(tmp_path: Path) -> None:
         )
         assert gen.returncode == 0, gen.stderr
         assert gen.stdout.strip(), gen.stderr
+        scraped = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+        assert 'splitserve_requests_total{status="ok"} 1.0' in scraped
         chat = subprocess.run(
             [*SPLITSERVE, "chat", "--server", address, "--max-tokens", "8"],
             input="Hello, who are you?\nSay that again.\n",

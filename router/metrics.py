@@ -1,0 +1,106 @@
+"""The router's Prometheus metrics.
+
+Requests are counted and their latencies observed as they end; the workers' loads are
+read at each scrape from the last stats the router polled, so a worker that is gone has
+no series left behind. Names follow Prometheus conventions (base units, `_total` on
+counters, `_seconds`, `_bytes`, `_ratio`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from decode_worker.worker import DecodeStats
+from prefill_worker.worker import PrefillStats
+from router.workers import WorkerRegistry
+
+LATENCY_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TOKEN_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class RouterMetrics:
+    def __init__(self, workers: WorkerRegistry) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "splitserve_requests", "Requests by how they ended", ["status"], registry=r
+        )
+        self.ttft = Histogram(
+            "splitserve_time_to_first_token_seconds", "Arrival to first token", buckets=LATENCY_S,
+            registry=r,
+        )  # fmt: skip
+        self.tpot = Histogram(
+            "splitserve_time_per_output_token_seconds",
+            "Mean time per output token after the first, per request",
+            buckets=TOKEN_S,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "splitserve_inter_token_latency_seconds",
+            "Time between two streamed tokens",
+            buckets=TOKEN_S,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "splitserve_request_duration_seconds", "Arrival to last token", buckets=LATENCY_S,
+            registry=r,
+        )  # fmt: skip
+        self.transfer = Histogram(
+            "splitserve_kv_transfer_seconds",
+            "First token to the decode worker holding all KV (remote prefills)",
+            buckets=LATENCY_S,
+            registry=r,
+        )
+        r.register(_WorkerLoads(workers))
+
+    def serve(self, host: str, port: int) -> Any:
+        """Serve /metrics on host:port (0: any free port); returns the HTTP server."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return server
+
+
+class _WorkerLoads(Collector):
+    def __init__(self, workers: WorkerRegistry) -> None:
+        self.workers = workers
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.workers.stats()
+        decode = {w: s for w, s in stats.items() if isinstance(s, DecodeStats)}
+        prefill = {w: s for w, s in stats.items() if isinstance(s, PrefillStats)}
+        pools = GaugeMetricFamily("splitserve_workers", "Live workers per phase", labels=["phase"])
+        depth = GaugeMetricFamily(
+            "splitserve_queue_depth", "Requests admitted, not yet running", labels=["phase"]
+        )
+        tokens = GaugeMetricFamily(
+            "splitserve_queued_tokens", "Prompt tokens queued, not computed", labels=["phase"]
+        )
+        for phase, pool in (("prefill", prefill), ("decode", decode)):
+            pools.add_metric([phase], len(pool))
+        depth.add_metric(["prefill"], sum(s.queued_requests for s in prefill.values()))
+        depth.add_metric(
+            ["decode"], sum(s.waiting + s.transferring + s.admitting for s in decode.values())
+        )
+        tokens.add_metric(["prefill"], sum(s.queued_tokens for s in prefill.values()))
+        tokens.add_metric(["decode"], sum(s.queued_tokens for s in decode.values()))
+        yield from (pools, depth, tokens)
+        used = GaugeMetricFamily(
+            "splitserve_kv_cache_usage_ratio", "KV pages in use", labels=["worker"]
+        )
+        hits = GaugeMetricFamily(
+            "splitserve_prefix_cache_hit_ratio",
+            "Prompt tokens found in the prefix cache, of those looked up",
+            labels=["worker"],
+        )
+        received = CounterMetricFamily(
+            "splitserve_kv_transfer_bytes", "KV bytes written into the worker", labels=["worker"]
+        )
+        for w, s in decode.items():
+            used.add_metric([w], 1 - s.free_pages / s.num_pages)
+            hits.add_metric([w], s.prefix_hits / s.prefix_queries if s.prefix_queries else 0.0)
+            received.add_metric([w], s.bytes_received)
+        yield from (used, hits, received)

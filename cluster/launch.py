@@ -61,7 +61,8 @@ async def _serve(config: ServeConfig) -> None:
                 include_dashboard=False,
                 _node_ip_address="127.0.0.1",
             )
-            log.info("ray: local cluster with %d CPUs", num_cpus)
+            gcs = ray.get_runtime_context().gcs_address
+            log.info("ray: local cluster with %d CPUs, GCS at %s", num_cpus, gcs)
         else:
             ray.init(address=config.ray_address)
             log.info("ray: joined %s, %s", config.ray_address, ray.cluster_resources())

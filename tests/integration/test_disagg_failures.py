@@ -232,16 +232,19 @@ def test_mismatched_peers_are_refused_at_the_handshake_within_a_second(
 def test_a_duplicate_request_id_is_refused_and_the_first_request_is_untouched(
     workers: Any, prompts: list[list[int]]
 ) -> None:
-    p, d, c = workers.trio()
+    _, d, c = workers.trio()
+    # Chunks of 32 tokens: the first prefill takes 13 engine steps, and a call to the worker
+    # is taken between two steps, so the duplicate arrives while the first is in flight.
+    p = workers.prefill("prefill-chunks-32", engine={"max_num_batched_tokens": 32})
     rid = RequestId("twice")
-    ids = long_prompt(prompts[8] + prompts[1], 400)  # uncached: seconds of prefill
+    ids = long_prompt(prompts[8] + prompts[1], 400)  # uncached
 
     async def go() -> None:
         target = await d.submit.remote(rid, ids, GREEDY, True, READER)
         with pytest.raises(InvalidRequestError, match="already in flight"):
             await d.submit.remote(rid, prompts[0], GREEDY, False, READER)
         first = asyncio.ensure_future(p.prefill.remote(rid, ids, GREEDY, target))
-        while await p.status.remote(rid) is None:  # an async actor may run calls out of order
+        while await p.status.remote(rid) is None:  # an async actor may start calls out of order
             await asyncio.sleep(0.005)
         with pytest.raises(InvalidRequestError, match="already in flight"):
             await p.prefill.remote(rid, prompts[0], GREEDY, target)

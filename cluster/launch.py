@@ -53,14 +53,7 @@ async def _serve(config: ServeConfig) -> None:
             for pool in pools:
                 for key, amount in pool.resources.items():
                     custom[key] = custom.get(key, 0) + pool.replicas * amount
-            # A cluster of this machine alone listens on loopback only.
-            ray.init(
-                address="local",
-                num_cpus=num_cpus,
-                resources=custom,
-                include_dashboard=False,
-                _node_ip_address="127.0.0.1",
-            )
+            ray.init(address="local", num_cpus=num_cpus, resources=custom, include_dashboard=False)
             gcs = ray.get_runtime_context().gcs_address
             log.info("ray: local cluster with %d CPUs, GCS at %s", num_cpus, gcs)
         else:

@@ -40,9 +40,7 @@ class EngineConfig:
         _check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         _check(self.device in DEVICES, "device", f"must be one of {DEVICES}, got {self.device!r}")
         _check(
-            isinstance(self.kv_cache_gb, int | float)
-            and not isinstance(self.kv_cache_gb, bool)
-            and self.kv_cache_gb > 0,
+            _is_number(self.kv_cache_gb) and self.kv_cache_gb > 0,
             "kv_cache_gb",
             f"must be a number > 0, got {self.kv_cache_gb!r}",
         )
@@ -98,11 +96,7 @@ class TransferConfig:
             _check(isinstance(value, bool), name, f"must be true or false, got {value!r}")
         for name in ("lease_s", "write_margin_s"):
             value = getattr(self, name)
-            _check(
-                isinstance(value, int | float) and not isinstance(value, bool) and value > 0,
-                name,
-                f"must be a number > 0, got {value!r}",
-            )
+            _check(_is_number(value) and value > 0, name, f"must be a number > 0, got {value!r}")
         _check(
             self.write_margin_s < self.lease_s,
             "write_margin_s",

@@ -24,6 +24,8 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_CHARS_PER_TOKEN = 32
 # Ids and session ids become Redis keys and log fields: keep them short and plain.
 ID_PATTERN = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+# Sampling fields a request may leave unset (then the engine's defaults apply).
+OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed")
 
 
 @dataclass(frozen=True)
@@ -130,7 +132,7 @@ def _sampling(s: pb.SamplingParams, model: ModelInfo, max_tokens_limit: int) -> 
         raise bad("stop_token_ids", f"id {outside[0]} is outside the vocabulary")
     if s.HasField("seed") and s.seed < 0:
         raise bad("seed", f"must be >= 0, got {s.seed}")
-    fields = {name: getattr(s, name) for name in _OPTIONAL if s.HasField(name)}
+    fields = {name: getattr(s, name) for name in OPTIONAL if s.HasField(name)}
     try:
         return SamplingParams(
             **fields,
@@ -141,6 +143,3 @@ def _sampling(s: pb.SamplingParams, model: ModelInfo, max_tokens_limit: int) -> 
         )
     except InvalidRequestError as e:
         raise InvalidRequestError(f"sampling.{e}") from None
-
-
-_OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed")

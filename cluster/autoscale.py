@@ -19,40 +19,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from cluster.config import ConfigError
-
-
-@dataclass(frozen=True)
-class ScalingConfig:
-    min_replicas: int = 1
-    max_replicas: int = 1
-    up_ticks: int = 3  # consecutive ticks over target before adding a replica
-    down_ticks: int = 10  # consecutive ticks under `down_below` before removing one
-    down_below: float = 0.3  # pressure under which a replica is spare
-    cooldown_s: float = 30.0
-    ttft_slo_s: float = 2.0  # prefill: p90 time to first token
-    target_queued_tokens: int = 4096  # prefill: queued prompt tokens per replica
-    tpot_slo_s: float = 0.25  # decode: p90 time per output token
-    target_kv_usage: float = 0.85  # decode: fraction of KV pages in use
-    target_waiting: int = 8  # decode: admitted requests not yet running, per replica
-
-    def __post_init__(self) -> None:
-        ints = ("min_replicas", "max_replicas", "up_ticks", "down_ticks", "target_queued_tokens")
-        for name in (*ints, "target_waiting"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name}: must be an integer >= 1, got {value!r}")
-        if self.max_replicas < self.min_replicas:
-            raise ConfigError(
-                f"max_replicas: must be >= min_replicas ({self.min_replicas}), "
-                f"got {self.max_replicas}"
-            )
-        for name in ("cooldown_s", "ttft_slo_s", "tpot_slo_s", "target_kv_usage", "down_below"):
-            value = getattr(self, name)
-            if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"{name}: must be a number > 0, got {value!r}")
-        if not self.down_below < 1:
-            raise ConfigError(f"down_below: must be below 1 (the target), got {self.down_below}")
+from cluster.config import ScalingConfig
 
 
 @dataclass(frozen=True)

@@ -118,8 +118,59 @@ POLICIES = ("round_robin", "least_loaded", "cache_aware")
 
 
 @dataclass(frozen=True)
+class ScalingConfig:
+    """One phase's autoscaler (cluster/autoscale.py has the decision it feeds)."""
+
+    min_replicas: int = 1
+    max_replicas: int = 1
+    up_ticks: int = 3  # consecutive ticks over target before adding a replica
+    down_ticks: int = 10  # consecutive ticks under `down_below` before removing one
+    down_below: float = 0.3  # pressure under which a replica is spare
+    cooldown_s: float = 30.0  # no change this soon after the last one
+    interval_s: float = 1.0  # one tick: observe, decide, act
+    drain_timeout_s: float = 60.0  # a removed worker's requests may run this long, then abort
+    start_timeout_s: float = 600.0  # a new worker (maybe on a new node) must be ready by then
+    ttft_slo_s: float = 2.0  # prefill: p90 time to first token
+    target_queued_tokens: int = 4096  # prefill: queued prompt tokens per replica
+    tpot_slo_s: float = 0.25  # decode: p90 time per output token
+    target_kv_usage: float = 0.85  # decode: fraction of KV pages in use
+    target_waiting: int = 8  # decode: admitted requests not yet running, per replica
+
+    def __post_init__(self) -> None:
+        ints = ("min_replicas", "max_replicas", "up_ticks", "down_ticks", "target_queued_tokens")
+        for name in (*ints, "target_waiting"):
+            value = getattr(self, name)
+            _check(_is_int(value) and value >= 1, name, f"must be an integer >= 1, got {value!r}")
+        _check(
+            self.max_replicas >= self.min_replicas,
+            "max_replicas",
+            f"must be >= min_replicas ({self.min_replicas}), got {self.max_replicas}",
+        )
+        for name in (
+            "cooldown_s",
+            "interval_s",
+            "drain_timeout_s",
+            "start_timeout_s",
+            "ttft_slo_s",
+            "tpot_slo_s",
+            "target_kv_usage",
+            "down_below",
+        ):
+            value = getattr(self, name)
+            _check(_is_number(value) and value > 0, name, f"must be a number > 0, got {value!r}")
+        _check(
+            self.down_below < 1,
+            "down_below",
+            f"must be below 1 (the target), got {self.down_below}",
+        )
+
+
+@dataclass(frozen=True)
 class PoolConfig:
-    """One phase's workers: how many, what each asks of Ray, and the engine each runs."""
+    """One phase's workers: how many, what each asks of Ray, and the engine each runs.
+
+    Without `autoscale` the pool keeps `replicas` workers, replacing any that die; with
+    it, the pool starts at `replicas` and moves within [min_replicas, max_replicas]."""
 
     replicas: int = 1
     num_cpus: float = 1.0
@@ -128,12 +179,20 @@ class PoolConfig:
     # on its own node type (deploy/ declares them on the nodes).
     resources: dict[str, float] = field(default_factory=dict)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    autoscale: ScalingConfig | None = None
 
     def __post_init__(self) -> None:
         _check(
             _is_int(self.replicas) and self.replicas >= 1,
             "replicas",
             f"must be an integer >= 1, got {self.replicas!r}",
+        )
+        low, high = self.scaling.min_replicas, self.scaling.max_replicas
+        _check(
+            low <= self.replicas <= high,
+            "replicas",
+            f"must be within autoscale's [min_replicas, max_replicas] = [{low}, {high}], "
+            f"got {self.replicas}",
         )
         for name in ("num_cpus", "num_gpus"):
             value = getattr(self, name)
@@ -145,6 +204,13 @@ class PoolConfig:
                 f"resources.{key}",
                 f"must be a number >= 0, got {value!r}",
             )
+
+    @property
+    def scaling(self) -> ScalingConfig:
+        """The autoscaler's config; a fixed pool only ever restores its `replicas`."""
+        if self.autoscale is not None:
+            return self.autoscale
+        return ScalingConfig(min_replicas=self.replicas, max_replicas=self.replicas)
 
 
 @dataclass(frozen=True)
@@ -258,6 +324,8 @@ def serve_config_from_dict(doc: dict[str, Any]) -> ServeConfig:
         pool = dict(doc.pop(phase, None) or {})
         engine = {**shared, **(pool.get("engine") or {})}
         pool["engine"] = engine_config_from_dict(engine, f"{phase}.engine")
+        if pool.get("autoscale") is not None:
+            pool["autoscale"] = _from_dict(ScalingConfig, pool["autoscale"], f"{phase}.autoscale")
         fields[phase] = _from_dict(PoolConfig, pool, phase)
     fields["transfer"] = transfer_config_from_dict(doc.pop("transfer", None) or {})
     fields["router"] = _from_dict(RouterConfig, doc.pop("router", None) or {}, "router")

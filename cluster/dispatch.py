@@ -176,13 +176,12 @@ class Dispatcher:
             try:
                 cursor, deltas = await decode.outputs.remote(self.reader, cursor, self.poll_s)
             except Exception as e:  # the worker is gone: end its requests' streams
-                log.error("decode worker unreachable: %s", e)
-                for rid, stream in list(self._streams.items()):
-                    if stream.decode is decode:
-                        why = f"decode worker failed: {e}"
-                        stream.queue.put_nowait(
-                            TokenDelta(rid, 0, (), "", (), FinishReason.ERROR, why)
-                        )
+                lost = [(r, s) for r, s in self._streams.items() if s.decode is decode]
+                # None lost: it was drained and removed, nothing to report.
+                log.log(logging.ERROR if lost else logging.DEBUG, "decode worker gone: %s", e)
+                for rid, stream in lost:
+                    why = f"decode worker failed: {e}"
+                    stream.queue.put_nowait(TokenDelta(rid, 0, (), "", (), FinishReason.ERROR, why))
                 return
             for delta in deltas:
                 to = self._streams.get(delta.request_id)

@@ -1,9 +1,11 @@
-"""`splitserve serve`: Redis, Ray, a prefill and a decode pool, and the gRPC router.
+"""`splitserve serve`: Redis, Ray, a prefill and a decode pool, the gRPC router, and a
+scaler per pool.
 
-Start order: Redis (embedded valkey-server unless redis_url is set), a local Ray, the
-workers (all spawned at once, then awaited), the router. SIGINT or SIGTERM: the router
-stops accepting and gives requests in flight `grace_s` to finish (then aborts them),
-and everything started here is stopped in reverse order, whatever failed before.
+Start order: Redis (embedded valkey-server unless redis_url is set), a local Ray (or
+join one), the workers (all spawned at once, then awaited), the router, the scalers.
+SIGINT or SIGTERM: scaling stops, the router stops accepting and gives requests in
+flight `grace_s` to finish (then aborts them), and everything started here is stopped
+in reverse order, whatever failed before.
 """
 
 from __future__ import annotations
@@ -14,15 +16,15 @@ import math
 import os
 import signal
 from contextlib import AsyncExitStack
-from typing import Any
+from dataclasses import dataclass
 
 import ray
 
-from cluster.config import PoolConfig, ServeConfig
+from cluster.config import ServeConfig
+from cluster.pool import WorkerPool
 from cluster.redis_server import EmbeddedRedis
-from decode_worker.worker import spawn as spawn_decode
-from prefill_worker.worker import spawn as spawn_prefill
-from router.app import start_router
+from cluster.scaler import PhaseScaler, ScalerMetrics
+from router.app import RouterApp, start_router
 
 log = logging.getLogger("splitserve")
 
@@ -46,13 +48,13 @@ async def _serve(config: ServeConfig) -> None:
 
         if config.ray_address is None:
             pools = (config.prefill, config.decode)
-            wanted = sum(p.replicas * p.num_cpus for p in pools)
+            wanted = sum(p.scaling.max_replicas * p.num_cpus for p in pools)
             num_cpus = max(os.cpu_count() or 1, math.ceil(wanted))
             # This machine plays every node type: it has the pools' custom resources.
             custom: dict[str, float] = {}
             for pool in pools:
                 for key, amount in pool.resources.items():
-                    custom[key] = custom.get(key, 0) + pool.replicas * amount
+                    custom[key] = custom.get(key, 0) + pool.scaling.max_replicas * amount
             ray.init(address="local", num_cpus=num_cpus, resources=custom, include_dashboard=False)
             gcs = ray.get_runtime_context().gcs_address
             log.info("ray: local cluster with %d CPUs, GCS at %s", num_cpus, gcs)
@@ -65,15 +67,42 @@ async def _serve(config: ServeConfig) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
 
-        prefill = _spawn("prefill", config.prefill, config, spawn_prefill)
-        decode = _spawn("decode", config.decode, config, spawn_decode)
-        workers = {**prefill, **decode}
-        for handle in workers.values():
-            stack.callback(ray.kill, handle)
-        for name, handle in workers.items():
-            info = await handle.info.remote()
-            log.info("%s: ready (%s, max_model_len %d)", name, info.name, info.max_model_len)
+        cluster = await start_cluster(config, redis_url)
+        log.info("splitserve: serving on %s; Ctrl-C to stop", cluster.app.address)
+        await stop.wait()
+        log.info("splitserve: stopping; requests in flight get %.0fs", config.router.grace_s)
+        await cluster.stop(config.router.grace_s)
+    log.info("splitserve: stopped")
 
+
+@dataclass
+class Cluster:
+    """What `start_cluster` runs: the router over both pools, each with its scaler."""
+
+    app: RouterApp
+    pools: dict[str, WorkerPool]
+    scalers: dict[str, PhaseScaler]
+
+    async def stop(self, grace_s: float) -> None:
+        """Stop scaling, then the router (in-flight requests get grace_s), then the workers."""
+        for scaler in self.scalers.values():
+            await scaler.stop()
+        try:
+            await self.app.stop(grace_s)
+        finally:
+            for pool in self.pools.values():
+                pool.stop()
+
+
+async def start_cluster(config: ServeConfig, redis_url: str | None, prefix: str = "") -> Cluster:
+    """Both pools, the router over them and their scalers, on the Ray this process joined.
+    Worker names start with `prefix`."""
+    pools = {
+        "prefill": WorkerPool("prefill", config.prefill, config.transfer, prefix),
+        "decode": WorkerPool("decode", config.decode, config.transfer, prefix),
+    }
+    try:
+        prefill, decode = await asyncio.gather(pools["prefill"].start(), pools["decode"].start())
         app = await start_router(
             config.router,
             config.transfer.local_prefill_tokens,
@@ -82,22 +111,16 @@ async def _serve(config: ServeConfig) -> None:
             redis_url,
             config.decode.engine.model,
         )
-        log.info("splitserve: serving on %s; Ctrl-C to stop", app.address)
-        await stop.wait()
-        log.info("splitserve: stopping; requests in flight get %.0fs", config.router.grace_s)
-        await app.stop(config.router.grace_s)
-    log.info("splitserve: stopped")
-
-
-def _spawn(phase: str, pool: PoolConfig, config: ServeConfig, spawn: Any) -> dict[str, Any]:
-    return {
-        f"{phase}-{i}": spawn(
-            f"{phase}-{i}",
-            pool.engine,
-            config.transfer,
-            pool.num_cpus,
-            pool.num_gpus,
-            pool.resources,
-        )
-        for i in range(pool.replicas)
+    except BaseException:
+        for pool in pools.values():
+            pool.stop()
+        raise
+    metrics = ScalerMetrics(app.metrics.registry)
+    latencies = {"prefill": app.metrics.recent_ttft, "decode": app.metrics.recent_tpot}
+    scalers = {
+        phase: PhaseScaler(pool, app.workers, latencies[phase], metrics)
+        for phase, pool in pools.items()
     }
+    for scaler in scalers.values():
+        scaler.start()
+    return Cluster(app, pools, scalers)

@@ -84,6 +84,11 @@ class DecodeStats:
     bytes_received: int
     transfer_failures: int  # transfers that ended without their KV (then recomputed or failed)
 
+    @property
+    def in_flight(self) -> int:
+        """Requests here in any state: a drained worker waits for this to reach 0."""
+        return self.running + self.waiting + self.transferring + self.admitting
+
 
 class DecodeWorker:
     def __init__(self, name: str, engine: EngineConfig, transfer: TransferConfig) -> None:
@@ -146,6 +151,17 @@ class DecodeWorker:
     async def abort(self, request_id: RequestId) -> RequestStatus | None:
         """Abort in any state; returns the state it was in (None: not here)."""
         return await self._loop.call(lambda: self._abort(request_id))
+
+    async def abort_all(self, why: str) -> int:
+        """Abort every request here, each ending ABORT with `why`; how many there were."""
+
+        def run() -> int:
+            rids = list(self._emitted)
+            for rid in rids:
+                self._abort(rid, why)
+            return len(rids)
+
+        return await self._loop.call(run)
 
     async def outputs(
         self, reader: str, after: int, timeout_s: float
@@ -269,12 +285,12 @@ class DecodeWorker:
             self.engine.abort_request(rid, FinishReason.ERROR)
             self._publish(self._final(rid, FinishReason.ERROR, why))
 
-    def _abort(self, rid: RequestId) -> RequestStatus | None:
+    def _abort(self, rid: RequestId, why: str | None = None) -> RequestStatus | None:
         for a in self._admitting:
             if a.request_id == rid:
                 self._admitting.remove(a)
                 _settle(a.done, None)
-                self._publish(self._final(rid, FinishReason.ABORT, None))
+                self._publish(self._final(rid, FinishReason.ABORT, why))
                 return RequestStatus.WAITING
         inbound = self._inbound.get(rid)
         status = self.engine.status(rid)
@@ -282,7 +298,7 @@ class DecodeWorker:
             inbound.aborted = True  # the pages wait until no WRITE can land
         elif not self.engine.abort_request(rid):
             return None
-        self._publish(self._final(rid, FinishReason.ABORT, None))
+        self._publish(self._final(rid, FinishReason.ABORT, why))
         return status
 
     def _delta(self, out: RequestOutput) -> TokenDelta:

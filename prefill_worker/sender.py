@@ -62,6 +62,11 @@ class KVSender:
         self._pushes: dict[RequestId, _Push] = {}
         self._notified = False  # a notice went out since the last poll
 
+    @property
+    def num_pushes(self) -> int:
+        """Requests whose KV is still being pushed (or whose CANCEL is still to go)."""
+        return len(self._pushes)
+
     def start(self, request_id: RequestId, target: KVTarget) -> None:
         """Connect to the target's worker (refusing an incompatible one) and track the push."""
         peer = self.endpoint.connect(target.handshake)

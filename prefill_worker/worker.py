@@ -50,7 +50,13 @@ class PrefillStats:
     num_pages: int
     queued_requests: int
     queued_tokens: int  # prompt tokens queued or prefilling, not yet computed
+    transferring: int  # requests whose KV is still being pushed
     sent: SendStats
+
+    @property
+    def in_flight(self) -> int:
+        """Requests here in any state: a drained worker waits for this to reach 0."""
+        return self.queued_requests + self.transferring
 
 
 class PrefillWorker:
@@ -101,12 +107,24 @@ class PrefillWorker:
         return await done
 
     async def abort(self, request_id: RequestId) -> None:
-        def stop() -> None:
-            self.engine.abort_request(request_id)
-            self.sender.stop(request_id)
-            self._settle(request_id, None)
+        await self._loop.call(lambda: self._abort(request_id))
 
-        await self._loop.call(stop)
+    async def abort_all(self) -> int:
+        """Stop every prefill and push here (each decode worker hears CANCEL and recomputes
+        or fails the request, per its on_timeout); how many there were."""
+
+        def run() -> int:
+            rids = list(self._waiting)  # pushes past their first token just finish
+            for rid in rids:
+                self._abort(rid)
+            return len(rids)
+
+        return await self._loop.call(run)
+
+    def _abort(self, request_id: RequestId) -> None:
+        self.engine.abort_request(request_id)
+        self.sender.stop(request_id)
+        self._settle(request_id, None)
 
     async def status(self, request_id: RequestId) -> RequestStatus | None:
         """The request's state in this worker's engine (None: not in it)."""
@@ -125,6 +143,7 @@ class PrefillWorker:
                 self.engine.pool.num_pages,
                 len(queued),
                 sum(seq.num_uncomputed for seq in queued),
+                self.sender.num_pushes,
                 dataclasses.replace(self.sender.stats),
             )
 

@@ -28,6 +28,7 @@ class RouterApp:
     router: Router
     workers: WorkerRegistry
     placements: PlacementStore | None
+    metrics: RouterMetrics
     metrics_http: Any | None  # the /metrics HTTP server, if one was asked for
 
     @property
@@ -96,4 +97,4 @@ async def start_router(
         len(decode),
         info.name,
     )
-    return RouterApp(server, router, workers, placements, metrics_http)
+    return RouterApp(server, router, workers, placements, metrics, metrics_http)

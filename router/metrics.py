@@ -8,9 +8,11 @@ counters, `_seconds`, `_bytes`, `_ratio`).
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -57,11 +59,32 @@ class RouterMetrics:
             registry=r,
         )
         r.register(_WorkerLoads(workers))
+        # What the autoscaler reads each tick (cluster/scaler.py).
+        self.recent_ttft = Window()
+        self.recent_tpot = Window()
 
     def serve(self, host: str, port: int) -> Any:
         """Serve /metrics on host:port (0: any free port); returns the HTTP server."""
         server, _ = start_http_server(port, addr=host, registry=self.registry)
         return server
+
+
+class Window:
+    """Latencies observed since the last `take_p90` (at most the last `size`)."""
+
+    def __init__(self, size: int = 10_000) -> None:
+        self._samples: deque[float] = deque(maxlen=size)
+
+    def add(self, seconds: float) -> None:
+        self._samples.append(seconds)
+
+    def take_p90(self) -> float | None:
+        """The 90th percentile of the samples, which are then dropped; None if none."""
+        if not self._samples:
+            return None
+        p90 = float(np.percentile(list(self._samples), 90))
+        self._samples.clear()
+        return p90
 
 
 class _WorkerLoads(Collector):

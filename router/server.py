@@ -98,9 +98,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if final is not None:
             t, n = final.timing, final.usage.completion_tokens
             m.ttft.observe(t.first_token_ms / 1e3)
+            m.recent_ttft.add(t.first_token_ms / 1e3)
             m.e2e.observe(t.total_ms / 1e3)
             if n > 1:
-                m.tpot.observe((t.total_ms - t.first_token_ms) / 1e3 / (n - 1))
+                tpot = (t.total_ms - t.first_token_ms) / 1e3 / (n - 1)
+                m.tpot.observe(tpot)
+                m.recent_tpot.add(tpot)
             if final.route.prefill is not None:
                 m.transfer.observe(t.transfer_ms / 1e3)
         return now

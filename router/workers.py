@@ -6,6 +6,9 @@ too (`routed` ... `finished`), so that a burst does not all go to the worker tha
 looked idlest at the last read. A worker whose call fails (its actor died) leaves the
 snapshot at once and is not routed to again; `on_change` hears when the set of live
 decode workers changes (the health service follows it).
+
+The pools (cluster/pool.py) change the set while serving: `add` a worker once it is
+ready, `cordon` one to stop routing to it while its requests finish, `remove` it last.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class WorkerRegistry:
         self.interval_s = interval_s
         self._prefill = {w: _Worker(h) for w, h in prefill.items()}
         self._decode = {w: _Worker(h) for w, h in decode.items()}
+        self._cordoned: set[str] = set()  # still polled, no longer routed to
         self._snapshot = Snapshot((), ())
         self._sequences: Counter[str] = Counter()  # this router's requests per decode worker
         self._prompt_tokens: Counter[str] = Counter()  # ... and its tokens per prefill worker
@@ -74,6 +78,32 @@ class WorkerRegistry:
             if w.stats is not None
         }
 
+    def names(self, phase: str) -> list[str]:
+        """The live workers of a phase ("prefill" or "decode"), cordoned ones included."""
+        return list(self._decode if phase == "decode" else self._prefill)
+
+    def in_flight(self, worker: str) -> int:
+        """This router's requests on the worker: streams (decode), prompt tokens (prefill)."""
+        return self._sequences[worker] + self._prompt_tokens[worker]
+
+    async def add(self, phase: str, worker: str, handle: Any) -> None:
+        """Route to a new worker from now on (its loads are read first)."""
+        added = _Worker(handle, await handle.stats.remote())
+        (self._decode if phase == "decode" else self._prefill)[worker] = added
+        self._rebuild()
+
+    def cordon(self, worker: str) -> None:
+        """Route nothing new to the worker; its requests in flight go on."""
+        self._cordoned.add(worker)
+        self._rebuild()
+
+    def remove(self, worker: str) -> None:
+        """Forget the worker (after a cordon, once it is idle)."""
+        self._decode.pop(worker, None)
+        self._prefill.pop(worker, None)
+        self._cordoned.discard(worker)
+        self._rebuild()
+
     def routed(self, decode: str, prefill: str | None, prompt_tokens: int) -> None:
         """This router sent a request to these workers."""
         self._sequences[decode] += 1
@@ -92,6 +122,7 @@ class WorkerRegistry:
 
     def mark_dead(self, worker: str, why: str) -> None:
         """Stop routing to `worker` now (a call to it failed)."""
+        self._cordoned.discard(worker)
         for pool in (self._decode, self._prefill):
             if pool.pop(worker, None) is not None:
                 log.error("worker %s is gone (%s); no longer routing to it", worker, why)
@@ -130,12 +161,12 @@ class WorkerRegistry:
                 max(s.waiting + s.transferring + s.admitting, self._sequences[name] - s.running),
             )
             for name, w in self._decode.items()
-            if isinstance(s := w.stats, DecodeStats)
+            if isinstance(s := w.stats, DecodeStats) and name not in self._cordoned
         )
         prefill = tuple(
             PrefillLoad(name, s.epoch, max(s.queued_tokens, self._prompt_tokens[name]))
             for name, w in self._prefill.items()
-            if isinstance(s := w.stats, PrefillStats)
+            if isinstance(s := w.stats, PrefillStats) and name not in self._cordoned
         )
         self._snapshot = Snapshot(decode, prefill)
         if len(decode) != before:

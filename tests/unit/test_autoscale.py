@@ -8,11 +8,10 @@ from cluster.autoscale import (
     DecodeSignals,
     PrefillSignals,
     ScalerState,
-    ScalingConfig,
     decide,
     pressure,
 )
-from cluster.config import ConfigError
+from cluster.config import ConfigError, ScalingConfig
 
 CFG = ScalingConfig(min_replicas=1, max_replicas=3, up_ticks=2, down_ticks=3, cooldown_s=10)
 

@@ -10,6 +10,7 @@ import pytest
 from cluster.config import (
     ConfigError,
     EngineConfig,
+    ScalingConfig,
     ServeConfig,
     engine_config_from_dict,
     load_engine_config,
@@ -144,6 +145,14 @@ def test_the_example_serve_config_spells_out_the_defaults() -> None:
     assert load_serve_config(ROOT / "configs" / "serve.example.yaml") == ServeConfig()
 
 
+def test_a_pool_without_autoscale_keeps_its_replicas_and_one_with_it_moves_in_bounds() -> None:
+    config = serve_config_from_dict(
+        {"prefill": {"replicas": 2}, "decode": {"autoscale": {"max_replicas": 3}}}
+    )
+    assert (config.prefill.scaling.min_replicas, config.prefill.scaling.max_replicas) == (2, 2)
+    assert config.decode.scaling == ScalingConfig(max_replicas=3)
+
+
 def test_pool_engines_override_the_shared_engine_field_by_field() -> None:
     config = serve_config_from_dict(
         {"engine": {"kv_cache_gb": 0.5, "threads": 2}, "decode": {"engine": {"threads": 1}}}
@@ -168,6 +177,20 @@ def test_pool_engines_override_the_shared_engine_field_by_field() -> None:
         ({"redis_url": "http://x"}, "config.redis_url: must be a redis:// or rediss:// URL"),
         ({"pools": 3}, "config.pools: unknown field"),
         ({"engine": [1]}, "engine: must be a mapping"),
+        (
+            {"prefill": {"autoscale": {"max_replicas": 0}}},
+            "prefill.autoscale.max_replicas: must be an integer >= 1",
+        ),
+        (
+            {"decode": {"autoscale": {"min_replicas": 2, "max_replicas": 1}}},
+            "decode.autoscale.max_replicas: must be >= min_replicas (2)",
+        ),
+        ({"decode": {"autoscale": {"tpot_slo_s": 0}}}, "decode.autoscale.tpot_slo_s: must be"),
+        ({"decode": {"autoscale": {"speed": 1}}}, "decode.autoscale.speed: unknown field"),
+        (
+            {"prefill": {"replicas": 3, "autoscale": {"max_replicas": 2}}},
+            "prefill.replicas: must be within autoscale's [min_replicas, max_replicas] = [1, 2]",
+        ),
     ],
 )
 def test_a_bad_serve_config_is_refused_naming_its_field(doc: dict[str, Any], message: str) -> None:

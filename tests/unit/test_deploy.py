@@ -19,7 +19,10 @@ POOLS = {"prefill": CONFIG.prefill, "decode": CONFIG.decode}
 def _launcher_nodes() -> dict[str, dict[str, float]]:
     doc = yaml.safe_load((DEPLOY / "ray-cluster.yaml").read_text())
     assert doc["head_node_type"] in doc["available_node_types"]
-    return {name: t["resources"] for name, t in doc["available_node_types"].items()}
+    return {
+        name: {**t["resources"], "max_nodes": t.get("max_workers", 0)}
+        for name, t in doc["available_node_types"].items()
+    }
 
 
 def _kuberay_nodes() -> dict[str, dict[str, float]]:
@@ -32,6 +35,7 @@ def _kuberay_nodes() -> dict[str, dict[str, float]]:
         limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
         assert str(limits.get("nvidia.com/gpu", "0")) == params.get("num-gpus", "0")
         nodes[group["groupName"]] = {
+            "max_nodes": group["maxReplicas"],
             "CPU": float(params["num-cpus"]),
             "GPU": float(params.get("num-gpus", 0)),
             **custom,
@@ -39,9 +43,12 @@ def _kuberay_nodes() -> dict[str, dict[str, float]]:
     return nodes
 
 
+def _wants(pool: PoolConfig) -> dict[str, float]:
+    return {"CPU": pool.num_cpus, "GPU": pool.num_gpus, **pool.resources}
+
+
 def _fits(pool: PoolConfig, node: dict[str, float]) -> bool:
-    wants = {"CPU": pool.num_cpus, "GPU": pool.num_gpus, **pool.resources}
-    return all(node.get(key, 0) >= amount for key, amount in wants.items() if amount)
+    return all(node.get(key, 0) >= amount for key, amount in _wants(pool).items() if amount)
 
 
 @pytest.mark.parametrize("nodes", [_launcher_nodes, _kuberay_nodes], ids=["launcher", "kuberay"])
@@ -53,6 +60,16 @@ def test_each_pool_has_a_node_type_of_its_own(nodes: Any, phase: str) -> None:
     assert len(fitting) == 1, f"{phase}: fits node types {fitting}"
     other = POOLS["decode" if phase == "prefill" else "prefill"]
     assert not _fits(other, nodes()[fitting[0]]), "the other phase could land there too"
+
+
+@pytest.mark.parametrize("nodes", [_launcher_nodes, _kuberay_nodes], ids=["launcher", "kuberay"])
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_the_node_type_can_grow_to_hold_the_pools_maximum(nodes: Any, phase: str) -> None:
+    pool = POOLS[phase]
+    assert pool.autoscale is not None, f"{phase}: the cluster config should autoscale"
+    [node] = [node for node in nodes().values() if _fits(pool, node)]
+    per_node = min(node[key] // amount for key, amount in _wants(pool).items() if amount)
+    assert node["max_nodes"] * per_node >= pool.scaling.max_replicas
 
 
 def test_the_cluster_config_joins_a_cluster_and_runs_on_gpus() -> None:

@@ -1,0 +1,142 @@
+"""One phase's pool of worker actors, resized while serving.
+
+- `start`: the first `replicas` workers, spawned at once, each awaited until ready.
+- `grow`: one more worker. Ray places it on a node with the phase's resources (on a Ray
+  cluster its autoscaler adds such a node if none has room); once it answers, the router
+  routes to it.
+- `drain`: the router stops routing to a worker; once neither the router nor the worker
+  has a request in flight, the worker is killed. Past `drain_timeout_s` its requests are
+  aborted with a status that says why (a prefill worker's: their decode workers recompute
+  them), so a drain always ends.
+- `reap`: a worker the router found dead (a call to it failed: Ray reports the actor's
+  death) leaves the pool; the scaler then restores the pool's minimum.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Literal
+
+import ray
+from ray.exceptions import RayActorError
+
+from cluster.config import PoolConfig, TransferConfig
+from decode_worker.worker import spawn as spawn_decode
+from prefill_worker.worker import spawn as spawn_prefill
+from router.workers import WorkerRegistry
+
+log = logging.getLogger(__name__)
+
+Phase = Literal["prefill", "decode"]
+ABORT_WAIT_S = 10.0  # after aborting a drained worker's requests, how long they may take to end
+
+
+class WorkerPool:
+    def __init__(
+        self, phase: Phase, config: PoolConfig, transfer: TransferConfig, prefix: str = ""
+    ) -> None:
+        """Workers are named `{prefix}{phase}-{n}`, n counting up from 0, never reused."""
+        self.phase = phase
+        self.config = config
+        self.transfer = transfer
+        self.prefix = prefix
+        self.workers: dict[str, Any] = {}  # ready and known to the router
+        self.draining: set[str] = set()
+        self._next = 0
+
+    @property
+    def serving(self) -> list[str]:
+        """Workers the router may route to: the pool's size as the scaler sees it."""
+        return [w for w in self.workers if w not in self.draining]
+
+    async def start(self) -> dict[str, Any]:
+        """The first `replicas` workers, ready; hand them to the router."""
+        started = [self._spawn() for _ in range(self.config.replicas)]
+        await asyncio.gather(*(self._ready(name, handle) for name, handle in started))
+        self.workers.update(started)
+        return dict(started)
+
+    async def grow(self, registry: WorkerRegistry) -> str:
+        """Start one more worker and route to it once it is ready; its name."""
+        name, handle = self._spawn()
+        await self._ready(name, handle)
+        await registry.add(self.phase, name, handle)
+        self.workers[name] = handle
+        return name
+
+    async def drain(self, registry: WorkerRegistry, name: str) -> None:
+        """Stop routing to `name`, let its requests finish (or abort them past the drain
+        deadline), then kill it."""
+        handle = self.workers[name]
+        self.draining.add(name)
+        registry.cordon(name)
+        timeout_s = self.config.scaling.drain_timeout_s
+        try:
+            if not await self._idle(registry, name, handle, timeout_s):
+                why = (
+                    f"worker {name} was drained (the pool scaled down) and the request was "
+                    f"still running after drain_timeout_s={timeout_s:g}"
+                )
+                if self.phase == "decode":
+                    aborted = await handle.abort_all.remote(why)
+                else:
+                    aborted = await handle.abort_all.remote()
+                log.warning("%s: drain deadline passed; aborted %d requests", name, aborted)
+                await self._idle(registry, name, handle, ABORT_WAIT_S)
+        except RayActorError as e:
+            log.warning("%s died while draining: %s", name, e)
+        finally:
+            registry.remove(name)
+            ray.kill(handle)
+            del self.workers[name]
+            self.draining.discard(name)
+        log.info("%s: drained and stopped", name)
+
+    def reap(self, registry: WorkerRegistry) -> list[str]:
+        """Drop the workers the router found dead; their names."""
+        live = set(registry.names(self.phase))
+        dead = [w for w in self.workers if w not in live and w not in self.draining]
+        for name in dead:
+            ray.kill(self.workers.pop(name))  # it may only look dead (a failed call)
+        return dead
+
+    def stop(self) -> None:
+        for handle in self.workers.values():
+            ray.kill(handle)
+        self.workers.clear()
+
+    def _spawn(self) -> tuple[str, Any]:
+        name = f"{self.prefix}{self.phase}-{self._next}"
+        self._next += 1
+        spawn = spawn_decode if self.phase == "decode" else spawn_prefill
+        c = self.config
+        return name, spawn(name, c.engine, self.transfer, c.num_cpus, c.num_gpus, c.resources)
+
+    async def _ready(self, name: str, handle: Any) -> None:
+        timeout_s = self.config.scaling.start_timeout_s
+        try:
+            info = await asyncio.wait_for(handle.info.remote(), timeout_s)
+        except BaseException as e:
+            ray.kill(handle)
+            if isinstance(e, TimeoutError):
+                raise TimeoutError(
+                    f"{name}: not ready within start_timeout_s={timeout_s:g} (does any node "
+                    f"have {self.config.resources or 'the CPUs/GPUs it asks for'}?)"
+                ) from None
+            raise
+        log.info("%s: ready (%s, max_model_len %d)", name, info.name, info.max_model_len)
+
+    async def _idle(
+        self, registry: WorkerRegistry, name: str, handle: Any, timeout_s: float
+    ) -> bool:
+        """Wait until nothing is in flight on the worker; False if timeout_s passed first."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            stats = await handle.stats.remote()
+            if stats.in_flight == 0 and registry.in_flight(name) == 0:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.1)

@@ -130,6 +130,14 @@ def _bench(args: argparse.Namespace) -> int:
         from bench.router import main as router_main
 
         return router_main(args.bench_args)
+    if args.kind == "serve":
+        from bench.serve import main as serve_main
+
+        return serve_main(args.bench_args)
+    if args.kind == "compare":
+        from bench.compare import main as compare_main
+
+        return compare_main(args.bench_args)
     from bench.offline import main as offline_main
 
     return offline_main(args.bench_args)
@@ -171,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     bench = sub.add_parser("bench", help="benchmarks (bench/)")
-    bench.add_argument("kind", choices=["offline", "transfer", "router"])
+    bench.add_argument("kind", choices=["offline", "transfer", "router", "serve", "compare"])
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)
     return parser

@@ -35,6 +35,7 @@ class EngineConfig:
     prefix_caching: bool = True
     max_model_len: int | None = None  # None: the model's own context length
     threads: int | None = None  # CPU threads for torch; None: torch's default
+    cpu_cores: tuple[int, ...] | None = None  # pin the engine's threads to these cores (Linux)
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
@@ -72,6 +73,19 @@ class EngineConfig:
             "threads",
             f"must be an integer >= 1 or null, got {self.threads!r}",
         )
+        cores = self.cpu_cores
+        _check(
+            cores is None
+            or (
+                isinstance(cores, list | tuple)
+                and bool(cores)
+                and all(_is_int(c) and c >= 0 for c in cores)
+            ),
+            "cpu_cores",
+            f"must be a non-empty list of core numbers >= 0 or null, got {cores!r}",
+        )
+        if cores is not None:
+            object.__setattr__(self, "cpu_cores", tuple(cores))  # YAML gives a list
 
 
 TIMEOUT_POLICIES = ("recompute", "fail")
@@ -137,8 +151,10 @@ class ScalingConfig:
     target_waiting: int = 8  # decode: admitted requests not yet running, per replica
 
     def __post_init__(self) -> None:
-        ints = ("min_replicas", "max_replicas", "up_ticks", "down_ticks", "target_queued_tokens")
-        for name in (*ints, "target_waiting"):
+        for name in ("min_replicas", "max_replicas"):
+            value = getattr(self, name)
+            _check(_is_int(value) and value >= 0, name, f"must be an integer >= 0, got {value!r}")
+        for name in ("up_ticks", "down_ticks", "target_queued_tokens", "target_waiting"):
             value = getattr(self, name)
             _check(_is_int(value) and value >= 1, name, f"must be an integer >= 1, got {value!r}")
         _check(
@@ -183,9 +199,9 @@ class PoolConfig:
 
     def __post_init__(self) -> None:
         _check(
-            _is_int(self.replicas) and self.replicas >= 1,
+            _is_int(self.replicas) and self.replicas >= 0,
             "replicas",
-            f"must be an integer >= 1, got {self.replicas!r}",
+            f"must be an integer >= 0, got {self.replicas!r}",
         )
         low, high = self.scaling.min_replicas, self.scaling.max_replicas
         _check(
@@ -268,6 +284,12 @@ class ServeConfig:
     ray_address: str | None = None  # None: start a local Ray; "auto" or ray://...: join one
 
     def __post_init__(self) -> None:
+        _check(
+            self.decode.scaling.min_replicas >= 1,
+            "decode.replicas",
+            "must be at least 1, and so must decode.autoscale.min_replicas: every request "
+            "decodes (prefill.replicas may be 0: the decode workers then prefill)",
+        )
         _check(
             self.redis_url is None
             or (isinstance(self.redis_url, str) and self.redis_url.startswith("redis")),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import random
 import time
 from collections.abc import Callable
@@ -69,6 +70,8 @@ class _Live:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        if config.cpu_cores is not None:  # threads started from here on inherit it
+            os.sched_setaffinity(0, config.cpu_cores)
         if config.threads is not None:
             torch.set_num_threads(config.threads)
         path = Path(config.model) if config.model else bundled_model_path()

@@ -97,7 +97,7 @@ def test_decode_scales_on_kv_usage_and_tpot() -> None:
 @pytest.mark.parametrize(
     "fields, message",
     [
-        ({"min_replicas": 0}, "min_replicas: must be an integer >= 1"),
+        ({"min_replicas": -1}, "min_replicas: must be an integer >= 0"),
         ({"min_replicas": 3, "max_replicas": 2}, "max_replicas: must be >= min_replicas"),
         ({"cooldown_s": -1}, "cooldown_s: must be a number > 0"),
         ({"down_below": 1.5}, "down_below: must be below 1"),

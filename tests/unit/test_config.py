@@ -153,6 +153,19 @@ def test_a_pool_without_autoscale_keeps_its_replicas_and_one_with_it_moves_in_bo
     assert config.decode.scaling == ScalingConfig(max_replicas=3)
 
 
+def test_a_prefill_pool_of_zero_is_colocated_serving() -> None:
+    config = serve_config_from_dict({"prefill": {"replicas": 0}})
+    assert (config.prefill.scaling.min_replicas, config.prefill.scaling.max_replicas) == (0, 0)
+
+
+def test_cpu_cores_from_yaml_become_a_tuple_and_bad_ones_are_refused() -> None:
+    assert EngineConfig(cpu_cores=[1]).cpu_cores == (1,)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="cpu_cores: must be a non-empty list"):
+        EngineConfig(cpu_cores=[])  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="cpu_cores: must be a non-empty list"):
+        EngineConfig(cpu_cores=[-1])  # type: ignore[arg-type]
+
+
 def test_pool_engines_override_the_shared_engine_field_by_field() -> None:
     config = serve_config_from_dict(
         {"engine": {"kv_cache_gb": 0.5, "threads": 2}, "decode": {"engine": {"threads": 1}}}
@@ -164,7 +177,12 @@ def test_pool_engines_override_the_shared_engine_field_by_field() -> None:
 @pytest.mark.parametrize(
     "doc, message",
     [
-        ({"decode": {"replicas": 0}}, "decode.replicas: must be an integer >= 1"),
+        ({"decode": {"replicas": -1}}, "decode.replicas: must be an integer >= 0"),
+        ({"decode": {"replicas": 0}}, "config.decode.replicas: must be at least 1"),
+        (
+            {"decode": {"autoscale": {"min_replicas": 0}}},
+            "config.decode.replicas: must be at least 1",
+        ),
         ({"prefill": {"num_cpus": -1}}, "prefill.num_cpus: must be a number >= 0"),
         ({"prefill": {"engine": {"dtype": "int3"}}}, "prefill.engine.dtype: must be one of"),
         ({"engine": {"page_size": 0}}, "prefill.engine.page_size: must be an integer >= 1"),
@@ -178,8 +196,8 @@ def test_pool_engines_override_the_shared_engine_field_by_field() -> None:
         ({"pools": 3}, "config.pools: unknown field"),
         ({"engine": [1]}, "engine: must be a mapping"),
         (
-            {"prefill": {"autoscale": {"max_replicas": 0}}},
-            "prefill.autoscale.max_replicas: must be an integer >= 1",
+            {"prefill": {"autoscale": {"max_replicas": -1}}},
+            "prefill.autoscale.max_replicas: must be an integer >= 0",
         ),
         (
             {"decode": {"autoscale": {"min_replicas": 2, "max_replicas": 1}}},

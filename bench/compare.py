@@ -1,0 +1,611 @@
+"""`splitserve bench compare`: does disaggregation pay off on this machine? The same load
+against each serving configuration in turn, one report.
+
+Configurations, each started as `splitserve serve` (a child process with its own Ray,
+Redis and router; the bundled model in bfloat16, the faster dtype for prefill on this
+CPU, see the README) on this machine's cores:
+
+  disaggregated       1 prefill + 1 decode worker, 1 thread each, pinned to cores 0 and 1
+                      (KV pushed in one WRITE per prompt: `stream_layers: false`, the
+                      better setting on one CPU host, see the README)
+  colocated           no prefill pool; 1 decode worker with 2 threads on both cores that
+                      prefills each prompt in one step (chunked prefill off)
+  colocated-chunked   the same with chunked prefill: at most 512 tokens per step, decodes
+                      first (Sarathi-Serve's stall-free batching; vLLM's default)
+  transformers        chat only: transformers `generate`, one request at a time, 2 threads,
+                      bfloat16.
+                      Its offline equivalent: each request's token times are measured once,
+                      alone, then a single FIFO server is simulated at each rate with the
+                      same arrivals (exact for a server that runs one request at a time,
+                      minus the gRPC hop)
+
+Per workload (bench/workloads/; its plan below: rates, requests per rate, SLOs; for
+multi-turn, conversations of 2-4 turns with a session id, the rate counting conversations):
+1. A sweep of request rates with bench/serve.py (Poisson arrivals, fixed seed, warm-up
+   not counted): TTFT, TPOT, ITL, E2E, throughput, SLO attainment, and goodput (the
+   highest rate at which 90% of requests meet both SLOs, interpolated between swept rates).
+2. Where the time goes: the server's own timings of the lowest rate's requests, averaged:
+   queue (arrival to pages reserved), prefill (to the first token), transfer (first token
+   to the decode worker holding all KV), decode (first token to the last).
+3. Long-prompt only, decode interference: `DECODE_STREAMS` streams with short prompts
+   (prefilled by the decode worker itself in every configuration) and long outputs, in a
+   closed loop, alone and then while a long prompt arrives every `PREFILL_GAP_S`: the p99
+   TPOT and p99 inter-token latency of those decode streams, and their ratio to the alone
+   run.
+
+Writes bench/results/compare-<workload>.json, then rebuilds docs/benchmarks.md and its
+plots (docs/img/) from every compare-*.json present.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from bench.arrivals import send_offsets
+from bench.serve import goodput, parse_args, send, sweep
+from bench.serve_metrics import (
+    RequestRecord,
+    ServerTiming,
+    Slo,
+    slo_attainment,
+    stats,
+    summarize,
+)
+from bench.serve_workload import VOCAB_SIZE, Conversation, load_workload, make_conversations
+from bench.workload import random_prompt
+from splitserve.client import Client
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+DOCS = ROOT / "docs"
+DECODE_STREAMS = 4  # concurrent decode streams in the interference run
+DECODE_REQUESTS = 12  # ... requests in all (3 rounds)
+DECODE_TOKENS = 64  # ... tokens each, from a 24-token prompt
+PREFILL_GAP_S = 8.0  # a long prompt this often while they run (colocated: ~5 s each)
+LONG_PROMPT = 1750
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one workload is run with (the command line can override each)."""
+
+    rates: tuple[float, ...]
+    num_requests: int
+    slo_ttft_s: float
+    slo_tpot_s: float
+    configs: tuple[str, ...]
+
+
+SERVED = ("disaggregated", "colocated", "colocated-chunked")
+PLANS = {
+    "long-prompt": Plan((0.04, 0.08, 0.16), 8, 30.0, 0.15, SERVED),
+    "chat": Plan((1.0, 2.0, 4.0), 16, 2.0, 0.1, (*SERVED, "transformers")),
+    "multi-turn": Plan((0.25, 0.5, 1.0), 8, 2.0, 0.1, SERVED),  # rates: conversations/s
+}
+
+_ENGINE = {"kv_cache_gb": 1.0, "dtype": "bfloat16"}
+CONFIGS: dict[str, dict[str, Any]] = {
+    "disaggregated": {
+        "prefill": {"engine": {**_ENGINE, "threads": 1, "cpu_cores": [0]}},
+        "decode": {"engine": {**_ENGINE, "threads": 1, "cpu_cores": [1]}},
+        # The lease runs from the reservation, so it must outlast the prefill queue: at
+        # 0.16 long prompts/s one core's queue passed 30 s (the default) and the decode
+        # worker recomputed those prompts itself.
+        "transfer": {"stream_layers": False, "lease_s": 120.0},
+    },
+    "colocated": {
+        "prefill": {"replicas": 0},
+        "decode": {
+            "num_cpus": 2,
+            "engine": {
+                **_ENGINE,
+                "threads": 2,
+                "chunked_prefill": False,
+                "max_num_batched_tokens": 4096,
+            },
+        },
+    },
+    "colocated-chunked": {
+        "prefill": {"replicas": 0},
+        "decode": {
+            "num_cpus": 2,
+            "engine": {**_ENGINE, "threads": 2, "max_num_batched_tokens": 512},
+        },
+    },
+}
+
+
+# --- running a server -----------------------------------------------------------------------
+
+
+@contextmanager
+def server(config: str, log_dir: Path) -> Iterator[str]:
+    """`splitserve serve` with this configuration; yields its gRPC address."""
+    doc = {**CONFIGS[config], "router": {"port": 0, "metrics_port": None}}
+    path = log_dir / f"{config}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    log_path = log_dir / f"{config}.log"
+    cmd = [sys.executable, "-m", "cluster.cli", "serve", "--config", str(path)]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stderr is not None
+    address: list[str] = []
+    ready = threading.Event()
+
+    def drain() -> None:  # keep its log, and the pipe from filling
+        assert proc.stderr is not None
+        with log_path.open("w") as log:
+            for line in proc.stderr:
+                log.write(line)
+                if m := re.search(r"serving on (\S+);", line):
+                    address.append(m.group(1))
+                    ready.set()
+        ready.set()
+
+    threading.Thread(target=drain, daemon=True).start()
+    try:
+        if not ready.wait(300) or not address:
+            raise RuntimeError(f"{config}: the server did not start; see {log_path}")
+        yield address[0]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+# --- the experiments -----------------------------------------------------------------------
+
+
+def run_sweep(address: str, workload: str, plan: Plan, seed: int) -> list[list[RequestRecord]]:
+    args = parse_args(
+        [
+            "--target", address,
+            "--workload", workload,
+            "--rates", ",".join(f"{r:g}" for r in plan.rates),
+            "--num-requests", str(plan.num_requests),
+            "--warmup", "1",
+            "--seed", str(seed),
+            "--slo-ttft", str(plan.slo_ttft_s),
+            "--slo-tpot", str(plan.slo_tpot_s),
+        ]
+    )  # fmt: skip
+    _, runs = asyncio.run(sweep(args, load_workload(workload)))
+    return runs
+
+
+async def _decode_stream(client: Client, seed: int) -> RequestRecord:
+    prompt = random_prompt(np.random.default_rng(seed), 24, VOCAB_SIZE)
+    record, _ = await send(client, prompt, DECODE_TOKENS, "", 300)
+    return record
+
+
+async def _interference(address: str, with_prefills: bool, seed: int) -> list[RequestRecord]:
+    """The decode streams' records, alone or while long prompts keep arriving."""
+    async with Client(address) as client:
+        queue = list(range(DECODE_REQUESTS))
+        records: list[RequestRecord] = []
+
+        async def worker() -> None:
+            while queue:
+                records.append(await _decode_stream(client, seed * 1000 + queue.pop()))
+
+        async def prefills() -> None:
+            rng = np.random.default_rng(seed)
+            pending: set[asyncio.Task[Any]] = set()
+            while True:
+                prompt = random_prompt(rng, LONG_PROMPT, VOCAB_SIZE)
+                pending.add(asyncio.create_task(send(client, prompt, 4, "", 300)))
+                await asyncio.sleep(PREFILL_GAP_S)
+
+        background = asyncio.create_task(prefills()) if with_prefills else None
+        await asyncio.gather(*(worker() for _ in range(DECODE_STREAMS)))
+        if background is not None:
+            background.cancel()
+        return records
+
+
+def interference(address: str, seed: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, with_prefills in (("alone", False), ("with_prefills", True)):
+        records = asyncio.run(_interference(address, with_prefills, seed))
+        ok = [r for r in records if r.ok]
+        tpot = stats([t for r in ok if (t := r.tpot) is not None])
+        itl = stats([g for r in ok for g in r.itl()])
+        out[name] = {
+            "requests": len(records),
+            "failed": len(records) - len(ok),
+            "tpot_s": None if tpot is None else asdict(tpot),
+            "itl_s": None if itl is None else asdict(itl),
+        }
+        print(f"  interference {name}: TPOT {tpot}", file=sys.stderr)
+    return out
+
+
+def transformers_service(conversations: list[Conversation]) -> list[list[float]]:
+    """Each request alone through transformers generate: its token times from the start."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from cluster.engine.checkpoint import bundled_model_path
+
+    torch.set_num_threads(2)
+    path = bundled_model_path()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.bfloat16
+    ).eval()
+
+    class Clock:
+        def __init__(self) -> None:
+            self.start, self.times = time.perf_counter(), list[float]()
+
+        def put(self, value: Any) -> None:
+            self.times.append(time.perf_counter() - self.start)
+
+        def end(self) -> None:
+            pass
+
+    out = []
+    for c in conversations:
+        turn = c.turns[0]
+        clock = Clock()
+        with torch.inference_mode():
+            model.generate(
+                torch.tensor([turn.user]),
+                max_new_tokens=turn.output_len,
+                min_new_tokens=turn.output_len,
+                do_sample=False,
+                streamer=clock,
+            )
+        out.append(clock.times[1:])  # the first put is the prompt
+        print(f"  transformers: {len(out)}/{len(conversations)}", file=sys.stderr)
+    return out
+
+
+def fifo(
+    arrivals: list[float], service: list[list[float]], prompt_tokens: list[int]
+) -> list[RequestRecord]:
+    """One server, one request at a time, in arrival order: each request's record, given
+    when it arrives and when each of its tokens comes after it starts."""
+    free_at, records = 0.0, []
+    for arrived, times, prompt in zip(arrivals, service, prompt_tokens, strict=True):
+        start = max(arrived, free_at)
+        free_at = start + times[-1]
+        messages = tuple((start + t, 1) for t in times)
+        records.append(RequestRecord(arrived, free_at, messages, prompt))
+    return records
+
+
+def simulate_transformers(
+    workload: str, plan: Plan, seed: int
+) -> tuple[list[list[RequestRecord]], list[list[float]]]:
+    conversations = make_conversations(load_workload(workload), plan.num_requests, seed, 1)
+    service = transformers_service(conversations)
+    prompts = [len(c.turns[0].user) for c in conversations]
+    runs = [fifo(send_offsets(len(service), rate, seed), service, prompts) for rate in plan.rates]
+    return runs, service
+
+
+# --- one workload, all configurations -------------------------------------------------------
+
+
+def run_workload(workload: str, plan: Plan, seed: int) -> dict[str, Any]:
+    slo = Slo(plan.slo_ttft_s, plan.slo_tpot_s)
+    results: dict[str, Any] = {
+        "workload": workload,
+        "plan": asdict(plan),
+        "seed": seed,
+        "machine": _machine(),
+        "configs": {},
+    }
+    with tempfile.TemporaryDirectory(prefix="splitserve-compare-") as tmp:
+        for config in plan.configs:
+            print(f"{workload}: {config}", file=sys.stderr)
+            started = time.monotonic()
+            entry: dict[str, Any] = {}
+            if config == "transformers":
+                runs, _ = simulate_transformers(workload, plan, seed)
+            else:
+                entry["serve_config"] = CONFIGS[config]
+                with server(config, Path(tmp)) as address:
+                    runs = run_sweep(address, workload, plan, seed)
+                    if workload == "long-prompt":
+                        entry["interference"] = interference(address, seed)
+            summaries = [summarize(records, slo) for records in runs]
+            entry["runs"] = [
+                {"rate": rate, "summary": asdict(s), "records": [asdict(r) for r in records]}
+                for rate, s, records in zip(plan.rates, summaries, runs, strict=True)
+            ]
+            entry["goodput"] = asdict(goodput(list(plan.rates), summaries))
+            entry["wall_s"] = time.monotonic() - started
+            results["configs"][config] = entry
+    return results
+
+
+def _machine() -> dict[str, Any]:
+    import ray
+    import torch
+
+    return {
+        "cpus": os.cpu_count(),
+        "cpu": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "ray": ray.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+# --- the report -----------------------------------------------------------------------------
+
+
+def _ms(s: dict[str, float] | None, key: str) -> str:
+    return "-" if s is None else f"{1e3 * s[key]:,.0f}"
+
+
+def plot(result: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    plan = result["plan"]
+    panels = (
+        ("ttft_s", "p90", "TTFT p90 (s)", plan["slo_ttft_s"]),
+        ("tpot_s", "p90", "TPOT p90 (s)", plan["slo_tpot_s"]),
+        ("slo_attainment", None, "SLO attainment", 0.9),
+    )
+    for ax, (key, pct, label, line) in zip(axes, panels, strict=True):
+        for config, entry in result["configs"].items():
+            rates = [run["rate"] for run in entry["runs"]]
+            values = []
+            for run in entry["runs"]:
+                v = run["summary"][key]
+                values.append(v if pct is None else (math.nan if v is None else v[pct]))
+            ax.plot(rates, values, marker="o", label=config)
+        ax.axhline(line, color="grey", linestyle="--", linewidth=1)
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(f"{result['workload']}: latency and SLO attainment vs request rate")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+SLO_SCALES = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
+
+
+def slo_scale_attainment(result: dict[str, Any], rate_index: int) -> dict[str, list[float]]:
+    """Per configuration, SLO attainment at one rate with both SLOs scaled by each of
+    SLO_SCALES (DistServe's view: how tight an SLO each configuration can hold)."""
+    plan, out = result["plan"], {}
+    for config, entry in result["configs"].items():
+        records = [_record(r) for r in entry["runs"][rate_index].get("records", [])]
+        if records:
+            out[config] = [
+                slo_attainment(records, Slo(k * plan["slo_ttft_s"], k * plan["slo_tpot_s"]))
+                for k in SLO_SCALES
+            ]
+    return out
+
+
+def _record(d: dict[str, Any]) -> RequestRecord:
+    timing = None if d["timing"] is None else ServerTiming(**d["timing"])
+    messages = tuple((t, k) for t, k in d["messages"])
+    return RequestRecord(**{**d, "messages": messages, "timing": timing})
+
+
+def plot_slo_scale(result: dict[str, Any], rate_index: int, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for config, attainment in slo_scale_attainment(result, rate_index).items():
+        ax.plot(SLO_SCALES, attainment, marker="o", label=config)
+    ax.axhline(0.9, color="grey", linestyle="--", linewidth=1)
+    rate = result["plan"]["rates"][rate_index]
+    ax.set_xlabel("SLO scale (both SLOs times this)")
+    ax.set_ylabel("SLO attainment")
+    ax.set_title(f"{result['workload']} at {rate:g} req/s: attainment vs SLO tightness")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def plot_interference(result: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = [c for c, e in result["configs"].items() if "interference" in e]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.38
+    for j, name in enumerate(("alone", "with_prefills")):
+        values = [result["configs"][c]["interference"][name]["tpot_s"]["p99"] for c in configs]
+        xs = [i + (j - 0.5) * width for i in range(len(configs))]
+        ax.bar(xs, [1e3 * v for v in values], width, label=name.replace("_", " "))
+    ax.set_xticks(range(len(configs)), configs)
+    ax.set_ylabel("p99 TPOT of the decode streams (ms)")
+    ax.set_title(f"Decode interference: long prompts arriving every {PREFILL_GAP_S:g} s")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def report(results: list[dict[str, Any]]) -> str:
+    lines = [
+        "# Serving benchmark: disaggregated vs colocated on this machine",
+        "",
+        "Produced by `.venv/bin/splitserve bench compare` (bench/compare.py says exactly "
+        "what each configuration and figure is); rerun it to rebuild this page and its "
+        "plots. Every configuration ran on the same machine, one after another.",
+        "",
+    ]
+    for result in results:
+        plan, machine = result["plan"], result["machine"]
+        unit = "conversations" if result["workload"] == "multi-turn" else "requests"
+        lines += [
+            f"## {result['workload']}",
+            "",
+            f"{plan['num_requests']} {unit} per rate, Poisson arrivals, seed "
+            f"{result['seed']}; SLOs: TTFT ≤ {plan['slo_ttft_s']:g} s and TPOT ≤ "
+            f"{plan['slo_tpot_s']:g} s. Machine: {machine['cpus']} CPUs "
+            f"({machine['cpu']}), Python {machine['python']}, torch {machine['torch']}, "
+            f"Ray {machine['ray']}, {machine['date']}. Command: `.venv/bin/splitserve bench "
+            f"compare --workload {result['workload']}`.",
+            "",
+            f"![{result['workload']}](img/compare-{result['workload']}.png)",
+            "",
+            "| configuration | rate/s | done | failed | TTFT p50 / p90 / p99 (ms) | "
+            "TPOT p50 / p90 / p99 (ms) | ITL p99 (ms) | E2E p50 (ms) | out tok/s | SLO met |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for config, entry in result["configs"].items():
+            for run in entry["runs"]:
+                s = run["summary"]
+                ttft, tpot = s["ttft_s"], s["tpot_s"]
+                lines.append(
+                    f"| {config} | {run['rate']:g} | {s['completed']} | "
+                    f"{s['requests'] - s['completed']} | "
+                    f"{_ms(ttft, 'p50')} / {_ms(ttft, 'p90')} / {_ms(ttft, 'p99')} | "
+                    f"{_ms(tpot, 'p50')} / {_ms(tpot, 'p90')} / {_ms(tpot, 'p99')} | "
+                    f"{_ms(s['itl_s'], 'p99')} | {_ms(s['e2e_s'], 'p50')} | "
+                    f"{s['output_throughput']:.1f} | {s['slo_attainment']:.0%} |"
+                )
+        lines += ["", "| configuration | goodput (req/s) | highest swept rate meeting 90% |"]
+        lines += ["|---|---:|---:|"]
+        for config, entry in result["configs"].items():
+            g = entry["goodput"]
+            rps = "none" if g["goodput_rps"] is None else f"{g['goodput_rps']:.3g}"
+            top = "none" if g["highest_swept_rps"] is None else f"{g['highest_swept_rps']:g}"
+            lines.append(f"| {config} | {rps} | {top} |")
+        mid = len(plan["rates"]) // 2
+        scaled = slo_scale_attainment(result, mid)
+        if scaled:
+            lines += [
+                "",
+                f"SLO attainment at {plan['rates'][mid]:g} req/s with both SLOs scaled "
+                "(1 = the SLOs above):",
+                "",
+                f"![slo scale](img/slo-scale-{result['workload']}.png)",
+                "",
+                "| configuration | " + " | ".join(f"x{k:g}" for k in SLO_SCALES) + " |",
+                "|---|" + "---:|" * len(SLO_SCALES),
+            ]
+            for config, attainment in scaled.items():
+                lines.append(f"| {config} | " + " | ".join(f"{a:.0%}" for a in attainment) + " |")
+        lines += [
+            "",
+            "Where the time goes (server timings at the lowest rate, means in ms):",
+            "",
+            "| configuration | queue | prefill | transfer | decode | total |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for config, entry in result["configs"].items():
+            ms = entry["runs"][0]["summary"]["server_ms"]
+            if not ms:
+                continue
+            decode = ms["total_ms"] - ms["first_token_ms"]
+            lines.append(
+                f"| {config} | {ms['queue_ms']:,.0f} | {ms['prefill_ms']:,.0f} | "
+                f"{ms['transfer_ms']:,.0f} | {decode:,.0f} | {ms['total_ms']:,.0f} |"
+            )
+        rows = {c: e["interference"] for c, e in result["configs"].items() if "interference" in e}
+        if rows:
+            lines += [
+                "",
+                f"Decode interference: {DECODE_STREAMS} decode streams ({DECODE_REQUESTS} "
+                f"requests of {DECODE_TOKENS} tokens from 24-token prompts, closed loop), "
+                f"alone and while a {LONG_PROMPT}-token prompt arrives every "
+                f"{PREFILL_GAP_S:g} s:",
+                "",
+                f"![interference](img/interference-{result['workload']}.png)",
+                "",
+                "| configuration | p99 TPOT alone (ms) | with prefills (ms) | ratio | "
+                "p99 ITL alone (ms) | with prefills (ms) | ratio |",
+                "|---|---:|---:|---:|---:|---:|---:|",
+            ]
+            for config, r in rows.items():
+                a, b = r["alone"], r["with_prefills"]
+                tpot = b["tpot_s"]["p99"] / a["tpot_s"]["p99"]
+                itl = b["itl_s"]["p99"] / a["itl_s"]["p99"]
+                lines.append(
+                    f"| {config} | {_ms(a['tpot_s'], 'p99')} | {_ms(b['tpot_s'], 'p99')} | "
+                    f"{tpot:.2f}x | {_ms(a['itl_s'], 'p99')} | {_ms(b['itl_s'], 'p99')} | "
+                    f"{itl:.2f}x |"
+                )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def rebuild_docs() -> Path:
+    results = [json.loads(p.read_text()) for p in sorted(RESULTS.glob("compare-*.json"))]
+    (DOCS / "img").mkdir(parents=True, exist_ok=True)
+    for result in results:
+        plot(result, DOCS / "img" / f"compare-{result['workload']}.png")
+        if slo_scale_attainment(result, len(result["plan"]["rates"]) // 2):
+            out = DOCS / "img" / f"slo-scale-{result['workload']}.png"
+            plot_slo_scale(result, len(result["plan"]["rates"]) // 2, out)
+        if any("interference" in e for e in result["configs"].values()):
+            plot_interference(result, DOCS / "img" / f"interference-{result['workload']}.png")
+    out = DOCS / "benchmarks.md"
+    out.write_text(report(results))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="splitserve bench compare", description=__doc__.split("\n")[0])
+    p.add_argument("--workload", choices=sorted(PLANS), action="append", help="default: all")
+    p.add_argument("--rates", help="comma-separated req/s (default: the workload's plan)")
+    p.add_argument("--num-requests", type=int)
+    p.add_argument("--slo-ttft", type=float)
+    p.add_argument("--slo-tpot", type=float)
+    p.add_argument("--configs", help=f"comma-separated, of {(*SERVED, 'transformers')}")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--report-only", action="store_true", help="rebuild docs from the JSON")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    if not args.report_only:
+        for workload in args.workload or sorted(PLANS):
+            base = PLANS[workload]
+            plan = Plan(
+                tuple(float(r) for r in args.rates.split(",")) if args.rates else base.rates,
+                args.num_requests or base.num_requests,
+                args.slo_ttft or base.slo_ttft_s,
+                args.slo_tpot or base.slo_tpot_s,
+                tuple(args.configs.split(",")) if args.configs else base.configs,
+            )
+            result = run_workload(workload, plan, args.seed)
+            RESULTS.mkdir(parents=True, exist_ok=True)
+            (RESULTS / f"compare-{workload}.json").write_text(json.dumps(result, indent=2))
+    print(f"report: {rebuild_docs()}")
+    return 0

@@ -1,0 +1,297 @@
+"""`splitserve bench serve`: load a running server with a workload at a sweep of request rates.
+
+1. Warm-up: `--warmup` conversations of the workload, one after another, not counted; if
+   one fails the benchmark stops there.
+2. Each rate of `--rates` is one run of `--num-requests` conversations (bench/workloads/,
+   bench/serve_workload.py) arriving at bench/arrivals.py's offsets: Poisson, or gamma with
+   `--burstiness`; `inf` sends them all at once. With `--concurrency N` at most N
+   conversations are in flight; an arrival waits for a slot (with rate inf: a closed loop
+   of N). For a multi-turn workload the rate counts conversations, and each turn is sent
+   when the previous reply has ended. Every turn is one request, with max_tokens = its
+   output length, ignore_eos, and a `--timeout-s` deadline: nothing hangs, and a request
+   that fails is recorded by its gRPC status name (its partial reply, usually none, stays
+   in its conversation, which goes on). Every run uses new token ids, same lengths.
+3. Each run's records become its metrics (bench/serve_metrics.py: TTFT, TPOT, ITL, E2E,
+   throughput, failures, SLO attainment against `--slo-ttft` and `--slo-tpot`); goodput
+   is found over the sweep's finite rates. A table goes to stdout, JSON to `--out`: the
+   config, the server's info, per rate the summary and every request's record.
+
+Client times are time.perf_counter, in this process's one asyncio loop: on a small machine
+the client shares the CPUs with the server it measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf import json_format
+
+from bench.arrivals import send_offsets
+from bench.serve_metrics import (
+    GOODPUT_ATTAINMENT,
+    OK,
+    RequestRecord,
+    RunSummary,
+    ServerTiming,
+    Slo,
+    Stats,
+    highest_rate_meeting,
+    interpolated_goodput,
+    summarize,
+)
+from bench.serve_workload import (
+    VOCAB_SIZE,
+    Conversation,
+    WorkloadSpec,
+    load_workload,
+    make_conversations,
+)
+from splitserve.client import Client
+
+RESULTS = Path(__file__).parent / "results"
+T = TypeVar("T")
+
+
+class WarmupFailed(Exception):
+    pass
+
+
+class Progress:
+    """One line on stderr, rewritten in place: `rate 1/s  37/100 done  2 failed`."""
+
+    def __init__(self, label: str, total: int) -> None:
+        self.label, self.total, self.done, self.failed = label, total, 0, 0
+        self._show()
+
+    def add(self, record: RequestRecord) -> None:
+        self.done += 1
+        self.failed += not record.ok
+        self._show()
+
+    def _show(self) -> None:
+        line = f"{self.label}  {self.done}/{self.total} done  {self.failed} failed"
+        end = "\n" if self.done == self.total else ""
+        print(f"\r{line}", end=end, file=sys.stderr, flush=True)
+
+
+async def send(
+    client: Client, prompt: list[int], max_tokens: int, session_id: str, timeout_s: float
+) -> tuple[RequestRecord, list[int]]:
+    """One request, streamed to its end or its error: its record and the reply's ids."""
+    messages: list[tuple[float, int]] = []
+    reply: list[int] = []
+    status, last = OK, None
+    sent = time.perf_counter()
+    try:
+        async for piece in client.stream(
+            prompt, timeout_s, max_tokens=max_tokens, ignore_eos=True, session_id=session_id
+        ):
+            if piece.token_ids:
+                messages.append((time.perf_counter(), len(piece.token_ids)))
+                reply.extend(piece.token_ids)
+            last = piece
+    except grpc.aio.AioRpcError as e:
+        status = e.code().name
+    end = time.perf_counter()
+    timing, cached = None, 0
+    if status == OK and last is not None:
+        t = last.timing
+        timing = ServerTiming(t.queue_ms, t.prefill_ms, t.transfer_ms, t.first_token_ms, t.total_ms)
+        cached = last.usage.cached_prompt_tokens
+    record = RequestRecord(sent, end, tuple(messages), len(prompt), status, cached, timing)
+    return record, reply
+
+
+async def converse(
+    client: Client,
+    conversation: Conversation,
+    timeout_s: float,
+    done: Callable[[RequestRecord], None],
+) -> None:
+    """The turns in order: each prompt is the previous prompt, its reply, the new text."""
+    history: list[int] = []
+    for turn in conversation.turns:
+        prompt = history + turn.user
+        record, reply = await send(
+            client, prompt, turn.output_len, conversation.session_id, timeout_s
+        )
+        done(record)
+        history = prompt + reply
+
+
+async def run(
+    client: Client,
+    conversations: list[Conversation],
+    offsets: list[float],
+    concurrency: int | None,
+    timeout_s: float,
+    label: str,
+) -> list[RequestRecord]:
+    """Start each conversation at its offset (at most `concurrency` at once); the records."""
+    records: list[RequestRecord] = []
+    progress = Progress(label, sum(len(c.turns) for c in conversations))
+    slots = asyncio.Semaphore(concurrency or max(1, len(conversations)))
+    start = time.perf_counter()
+
+    def done(record: RequestRecord) -> None:
+        records.append(record)
+        progress.add(record)
+
+    async def one(conversation: Conversation, offset: float) -> None:
+        await asyncio.sleep(start + offset - time.perf_counter())
+        async with slots:
+            await converse(client, conversation, timeout_s, done)
+
+    await asyncio.gather(*(one(c, o) for c, o in zip(conversations, offsets, strict=True)))
+    return records
+
+
+async def sweep(
+    args: argparse.Namespace, spec: WorkloadSpec
+) -> tuple[dict[str, Any], list[list[RequestRecord]]]:
+    """Warm up, then one run per rate: the server's info and each run's records."""
+    make = lambda n, run: make_conversations(spec, n, args.seed, run, args.vocab_size)
+    runs = []
+    async with Client(args.target) as client:
+        server = json_format.MessageToDict(await client.server_info())
+        warm = make(args.warmup, 0)
+        records = await run(client, warm, [0.0] * len(warm), 1, args.timeout_s, "warm-up")
+        failed = sorted({r.status for r in records if not r.ok})
+        if failed:
+            raise WarmupFailed(f"warm-up failed: {', '.join(failed)}")
+        for i, rate in enumerate(args.rates, start=1):
+            conversations = make(args.num_requests, i)
+            offsets = send_offsets(len(conversations), rate, args.seed, args.burstiness)
+            label = f"rate {rate:g}/s"
+            runs.append(
+                await run(client, conversations, offsets, args.concurrency, args.timeout_s, label)
+            )
+    return server, runs
+
+
+@dataclass(frozen=True)
+class Goodput:
+    """Over the sweep's finite rates; None when no rate meets the goal."""
+
+    goodput_rps: float | None  # interpolated_goodput: the figure reported as goodput
+    highest_swept_rps: float | None
+    attainment_goal: float = GOODPUT_ATTAINMENT
+
+
+def goodput(rates: list[float], summaries: list[RunSummary]) -> Goodput:
+    attainment = {
+        rate: s.slo_attainment for rate, s in zip(rates, summaries, strict=True) if rate < math.inf
+    }
+    return Goodput(interpolated_goodput(attainment), highest_rate_meeting(attainment))
+
+
+def _rate(rate: float) -> float | str:
+    """JSON has no infinity."""
+    return rate if math.isfinite(rate) else "inf"
+
+
+def _ms(s: Stats | None, field: str) -> str:
+    return "-" if s is None else f"{1e3 * getattr(s, field):.0f}"
+
+
+def report(
+    args: argparse.Namespace, spec: WorkloadSpec, summaries: list[RunSummary], good: Goodput
+) -> str:
+    lines = [
+        f"workload {spec.name}, {args.num_requests} conversations per rate, burstiness "
+        f"{args.burstiness:g}, concurrency {args.concurrency or 'unlimited'}; "
+        f"SLO: TTFT <= {args.slo_ttft:g} s, TPOT <= {args.slo_tpot:g} s",
+        f"{'rate/s':>7} {'done':>5} {'fail':>5} {'req/s':>6} {'tok/s':>7} "
+        f"{'TTFT p50':>9} {'p99':>6} {'TPOT p50':>9} {'p99':>6} {'ITL p99':>8} "
+        f"{'E2E p50':>8} {'SLO met':>8}   (latencies in ms)",
+    ]
+    for rate, s in zip(args.rates, summaries, strict=True):
+        failures = f"  failures: {s.failures}" if s.failures else ""
+        lines.append(
+            f"{rate:>7g} {s.completed:>5} {s.requests - s.completed:>5} "
+            f"{s.request_throughput:>6.2f} {s.output_throughput:>7.1f} "
+            f"{_ms(s.ttft_s, 'p50'):>9} {_ms(s.ttft_s, 'p99'):>6} {_ms(s.tpot_s, 'p50'):>9} "
+            f"{_ms(s.tpot_s, 'p99'):>6} {_ms(s.itl_s, 'p99'):>8} {_ms(s.e2e_s, 'p50'):>8} "
+            f"{s.slo_attainment:>8.0%}{failures}"
+        )
+    goal = f"{good.attainment_goal:.0%}"
+    if good.goodput_rps is None:
+        lines.append(f"goodput: at no swept finite rate do {goal} of requests meet both SLOs")
+    else:
+        lines.append(
+            f"goodput: {good.goodput_rps:.3g} req/s ({goal} of requests meet both SLOs; "
+            f"interpolated), highest swept rate meeting it: {good.highest_swept_rps:g}/s"
+        )
+    return "\n".join(lines)
+
+
+def _arg(kind: Callable[[str], T], ok: Callable[[T], bool], must: str) -> Callable[[str], T]:
+    def parse(text: str) -> T:
+        value = kind(text)
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {must}, got {text}")
+        return value
+
+    return parse
+
+
+def _rates(text: str) -> list[float]:
+    rate = _arg(float, lambda v: v > 0, "> 0 (or inf)")
+    return [rate(r) for r in text.split(",")]
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    positive, count = _arg(float, lambda v: v > 0, "> 0"), _arg(int, lambda v: v >= 1, ">= 1")
+    p = argparse.ArgumentParser(prog="splitserve bench serve", description=__doc__.split("\n")[0])
+    p.add_argument("--target", required=True, help="the server, HOST:PORT")
+    p.add_argument("--workload", default="chat", help="chat, long-prompt, multi-turn or a .yaml")
+    p.add_argument("--rates", type=_rates, default=[1.0], help="comma-separated req/s, or inf")
+    p.add_argument("--burstiness", type=positive, default=1.0, help="gamma shape; 1: Poisson")
+    p.add_argument("--concurrency", type=count, default=None, help="most conversations at once")
+    p.add_argument("--num-requests", type=count, default=100, help="conversations per rate")
+    p.add_argument("--warmup", type=_arg(int, lambda v: v >= 0, ">= 0"), default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slo-ttft", type=positive, required=True, help="seconds")
+    p.add_argument("--slo-tpot", type=positive, required=True, help="seconds")
+    p.add_argument("--timeout-s", type=positive, default=300.0, help="per request")
+    p.add_argument("--vocab-size", type=count, default=VOCAB_SIZE, help="for random prompts")
+    p.add_argument("--out", type=Path, default=RESULTS / "serve.json")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    spec = load_workload(args.workload)
+    try:
+        server, runs = asyncio.run(sweep(args, spec))
+    except WarmupFailed as e:
+        print(f"splitserve bench serve: {e}", file=sys.stderr)
+        return 1
+    slo = Slo(args.slo_ttft, args.slo_tpot)
+    summaries = [summarize(records, slo) for records in runs]
+    good = goodput(args.rates, summaries)
+    print(report(args, spec, summaries, good))
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "rates", "workload")}
+    results = {
+        "config": {**config, "rates": [_rate(r) for r in args.rates], "workload": asdict(spec)},
+        "server": server,
+        "runs": [
+            {"rate": _rate(rate), "summary": asdict(s), "records": [asdict(r) for r in records]}
+            for rate, s, records in zip(args.rates, summaries, runs, strict=True)
+        ],
+        "goodput": asdict(good),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2))
+    print(f"\nresults: {args.out}")
+    return 0

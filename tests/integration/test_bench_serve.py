@@ -22,9 +22,9 @@ def test_a_short_sweep_records_every_request_and_finds_the_goodput(
     spec = tmp_path / "tiny.yaml"
     spec.write_text(WORKLOAD)
     out = tmp_path / "serve.json"
-    router = RouterHarness(
-        {"prefill": workers.prefill("prefill")}, {"d": workers.decode("decode")}, None
-    )
+    # Workers of its own: the shared ones' prefix caches are what other modules' tests expect.
+    prefill, decode = workers.prefill("bench-prefill"), workers.decode("bench-decode")
+    router = RouterHarness({"bench-prefill": prefill}, {"bench-decode": decode}, None)
     try:
         argv = ["--target", router.address, "--workload", str(spec), "--rates", "4,inf"]
         argv += ["--num-requests", "4", "--warmup", "1", "--slo-ttft", "60", "--slo-tpot", "10"]

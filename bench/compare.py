@@ -364,11 +364,18 @@ def _ms(s: dict[str, float] | None, key: str) -> str:
     return "-" if s is None else f"{1e3 * s[key]:,.0f}"
 
 
-def plot(result: dict[str, Any], out: Path) -> None:
+def _pyplot() -> Any:
+    """matplotlib (the `bench` extra), drawing to files only."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot(result: dict[str, Any], out: Path) -> None:
+    plt = _pyplot()
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     plan = result["plan"]
@@ -420,10 +427,7 @@ def _record(d: dict[str, Any]) -> RequestRecord:
 
 
 def plot_slo_scale(result: dict[str, Any], rate_index: int, out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for config, attainment in slo_scale_attainment(result, rate_index).items():
@@ -441,10 +445,7 @@ def plot_slo_scale(result: dict[str, Any], rate_index: int, out: Path) -> None:
 
 
 def plot_interference(result: dict[str, Any], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     configs = [c for c, e in result["configs"].items() if "interference" in e]
     fig, ax = plt.subplots(figsize=(7, 4))

@@ -62,8 +62,8 @@ def weights(engine: LLMEngine) -> list[torch.Tensor]:
     """The weights one token's forward pass reads whole: a tied embedding once, as the
     lm_head; an untied one not at all (its lookup reads a row)."""
     model = engine.model
-    per_layer = [t for layer in model.layers for t in vars(layer).values()]
-    return [model.lm_head, model.norm, *(t for t in per_layer if isinstance(t, torch.Tensor))]
+    per_layer = [t for layer in model.layers for t in layer.tensors]
+    return [*model.lm_head.tensors, model.norm, *per_layer]
 
 
 def weights_sum_s(tensors: list[torch.Tensor], repeats: int = 5) -> float:

@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     spec, _ = load_checkpoint(bundled_model_path())
-    compat = compat_hash(spec, "float32", PAGE_SIZE)
+    compat = compat_hash(spec, "float32", PAGE_SIZE, "none")
     layout = KVLayout.of(spec, PAGE_SIZE, torch.float32)
     measured = kv_bandwidth(layout, compat, args.reps)
     bandwidth = [

@@ -14,8 +14,11 @@ from typing import Any
 import grpc
 
 from cluster.config import (
+    DTYPES,
+    QUANTIZATIONS,
     ConfigError,
     EngineConfig,
+    PoolConfig,
     ServeConfig,
     engine_config_from_dict,
     load_engine_config,
@@ -37,7 +40,12 @@ def _generate(args: argparse.Namespace) -> int:
 
     sampling = SamplingParams(**_sampling(args))
     base = load_engine_config(args.config) if args.config else EngineConfig()
-    overrides = {"model": args.model, "dtype": args.dtype, "kv_cache_gb": args.kv_cache_gb}
+    overrides = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "quantization": args.quantization,
+        "kv_cache_gb": args.kv_cache_gb,
+    }
     fields = {**vars(base), **{k: v for k, v in overrides.items() if v is not None}}
     engine = LLMEngine(engine_config_from_dict(fields))
     prompt = args.prompt
@@ -118,7 +126,20 @@ def _serve(args: argparse.Namespace) -> int:
     redis_url = args.redis_url or config.redis_url
     address = args.address or config.ray_address
     config = dataclasses.replace(config, router=router, redis_url=redis_url, ray_address=address)
+    engine = {k: v for k in ("dtype", "quantization") if (v := getattr(args, k)) is not None}
+    if engine:  # both pools: a prefill and a decode worker must run the same model
+        config = dataclasses.replace(
+            config,
+            prefill=_with_engine(config.prefill, engine),
+            decode=_with_engine(config.decode, engine),
+        )
     return serve(config)
+
+
+def _with_engine(pool: PoolConfig, fields: dict[str, Any]) -> PoolConfig:
+    return dataclasses.replace(
+        pool, engine=engine_config_from_dict({**vars(pool.engine), **fields})
+    )
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -156,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--host", default=None, help="router address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=None, help="router port (default 50051)")
+    _engine_args(serve)
     serve.set_defaults(func=_serve)
 
     chat = sub.add_parser("chat", help="chat with a running server, streaming its replies")
@@ -172,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--chat", action="store_true", help="wrap as one user turn (chat template)")
     _sampling_args(gen, max_tokens=128)
-    gen.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    _engine_args(gen)
     gen.add_argument("--model", default=None, help="GGUF file or HF checkpoint dir")
     gen.add_argument("--kv-cache-gb", type=float, default=None)
     gen.add_argument("--config", default=None, help="YAML config (its engine: section)")
@@ -183,6 +205,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)
     return parser
+
+
+def _engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", choices=DTYPES, default=None, help="activations and KV")
+    parser.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default=None,
+        help="weights: int8/int4 quantized at load, gguf the file's own blocks (default none)",
+    )
 
 
 def _sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:

@@ -18,6 +18,7 @@ T = TypeVar("T")
 
 DTYPES = ("float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
+QUANTIZATIONS = ("none", "int8", "int4", "gguf")  # cluster/engine/quantization.py
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class EngineConfig:
 
     model: str | None = None
     dtype: str = "float32"
+    quantization: str = "none"  # weights: none | int8 | int4 | gguf (the file's own blocks)
     device: str = "auto"
     kv_cache_gb: float = 1.0
     page_size: int = 16
@@ -40,6 +42,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         _check(self.device in DEVICES, "device", f"must be one of {DEVICES}, got {self.device!r}")
+        _check(
+            self.quantization in QUANTIZATIONS,
+            "quantization",
+            f"must be one of {QUANTIZATIONS}, got {self.quantization!r}",
+        )
         _check(
             _is_number(self.kv_cache_gb) and self.kv_cache_gb > 0,
             "kv_cache_gb",
@@ -296,6 +303,13 @@ class ServeConfig:
             "redis_url",
             f"must be a redis:// or rediss:// URL or null, got {self.redis_url!r}",
         )
+        for name in ("model", "dtype", "quantization"):  # KV moves between the two pools
+            ours, theirs = getattr(self.prefill.engine, name), getattr(self.decode.engine, name)
+            _check(
+                ours == theirs,
+                f"prefill.engine.{name}",
+                f"must equal decode.engine.{name} ({theirs!r}), got {ours!r}",
+            )
 
 
 def _is_number(value: object) -> bool:

@@ -95,7 +95,7 @@ class DecodeWorker:
         self.engine = LLMEngine(engine)
         self.epoch = uuid.uuid4().hex[:12]
         self.transfer = transfer
-        compat = compat_hash(self.engine.spec, engine.dtype, engine.page_size)
+        compat = compat_hash(self.engine.spec, engine.dtype, engine.page_size, engine.quantization)
         self.endpoint = KVEndpoint(
             name, self.engine.cache, compat, transfer.ucx_devices, transfer.progress_thread
         )

@@ -66,7 +66,7 @@ class PrefillWorker:
         self.endpoint = KVEndpoint(
             name,
             self.engine.cache,
-            compat_hash(self.engine.spec, engine.dtype, engine.page_size),
+            compat_hash(self.engine.spec, engine.dtype, engine.page_size, engine.quantization),
             transfer.ucx_devices,
             transfer.progress_thread,
         )

@@ -1,7 +1,8 @@
 """Model checkpoints: the Llama-family shape (`ModelSpec`) and its weights, from GGUF or HF.
 
 Weights come back under Hugging Face names (`model.layers.0.self_attn.q_proj.weight`),
-dequantized to float32, whatever the file held.
+dequantized to float32, whatever the file held; or, asked to keep a GGUF's blocks, its
+quantized matrices as `GroupQuant`s holding the file's own blocks.
 """
 
 from __future__ import annotations
@@ -15,6 +16,13 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from cluster.engine.quantization import (
+    GGUF_BLOCKS,
+    GroupQuant,
+    QuantizationError,
+    from_gguf_blocks,
+)
 
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -81,22 +89,30 @@ def bundled_model_path() -> Path:
     return path
 
 
-def load_checkpoint(path: str | Path) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
-    """Read a GGUF file or a HF checkpoint directory; float32 weights under HF names."""
+Weights = dict[str, torch.Tensor | GroupQuant]
+
+
+def load_checkpoint(path: str | Path, keep_blocks: bool = False) -> tuple[ModelSpec, Weights]:
+    """Read a GGUF file or a HF checkpoint directory; float32 weights under HF names.
+
+    `keep_blocks`: a GGUF's Q4_0 / Q4_1 / Q8_0 matrices come back as their own blocks;
+    QuantizationError for a directory or a file with other quantized types."""
     p = Path(path)
     if not p.exists():
         raise ModelLoadError(f"model path {p}: does not exist")
     if p.is_dir():
+        if keep_blocks:
+            raise QuantizationError(f"{p} is a checkpoint directory, not a .gguf file")
         return _load_hf_dir(p)
     if p.suffix == ".gguf":
-        return _load_gguf(p)
+        return _load_gguf(p, keep_blocks)
     raise ModelLoadError(f"model path {p}: expected a .gguf file or a checkpoint directory")
 
 
 # --- Hugging Face directory ---------------------------------------------------------------
 
 
-def _load_hf_dir(d: Path) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
+def _load_hf_dir(d: Path) -> tuple[ModelSpec, Weights]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -110,8 +126,7 @@ def _load_hf_dir(d: Path) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
             weights.update(load_file(str(f)))
         except (SafetensorError, OSError, ValueError) as e:
             raise ModelLoadError(f"{f}: corrupt or truncated safetensors file: {e}") from None
-    weights = {k: v.float() for k, v in weights.items()}
-    return spec, weights
+    return spec, {k: v.float() for k, v in weights.items()}
 
 
 def spec_from_hf_config(path: Path) -> ModelSpec:
@@ -205,7 +220,7 @@ def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
     return default if f is None else f.contents()
 
 
-def _load_gguf(path: Path) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
+def _load_gguf(path: Path, keep_blocks: bool) -> tuple[ModelSpec, Weights]:
     from gguf.quants import dequantize
 
     reader = open_gguf(path)
@@ -248,16 +263,39 @@ def _load_gguf(path: Path) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
         rope_scaling=rope,
         name=str(gguf_field(reader, "general.name", path.stem)),
     )
-    weights: dict[str, torch.Tensor] = {}
+    weights: Weights = {}
     for t in reader.tensors:
         try:
             hf_name = _gguf_name(t.name)
         except (KeyError, ValueError):
             continue  # e.g. rope_freqs: recomputed from the metadata
-        w = dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
-        if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_q.bias")):
-            w = _unpermute_rope(w, heads)
-        elif arch == "llama" and t.name.endswith(("attn_k.weight", "attn_k.bias")):
-            w = _unpermute_rope(w, kv_heads)
+        shape = tuple(reversed(t.shape.tolist()))
+        kind = t.tensor_type.name
+        if keep_blocks and kind not in ("F32", "F16", "BF16"):
+            if kind not in GGUF_BLOCKS:
+                raise QuantizationError(
+                    f"{path}: tensor {t.name} is {kind}; gguf mode computes with "
+                    f"{', '.join(GGUF_BLOCKS)} blocks (use int8 or int4 for this file)"
+                )
+            q = from_gguf_blocks(kind, t.data, *shape)
+            weights[hf_name] = _unpermuted(arch, t.name, q, heads, kv_heads)
+            continue
+        w = dequantize(t.data, t.tensor_type).reshape(shape)
+        w = _unpermuted(arch, t.name, w, heads, kv_heads)
         weights[hf_name] = torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
     return spec, weights
+
+
+_ROPE_TENSORS = ("attn_q.weight", "attn_q.bias", "attn_k.weight", "attn_k.bias")
+
+
+def _unpermuted(arch: str, name: str, w: Any, heads: int, kv_heads: int) -> Any:
+    """A tensor in transformers' q/k row order (a numpy array, or a GroupQuant's rows)."""
+    if arch != "llama" or not name.endswith(_ROPE_TENSORS):
+        return w
+    n_head = heads if ".attn_q." in name else kv_heads
+    if isinstance(w, GroupQuant):
+        order = _unpermute_rope(np.arange(w.shape[0]), n_head)
+        rows = torch.from_numpy(np.ascontiguousarray(order))
+        return GroupQuant(w.q[rows], w.scale[rows], w.offset[rows], w.bits)
+    return _unpermute_rope(w, n_head)

@@ -18,11 +18,12 @@ from pathlib import Path
 
 import torch
 
-from cluster.config import EngineConfig
+from cluster.config import ConfigError, EngineConfig
 from cluster.engine.checkpoint import ModelSpec, bundled_model_path, load_checkpoint
 from cluster.engine.kv_cache import KVCache, KVLayout
 from cluster.engine.model import LlamaModel
 from cluster.engine.page_pool import PagePool, pages_for
+from cluster.engine.quantization import QuantizationError
 from cluster.engine.runner import ModelRunner
 from cluster.engine.sampler import sample
 from cluster.engine.scheduler import Scheduler, Step
@@ -41,6 +42,20 @@ from cluster.types import (
 )
 
 log = logging.getLogger(__name__)
+
+
+def _load_model(
+    path: Path, quantization: str, dtype: torch.dtype, device: torch.device
+) -> tuple[ModelSpec, LlamaModel]:
+    """The checkpoint as a model whose weights are stored as `quantization` says;
+    ConfigError naming the field when this model cannot take that mode."""
+    try:
+        if quantization != "none" and device.type != "cpu":
+            raise QuantizationError(f"its kernels run on CPU only so far, not {device.type}")
+        spec, weights = load_checkpoint(path, keep_blocks=quantization == "gguf")
+        return spec, LlamaModel(spec, weights, dtype, device, quantization)
+    except QuantizationError as e:
+        raise ConfigError(f"quantization: {quantization}: {e}") from None
 
 
 def pick_device(name: str) -> torch.device:
@@ -79,11 +94,9 @@ class LLMEngine:
         self.device = pick_device(config.device)
         dtype = getattr(torch, config.dtype)
         started = time.perf_counter()
-        spec, weights = load_checkpoint(path)
-        self.spec: ModelSpec = spec
+        self.spec, self.model = _load_model(path, config.quantization, dtype, self.device)
         self.tokenizer = Tokenizer.load(path)
-        self.model = LlamaModel(spec, weights, dtype, self.device)
-        del weights
+        spec = self.spec
         self.max_model_len = min(config.max_model_len or spec.max_position, spec.max_position)
         self.layout = KVLayout.of(spec, config.page_size, dtype)
         num_pages = self.layout.pages_for(config.kv_cache_gb * 2**30)
@@ -99,12 +112,13 @@ class LLMEngine:
         self._ids = itertools.count()
         self._seed_source = random.Random()
         log.info(
-            "loaded %s (%.0fM params, %s, %s) in %.1fs",
-            spec.name,
-            self.model.num_params / 1e6,
+            "loaded %s (%s, quantization %s, %s) in %.1fs: weights %.1f MiB resident",
+            self.spec.name,
             config.dtype,
+            config.quantization,
             self.device,
             time.perf_counter() - started,
+            self.model.weight_bytes / 2**20,
         )
         log.info("%s", self.layout.capacity_report(num_pages, self.max_model_len))
 
@@ -146,7 +160,7 @@ class LLMEngine:
         """The prompt's KV has landed and another worker sampled its first token: decode on."""
         live = self._live[request_id]
         if live.generator is not None:  # that worker drew the first token from this seed
-            torch.empty(self.model.lm_head.shape[1], device=self.device).exponential_(
+            torch.empty(self.spec.vocab_size, device=self.device).exponential_(
                 generator=live.generator
             )
         self.scheduler.activate(live.seq)

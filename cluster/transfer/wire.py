@@ -2,8 +2,8 @@
 
 Nothing here unpickles: every field is a number, a length-prefixed UTF-8 string or raw
 bytes, and a message that is short, long, or from another version is refused with
-WireError. Peers whose compatibility hash differs (model, dtype, page size or KV
-layout) are refused with IncompatiblePeerError before any KV moves.
+WireError. Peers whose compatibility hash differs (model, dtype, quantization, page size
+or KV layout) are refused with IncompatiblePeerError before any KV moves.
 """
 
 from __future__ import annotations
@@ -26,14 +26,16 @@ class WireError(ValueError):
 
 
 class IncompatiblePeerError(ConnectionError):
-    """A peer whose KV pages cannot be ours: different model, dtype, page size or layout."""
+    """A peer whose KV pages cannot be ours: another model, dtype, quantization, page size
+    or layout."""
 
 
-def compat_hash(spec: ModelSpec, dtype: str, page_size: int) -> bytes:
-    """16 bytes that two peers must share before one writes KV pages into the other."""
+def compat_hash(spec: ModelSpec, dtype: str, page_size: int, quantization: str) -> bytes:
+    """16 bytes that two peers must share before one writes KV pages into the other
+    (the weights' quantization too: KV from other weights is another model's KV)."""
     key = (
         f"{spec.name}|{spec.num_layers}|{spec.num_kv_heads}|{spec.head_dim}|{spec.vocab_size}|"
-        f"{dtype}|{page_size}|{LAYOUT}"
+        f"{dtype}|{quantization}|{page_size}|{LAYOUT}"
     )
     return hashlib.blake2b(key.encode(), digest_size=16).digest()
 
@@ -141,7 +143,7 @@ class Handshake:
         if self.compat != compat:
             raise IncompatiblePeerError(
                 f"KV peer {self.agent!r} has compatibility hash {self.compat.hex()}, ours is "
-                f"{compat.hex()}: model, dtype, page size or KV layout differ"
+                f"{compat.hex()}: model, dtype, quantization, page size or KV layout differ"
             )
 
 

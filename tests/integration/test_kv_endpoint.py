@@ -25,7 +25,7 @@ DST = [PageId(p) for p in (20, 21, 7, 8, 30)]
 
 def _receive(device: str, conn: Any, spec: ModelSpec) -> None:
     cache = KVCache(LAYOUT, 40, torch.device(device))
-    ep = KVEndpoint("receiver", cache, compat_hash(spec, "float32", 16), "lo")
+    ep = KVEndpoint("receiver", cache, compat_hash(spec, "float32", 16, "none"), "lo")
     conn.send(ep.handshake())
     notices: list[Notice] = []
     deadline = time.monotonic() + 30
@@ -56,7 +56,7 @@ def test_a_write_lands_in_exactly_the_named_pages_and_its_notice_follows(device:
         cache = KVCache(LAYOUT, 12, torch.device(device))
         cache.k.copy_(torch.randn(cache.k.shape))
         cache.v.copy_(torch.randn(cache.v.shape))
-        ep = KVEndpoint("sender", cache, compat_hash(SPEC, "float32", 16), "lo")
+        ep = KVEndpoint("sender", cache, compat_hash(SPEC, "float32", 16, "none"), "lo")
         peer = ep.connect(here.recv())
         layers = range(1, 2)  # layer 1 only: layer 0 must stay untouched
         notice = Notice(NoticeKind.LAYERS, RequestId("r"), 1, 2, tuple(DST), 2 * 5 * ep.page_bytes)

@@ -1,11 +1,22 @@
-"""Decode attention: the bfloat16 CPU path (two matmuls) agrees with SDPA in float32."""
+"""Attention: the bfloat16 CPU decode path (two matmuls) agrees with SDPA in float32, and
+prefills run SDPA's fused kernel on the engine's own shapes and match a reference."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 
-from cluster.engine.attention import _decode_attention
+from cluster.engine.attention import (
+    AttentionBatch,
+    PrefillChunk,
+    _decode_attention,
+    paged_attention,
+)
+from cluster.engine.page_pool import pages_for
 
 
 def test_bfloat16_decode_attention_matches_float32_sdpa() -> None:
@@ -22,3 +33,55 @@ def test_bfloat16_decode_attention_matches_float32_sdpa() -> None:
     assert (ours.float() - ref.squeeze(2)).abs().max().item() < 0.05
     # A one-token context attends to exactly that token's value.
     assert torch.allclose(ours[0].float(), v[0, :, 0].repeat_interleave(3, 0), atol=0.02)
+
+
+def _prefill_batch(num_tokens: int, context_len: int, page_size: int) -> AttentionBatch:
+    pages = torch.arange(pages_for(context_len, page_size))
+    pos = torch.arange(context_len - num_tokens, context_len)
+    return AttentionBatch(
+        slot_mapping=pages[pos // page_size] * page_size + pos % page_size,
+        num_decodes=0,
+        decode_pages=None,
+        decode_mask=None,
+        decode_workspace=None,
+        prefills=(PrefillChunk(0, num_tokens, context_len, pages),),
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cached", [0, 48], ids=["fresh", "after-cached-context"])
+def test_prefill_runs_the_fused_kernel_and_matches_reference(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, cached: int
+) -> None:
+    # The bundled model's attention shape: 9 query heads over 3 KV heads of 64.
+    heads, kv_heads, dim, page_size, n = 9, 3, 64, 16, 80
+    g = torch.Generator().manual_seed(1)
+    context = cached + n
+    q = torch.randn(n, heads, dim, generator=g).to(dtype)
+    k = torch.randn(n, kv_heads, dim, generator=g).to(dtype)
+    v = torch.randn(n, kv_heads, dim, generator=g).to(dtype)
+    pages = pages_for(context, page_size)
+    k_cache = torch.randn(pages, page_size, kv_heads, dim, generator=g).to(dtype)
+    v_cache = torch.randn(pages, page_size, kv_heads, dim, generator=g).to(dtype)
+    chosen: list[SDPBackend] = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording_sdpa(*args: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        choice = torch._fused_sdp_choice(*args, **kwargs)  # type: ignore[attr-defined]
+        chosen.append(SDPBackend(choice))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording_sdpa)
+    out = paged_attention(q, k, v, k_cache, v_cache, _prefill_batch(n, context, page_size))
+    monkeypatch.undo()
+    assert chosen == [SDPBackend.FLASH_ATTENTION]
+
+    # Reference: the whole context in float32, each query row masked causally.
+    keys = k_cache.flatten(0, 1)[:context].float().repeat_interleave(3, 1)
+    values = v_cache.flatten(0, 1)[:context].float().repeat_interleave(3, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * dim**-0.5
+    causal = torch.arange(context)[None, :] <= torch.arange(cached, context)[:, None]
+    weights = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+    ref = torch.einsum("hqk,khd->qhd", weights, values)
+    assert out.shape == (n, heads, dim)
+    assert (out.float() - ref).abs().max().item() < (1e-4 if dtype == torch.float32 else 0.05)

@@ -34,7 +34,7 @@ SPEC = ModelSpec(
     eos_token_ids=(2,),
     name="tiny",
 )
-OURS = compat_hash(SPEC, "float32", 16)
+OURS = compat_hash(SPEC, "float32", 16, "none")
 
 
 def handshake(compat: bytes = OURS) -> Handshake:
@@ -55,16 +55,17 @@ def test_a_handshake_round_trips() -> None:
     ],
 )
 def test_a_different_model_changes_the_compatibility_hash(change: dict[str, object]) -> None:
-    assert compat_hash(dataclasses.replace(SPEC, **change), "float32", 16) != OURS  # type: ignore[arg-type]
+    assert compat_hash(dataclasses.replace(SPEC, **change), "float32", 16, "none") != OURS  # type: ignore[arg-type]
 
 
 def test_dtype_and_page_size_change_the_compatibility_hash() -> None:
-    assert compat_hash(SPEC, "bfloat16", 16) != OURS
-    assert compat_hash(SPEC, "float32", 32) != OURS
+    assert compat_hash(SPEC, "bfloat16", 16, "none") != OURS
+    assert compat_hash(SPEC, "float32", 16, "int4") != OURS
+    assert compat_hash(SPEC, "float32", 32, "none") != OURS
 
 
 def test_a_peer_with_another_hash_is_refused_with_a_clear_error() -> None:
-    hs = handshake(compat_hash(SPEC, "float32", 32))
+    hs = handshake(compat_hash(SPEC, "float32", 32, "none"))
     with pytest.raises(IncompatiblePeerError, match=r"decode-0.*page size"):
         hs.check(OURS)
     handshake().check(OURS)

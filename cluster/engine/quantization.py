@@ -1,0 +1,220 @@
+"""Weight quantization: how each matrix of the model is stored and multiplied.
+
+`engine.quantization` picks one mode per model at load:
+
+- `none`: float weights in the engine dtype, stored [in, out] (`x @ w`).
+- `int8`: weight-only, groups of 32 inputs, asymmetric: w = q * scale + offset, q in
+  -128..127 spanning the group's min..max, quantized at load from any float checkpoint.
+- `int4`: the same with q in 0..15 (GGUF's Q4_1); the embedding and lm_head stay int8.
+- `gguf`: the GGUF file's own Q4_0 / Q4_1 / Q8_0 blocks as stored; its float tensors stay
+  float. The served model is the file's, not a float copy of it.
+
+One kernel multiplies every quantized matrix: PyTorch's `_weight_int4pack_mm_for_cpu`
+(chosen by measurement over `_weight_int8pack_mm`, fbgemm dynamic int8 and bfloat16 on the
+model's shapes; docs in README), where each group of 32 weights reads w = (q4 - 8) * s + z.
+A 4-bit group is one such matrix. An 8-bit group is exactly two: q = 16 * hi + lo with
+hi = q >> 4 in -8..7 and lo = q & 15, so w = 16 s hi + s lo: the same bytes as int8, and
+no float copy of the weights anywhere. The kernel takes bfloat16 activations and
+bfloat16 scales: activations are cast around it (float32 engines), and a block's float16
+scale is rounded to bfloat16 (a relative 2^-9, far under the quantization step itself).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+GROUP = 32  # weights per scale, along the input dimension
+KERNEL_DTYPE = torch.bfloat16  # what the int4 kernel computes in
+
+
+class QuantizationError(ValueError):
+    """A model or tensor cannot be served in the requested quantization mode."""
+
+
+@dataclass(frozen=True)
+class GroupQuant:
+    """A quantized matrix [rows = outputs, cols = inputs]: w = q * scale + offset per group.
+
+    `bits` 4: q is uint8 in 0..15; 8: q is int8 in -128..127. scale and offset are float32
+    [rows, cols // GROUP]. Rows can be concatenated (qkv) and permuted (RoPE layouts).
+    """
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor
+    bits: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.q.shape[0], self.q.shape[1])
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` dequantized to float32 (an embedding lookup)."""
+        q = self.q[ids].float().unflatten(-1, (-1, GROUP))
+        w = q * self.scale[ids].unsqueeze(-1) + self.offset[ids].unsqueeze(-1)
+        return w.flatten(-2)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.rows(torch.arange(self.q.shape[0]))
+
+    def as_8bit(self) -> GroupQuant:
+        """The same weights as 8-bit groups, exactly: q4 * s + o = (q4 - 8) * s + (o + 8 s)."""
+        if self.bits == 8:
+            return self
+        q = (self.q.to(torch.int16) - 8).to(torch.int8)
+        return GroupQuant(q, self.scale, self.offset + 8 * self.scale, 8)
+
+    @staticmethod
+    def cat(parts: list[GroupQuant]) -> GroupQuant:
+        """Matrices stacked by rows; mixed widths are all widened to 8 bits (exactly)."""
+        if len({p.bits for p in parts}) > 1:
+            parts = [p.as_8bit() for p in parts]
+        return GroupQuant(
+            torch.cat([p.q for p in parts]),
+            torch.cat([p.scale for p in parts]),
+            torch.cat([p.offset for p in parts]),
+            parts[0].bits,
+        )
+
+
+def quantize(w: torch.Tensor, mode: str) -> GroupQuant:
+    """Quantize a float matrix [out, in] group-wise (`int8` or `int4`), round to nearest."""
+    rows, cols = w.shape
+    if cols % GROUP:
+        raise QuantizationError(f"{cols} inputs is not a multiple of the group size {GROUP}")
+    g = w.float().view(rows, cols // GROUP, GROUP)
+    if mode not in ("int8", "int4"):
+        raise QuantizationError(f"no float quantization mode {mode!r} (int8 or int4)")
+    levels = 255 if mode == "int8" else 15
+    low, high = g.amin(-1), g.amax(-1)
+    scale = (high - low) / levels
+    steps = ((g - low.unsqueeze(-1)) / scale.clamp(min=1e-12).unsqueeze(-1)).round()
+    steps = steps.clamp(0, levels).view(rows, cols)
+    if mode == "int4":
+        return GroupQuant(steps.to(torch.uint8), scale, low, 4)
+    return GroupQuant((steps - 128).to(torch.int8), scale, low + 128 * scale, 8)
+
+
+# --- GGUF blocks ---------------------------------------------------------------------------
+
+# block layouts: (bytes per 32 weights, bits); all begin with a float16 scale d
+GGUF_BLOCKS = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+
+
+def from_gguf_blocks(kind: str, raw: np.ndarray, rows: int, cols: int) -> GroupQuant:
+    """A GGUF Q4_0 / Q4_1 / Q8_0 tensor's raw blocks [rows, bytes] as a GroupQuant, exactly:
+    Q4_0 w = d (q - 8); Q4_1 w = d q + m; Q8_0 w = d q. 4-bit blocks hold weights 0..15 in
+    the low nibbles of their 16 bytes and 16..31 in the high nibbles."""
+    blocks = np.ascontiguousarray(raw).reshape(rows, cols // GROUP, GGUF_BLOCKS[kind])
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if kind == "Q8_0":
+        q = blocks[..., 2:].copy().view(np.int8).reshape(rows, cols)
+        return _group_quant(q, d, np.zeros_like(d), 8)
+    start = 2 if kind == "Q4_0" else 4
+    nibbles = blocks[..., start:]
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, cols)
+    if kind == "Q4_0":
+        return _group_quant(q, d, -8 * d, 4)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    return _group_quant(q, d, m, 4)
+
+
+def _group_quant(q: np.ndarray, scale: np.ndarray, offset: np.ndarray, bits: int) -> GroupQuant:
+    return GroupQuant(
+        torch.from_numpy(np.ascontiguousarray(q)),
+        torch.from_numpy(np.ascontiguousarray(scale)),
+        torch.from_numpy(np.ascontiguousarray(offset)),
+        bits,
+    )
+
+
+# --- the matrices a forward pass multiplies by -----------------------------------------------
+
+
+class DenseLinear:
+    """y = x @ w (+ bias): the float weight stored transposed, [in, out], which measured
+    ~40% faster than F.linear for batch-1 decode on CPU."""
+
+    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.w = w.t().contiguous()
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w if self.bias is None else torch.addmm(self.bias, x, self.w)
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.w] + ([] if self.bias is None else [self.bias])
+
+
+class Int4Linear:
+    """y = x @ w.T (+ bias) from 4-bit groups in the CPU kernel's packed layout; an 8-bit
+    matrix is two 4-bit ones (module docstring). Holds no float copy of the weight."""
+
+    def __init__(self, w: GroupQuant, bias: torch.Tensor | None) -> None:
+        if w.bits == 4:
+            parts = [(w.q.int(), w.scale, w.offset + 8 * w.scale)]
+        else:
+            q = w.q.int()
+            hi, lo = (q >> 4) + 8, q & 15
+            parts = [
+                (hi, 16 * w.scale, torch.zeros_like(w.scale)),
+                (lo, w.scale, w.offset + 8 * w.scale),
+            ]
+        self.parts = [
+            (
+                torch._convert_weight_to_int4pack_for_cpu(q4.contiguous(), 1),
+                torch.stack([s, z], -1).transpose(0, 1).contiguous().to(KERNEL_DTYPE),
+            )
+            for q4, s, z in parts
+        ]
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        xk = x.to(KERNEL_DTYPE)
+        packed, scales = self.parts[0]
+        y = torch._weight_int4pack_mm_for_cpu(xk, packed, GROUP, scales)
+        for packed, scales in self.parts[1:]:
+            y += torch._weight_int4pack_mm_for_cpu(xk, packed, GROUP, scales)
+        y = y.to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        held = [t for part in self.parts for t in part]
+        return held + ([] if self.bias is None else [self.bias])
+
+
+Linear = DenseLinear | Int4Linear
+
+
+def linear(w: torch.Tensor | GroupQuant, bias: torch.Tensor | None, dtype: torch.dtype) -> Linear:
+    """The matrix `w` [out, in] multiplied as it is stored: float (cast to `dtype`) or groups."""
+    if isinstance(w, GroupQuant):
+        return Int4Linear(w, bias)
+    return DenseLinear(w.to(dtype), bias)
+
+
+class Embedding:
+    """Token rows, looked up a few per step: float, or dequantized row by row from groups."""
+
+    def __init__(self, table: torch.Tensor | GroupQuant, dtype: torch.dtype) -> None:
+        self.table = table
+        self.dtype = dtype
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.table, GroupQuant):
+            return self.table.rows(ids).to(self.dtype)
+        return self.table[ids]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.table.shape[0], self.table.shape[1])
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        t = self.table
+        return [t.q, t.scale, t.offset] if isinstance(t, GroupQuant) else [t]

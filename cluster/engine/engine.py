@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import random
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -78,7 +77,7 @@ class _Live:
 
     seq: Sequence
     text: TextStream
-    generator: torch.Generator | None
+    generator: torch.Generator | None  # a seeded request's own; unseeded rows draw together
     stop_ids: frozenset[int]
 
 
@@ -110,7 +109,6 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.cache, self.device)
         self._live: dict[RequestId, _Live] = {}
         self._ids = itertools.count()
-        self._seed_source = random.Random()
         log.info(
             "loaded %s (%s, quantization %s, %s) in %.1fs: weights %.1f MiB resident",
             self.spec.name,
@@ -282,9 +280,8 @@ class LLMEngine:
                 f"{self.pool.num_pages}; raise kv_cache_gb or lower max_tokens"
             )
         generator = None
-        if not sampling.greedy:
-            seed = sampling.seed if sampling.seed is not None else self._seed_source.getrandbits(63)
-            generator = torch.Generator(device=self.device).manual_seed(seed)
+        if not sampling.greedy and sampling.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
         stop_ids = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:
             stop_ids.update(self.spec.eos_token_ids)

@@ -1,8 +1,8 @@
 """Next-token choice for a batch of logits rows.
 
 Greedy rows take the argmax together. Sampled rows are filtered together
-(temperature, top-k, top-p, min-p) and then draw from their own request's
-generator, so a seeded request picks the same tokens alone or in any batch.
+(temperature, top-k, top-p, min-p) and draw together; only a seeded row draws from
+its own request's generator, so it picks the same tokens alone or in any batch.
 """
 
 from __future__ import annotations
@@ -28,10 +28,12 @@ def sample(
         tokens[greedy] = logits[greedy].argmax(dim=-1).cpu()
     if sampled:
         probs = _filtered_probs(logits[sampled], [params[i] for i in sampled])
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; one draw per token.
+        noise = torch.empty_like(probs).exponential_()  # unseeded rows: torch's own generator
         for row, i in enumerate(sampled):
-            # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; one draw per token.
-            noise = torch.empty_like(probs[row]).exponential_(generator=generators[i])
-            tokens[i] = int((probs[row] / noise).argmax())
+            if generators[i] is not None:
+                noise[row] = torch.empty_like(probs[row]).exponential_(generator=generators[i])
+        tokens[sampled] = (probs / noise).argmax(dim=-1).cpu()
     logprobs = None
     if any(p.logprobs for p in params):
         chosen = torch.log_softmax(logits, dim=-1).gather(1, tokens.to(logits.device)[:, None])

@@ -116,3 +116,12 @@ def test_draws_follow_softmax_of_logits_over_temperature() -> None:
     freq = torch.bincount(torch.tensor(tokens), minlength=5).float() / n
     expected = torch.softmax(logits / temperature, dim=-1)
     assert torch.allclose(freq, expected, atol=0.03), (freq, expected)
+
+
+def test_unseeded_rows_draw_together_and_follow_the_softmax() -> None:
+    logits = torch.tensor([1.0, 0.5, 0.0, -0.5, -2.0])
+    n = 4000
+    torch.manual_seed(0)
+    tokens, _ = sample(logits.repeat(n, 1), [SamplingParams(temperature=0.7)] * n, [None] * n)
+    freq = torch.bincount(torch.tensor(tokens), minlength=5).float() / n
+    assert torch.allclose(freq, torch.softmax(logits / 0.7, dim=-1), atol=0.03), freq

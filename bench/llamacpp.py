@@ -116,3 +116,37 @@ def _generate(lc: Any, ctx: Any, batch: Any, n_vocab: int, requests: list[Reques
             if len(outputs[s]) < r.output_len:
                 pending.append((s, outputs[s][-1], pos + 1, True))
     assert all(len(o) == r.output_len for o, r in zip(outputs, requests, strict=True))
+
+
+def decode_and_prefill(
+    gguf: Path, prompt: list[int], steps: int, long_prompt: list[int], threads: int
+) -> tuple[float, float]:
+    """Batch-1 decode tok/s after `prompt` (the median of `steps` timed tokens, after 5
+    untimed) and prefill tok/s of `long_prompt` (best of two), with `threads` threads."""
+    from llama_cpp import Llama
+
+    n = len(long_prompt)
+    llm = Llama(
+        model_path=str(gguf),
+        n_ctx=max(n, len(prompt) + steps + 16),
+        n_batch=n,
+        n_threads=threads,
+        n_threads_batch=threads,
+        verbose=False,
+    )
+    tokens = llm.generate(prompt, temp=0.0, repeat_penalty=1.0, reset=True)
+    for _ in range(6):  # the prompt, then warm-up tokens
+        next(tokens)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        next(tokens)
+        times.append(time.perf_counter() - start)
+    tokens.close()
+    prefills = []
+    for _ in range(3):  # the first warms up
+        llm.reset()
+        start = time.perf_counter()
+        llm.eval(long_prompt)
+        prefills.append(time.perf_counter() - start)
+    return 1 / float(np.median(times)), n / min(prefills[1:])

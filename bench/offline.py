@@ -7,8 +7,10 @@ length (ignore_eos):
 3. splitserve's engine, continuous batching (all requests);
 4. llama.cpp on the same GGUF, if installed: one at a time (the --hf-requests subset)
    and batched through its C API (all requests).
-Then: batch-1 decode against the memory wall, KV waste paged versus contiguous, and the
-page gather's share of a decode step. Prints a table and the targets, writes JSON.
+Then: batch-1 decode against the memory wall, KV waste paged versus contiguous, the
+page gather's share of a decode step, and every engine mode side by side (bench/modes.py:
+dtype x quantization, batch-1 decode against its own memory wall, 1,024-token prefill,
+llama.cpp and transformers as peers). Prints tables and the targets, writes JSON.
 """
 
 from __future__ import annotations
@@ -25,13 +27,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench import baselines, decode_cost, llamacpp, report, workload
+from bench import baselines, decode_cost, llamacpp, modes, report, workload
 from bench.baselines import Run
 from bench.decode_cost import DecodeEfficiency, GatherCost
 from bench.kv_waste import KVWaste, kv_waste
 from bench.report import Results
 from bench.workload import LengthDist, Request
-from cluster.config import EngineConfig
+from cluster.config import DTYPES, QUANTIZATIONS, EngineConfig
 from cluster.engine import LLMEngine
 from cluster.engine.checkpoint import bundled_model_path
 from cluster.types import SamplingParams
@@ -63,7 +65,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--hf-requests", type=int, help="one-at-a-time subset (8; quick 4)")
     p.add_argument("--hf-batch", type=int, help="transformers static batch size (16; quick 4)")
     p.add_argument("--decode-steps", type=int, help="timed batch-1 decode steps (50; quick 20)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default="none")
+    p.add_argument(
+        "--modes-only", action="store_true", help="only the engine modes table (~2 minutes)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench/results/offline.json"))
     args = p.parse_args(argv)
@@ -155,10 +161,25 @@ def costs(
     return decode, waste, budget, gathers
 
 
+def engine_modes(args: argparse.Namespace, bandwidths: list[float]) -> list[modes.ModeResult]:
+    say("engine modes: batch-1 decode and 1,024-token prefill per dtype and quantization")
+    results = modes.run_modes(args.decode_steps, args.seed, bandwidths)
+    llama = [r.decode_tok_s for r in results if r.name.startswith("llama.cpp")]
+    print(f"\nEngine modes (read bandwidth: best of {[f'{b / 1e9:.1f}' for b in bandwidths]} GB/s)")
+    print(modes.table(results, llama[0] if llama else None))
+    return results
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
-    engine = LLMEngine(EngineConfig(dtype=args.dtype, device="cpu"))
+    if args.modes_only:
+        results = engine_modes(args, decode_cost.read_bandwidths())
+        doc = {"command": ["python", "-m", "bench.offline", *argv], "modes": _modes_json(results)}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(doc, indent=2) + "\n")
+        return 0
+    engine = LLMEngine(EngineConfig(dtype=args.dtype, quantization=args.quantization, device="cpu"))
     prompts, outputs = workload.PROMPTS, workload.OUTPUTS
     if args.quick:
         prompts, outputs = workload.QUICK_PROMPTS, workload.QUICK_OUTPUTS
@@ -176,12 +197,17 @@ def main(argv: list[str]) -> int:
     decode, waste, budget, gathers = costs(args, engine, requests, prompts, outputs)
     res = Results(hf_one, hf_static, ours, llama_runs, decode, waste, budget, gathers)
     report.print_report(res)
+    del engine
+    gc.collect()
+    mode_results = engine_modes(args, decode.bandwidths)
     wall = time.perf_counter() - started
     print(f"\nwall time {wall:.0f} s: python -m bench.offline {' '.join(argv)}")
     doc = {
         "command": ["python", "-m", "bench.offline", *argv],
         "wall_s": wall,
         "dtype": args.dtype,
+        "quantization": args.quantization,
+        "modes": _modes_json(mode_results),
         "threads": torch.get_num_threads(),
         "workload": {
             "seed": args.seed,
@@ -196,6 +222,28 @@ def main(argv: list[str]) -> int:
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
     say(f"wrote {args.out}")
     return 0
+
+
+def _modes_json(results: list[modes.ModeResult]) -> list[dict[str, Any]]:
+    return [
+        {
+            "name": r.name,
+            "resident_bytes": r.resident_bytes,
+            "decode_tok_s": r.decode_tok_s,
+            "prefill_tok_s": r.prefill_tok_s,
+            **(
+                {
+                    "step_bytes": r.decode.weight_bytes + r.decode.kv_bytes,
+                    "wall_s": r.decode.wall_s,
+                    "median_step_s": r.decode.median_s,
+                    "efficiency": r.decode.efficiency,
+                }
+                if r.decode
+                else {}
+            ),
+        }
+        for r in results
+    ]
 
 
 if __name__ == "__main__":

@@ -55,6 +55,11 @@ class Results:
             ),
             Target("batch-1 decode >= 60% of the memory wall", self.decode.efficiency, 0.6, True),
             Target("paged KV waste <= 4%", self.waste[0].waste, 0.04, False),
+            *(
+                Target("splitserve >= 1.5x llama.cpp batched", self.speedup(run), 1.5, True)
+                for run in self.llamacpp
+                if run.method == "llama.cpp, batched"
+            ),
         ]
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
+from cluster.config import EngineConfig
 from cluster.engine import LLMEngine
 from cluster.types import SamplingParams
 
@@ -30,3 +32,21 @@ def test_bad_field_exits_2_naming_it():
     assert done.returncode == 2
     assert "top_p" in done.stderr
     assert done.stdout == ""
+
+
+def test_generate_serves_the_gguf_files_own_blocks() -> None:
+    engine = LLMEngine(EngineConfig(quantization="gguf", dtype="bfloat16", kv_cache_gb=0.05))
+    expected = engine.generate(["The capital of France is"], SamplingParams(max_tokens=8))
+    done = _run(
+        "generate", "The capital of France is", "--max-tokens", "8", "--quantization", "gguf",
+        "--dtype", "bfloat16", "--kv-cache-gb", "0.05",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == expected[0].text + "\n"
+    assert "quantization gguf" in done.stderr and "MiB resident" in done.stderr
+
+
+def test_a_mode_the_model_cannot_take_exits_2_naming_the_field(tiny_llama_dir: Path) -> None:
+    done = _run("generate", "hi", "--model", str(tiny_llama_dir), "--quantization", "gguf")
+    assert done.returncode == 2
+    assert "quantization: gguf:" in done.stderr

@@ -202,11 +202,15 @@ def test_abort_while_transferring_and_while_running(workers: Any, prompts: list[
     run(go())
 
 
-@pytest.mark.parametrize("peer", ["page_size_32", "another_model"])
+@pytest.mark.parametrize("peer", ["page_size_32", "another_model", "int4_weights"])
 def test_mismatched_peers_are_refused_at_the_handshake_within_a_second(
     workers: Any, prompts: list[list[int]], tiny_llama_dir: Any, peer: str
 ) -> None:
-    engine = {"page_size": 32} if peer == "page_size_32" else {"model": str(tiny_llama_dir)}
+    engine = {
+        "page_size_32": {"page_size": 32},
+        "another_model": {"model": str(tiny_llama_dir)},
+        "int4_weights": {"quantization": "int4"},  # the same file, other weights: other KV
+    }[peer]
     bad = workers.prefill(f"prefill-{peer}", engine=engine)
     d = workers.decode("decode", local_prefill_tokens=0)
     c = workers.decode("colocated")

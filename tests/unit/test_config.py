@@ -28,6 +28,7 @@ def test_the_defaults_are_valid() -> None:
     "field, value",
     [
         ("dtype", "float16"),
+        ("quantization", "int3"),
         ("device", "tpu"),
         ("kv_cache_gb", 0),
         ("kv_cache_gb", -1.0),
@@ -185,6 +186,14 @@ def test_pool_engines_override_the_shared_engine_field_by_field() -> None:
         ),
         ({"prefill": {"num_cpus": -1}}, "prefill.num_cpus: must be a number >= 0"),
         ({"prefill": {"engine": {"dtype": "int3"}}}, "prefill.engine.dtype: must be one of"),
+        (
+            {"decode": {"engine": {"quantization": "int4"}}},
+            "config.prefill.engine.quantization: must equal decode.engine.quantization ('int4')",
+        ),
+        (
+            {"prefill": {"engine": {"dtype": "bfloat16"}}},
+            "config.prefill.engine.dtype: must equal decode.engine.dtype ('float32')",
+        ),
         ({"engine": {"page_size": 0}}, "prefill.engine.page_size: must be an integer >= 1"),
         ({"router": {"policy": "random"}}, "router.policy: must be one of"),
         ({"router": {"port": 70000}}, "router.port: must be an integer in [0, 65535]"),

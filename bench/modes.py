@@ -1,0 +1,146 @@
+"""Every engine mode side by side, in one process: batch-1 decode against the memory wall
+of its own bytes, and a 1,024-token prefill; llama.cpp on the same GGUF and transformers
+in float32 as the peers (each only if installed).
+
+A mode's memory wall: the bytes one batch-1 decode step must read (every weight the
+forward multiplies by, as stored: packed groups and their scales; the KV of the context)
+over the best read bandwidth measured in this run. Efficiency = wall / measured step.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from bench import baselines, decode_cost, workload
+from bench.decode_cost import DecodeEfficiency
+from cluster.config import EngineConfig
+from cluster.engine import LLMEngine
+from cluster.engine.checkpoint import bundled_model_path
+from cluster.types import SamplingParams
+
+MODES = (
+    ("float32", "none"),
+    ("bfloat16", "none"),
+    ("bfloat16", "int8"),
+    ("bfloat16", "int4"),
+    ("bfloat16", "gguf"),
+)
+PREFILL_TOKENS = 1024
+DECODE_PROMPT = 128
+
+
+@dataclass(frozen=True)
+class ModeResult:
+    name: str
+    resident_bytes: int  # the weights as held in memory
+    decode: DecodeEfficiency | None  # None for a peer we cannot take apart
+    decode_tok_s: float  # 0: not timed
+    prefill_tok_s: float
+
+
+def run_modes(steps: int, seed: int, bandwidths: list[float]) -> list[ModeResult]:
+    """Each (dtype, quantization) in MODES, then the peers; one engine alive at a time."""
+    rng = np.random.default_rng(seed)
+    results = []
+    for dtype, quantization in MODES:
+        engine = LLMEngine(
+            EngineConfig(
+                dtype=dtype,
+                quantization=quantization,
+                device="cpu",
+                kv_cache_gb=0.25,
+                prefix_caching=False,  # every timed prefill computes all its tokens
+                max_num_batched_tokens=PREFILL_TOKENS,
+            )
+        )
+        vocab = engine.spec.vocab_size
+        prompt = workload.random_prompt(rng, DECODE_PROMPT, vocab)
+        decode = decode_cost.batch1_decode(engine, prompt, steps, 5, bandwidths)
+        long = workload.random_prompt(rng, PREFILL_TOKENS, vocab)
+        prefill_s = _prefill_s(engine, long)
+        results.append(
+            ModeResult(
+                f"splitserve {dtype}, {quantization}",
+                engine.model.weight_bytes,
+                decode,
+                1 / decode.median_s,
+                PREFILL_TOKENS / prefill_s,
+            )
+        )
+        del engine
+        gc.collect()
+    results += _peers(steps, rng)
+    return results
+
+
+def _prefill_s(engine: LLMEngine, prompt: list[int]) -> float:
+    """Best of two prefills of `prompt` (one token sampled), after a warm-up."""
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    engine.generate([prompt], one)
+    return min(_timed(lambda: engine.generate([prompt], one)) for _ in range(2))
+
+
+def _peers(steps: int, rng: np.random.Generator) -> list[ModeResult]:
+    from bench import llamacpp
+
+    gguf = bundled_model_path()
+    model = baselines.load_transformers(gguf, torch.float32)
+    vocab = model.config.vocab_size
+    long = workload.random_prompt(rng, PREFILL_TOKENS, vocab)
+    prefill_s = _hf_prefill_s(model, long)
+    resident = sum(p.numel() * p.element_size() for p in model.parameters())
+    peers = [ModeResult("transformers float32", resident, None, 0.0, PREFILL_TOKENS / prefill_s)]
+    del model
+    gc.collect()
+    if llamacpp.available():
+        prompt = workload.random_prompt(rng, DECODE_PROMPT, vocab)
+        tok_s, prefill_tok_s = llamacpp.decode_and_prefill(
+            gguf, prompt, steps, long, torch.get_num_threads()
+        )
+        size = gguf.stat().st_size
+        peers.append(ModeResult("llama.cpp, GGUF as stored", size, None, tok_s, prefill_tok_s))
+    return peers
+
+
+@torch.inference_mode()
+def _hf_prefill_s(model: Any, prompt: list[int]) -> float:
+    ids = torch.tensor([prompt])
+    model(ids)
+    return min(_timed(lambda: model(ids)) for _ in range(2))
+
+
+def table(results: list[ModeResult], llama_tok_s: float | None) -> str:
+    head = (
+        "| engine | weights resident | bytes read / step | wall at best bandwidth | "
+        "measured step | % of wall | decode tok/s (batch 1) | vs llama.cpp | prefill tok/s |\n"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+    )
+    rows = [head]
+    for r in results:
+        d = r.decode
+        vs = f"{r.decode_tok_s / llama_tok_s:.2f}" if llama_tok_s and r.decode_tok_s else ""
+        decode = f"{r.decode_tok_s:.1f}" if r.decode_tok_s else "not timed"
+        rows.append(
+            f"| {r.name} | {r.resident_bytes / 2**20:.0f} MiB | "
+            + (
+                f"{(d.weight_bytes + d.kv_bytes) / 2**20:.0f} MiB | {d.wall_s * 1e3:.2f} ms | "
+                f"{d.median_s * 1e3:.2f} ms | {d.efficiency:.0%} | "
+                if d
+                else "| | | | "
+            )
+            + f"{decode} | {vs} | {r.prefill_tok_s:.0f} |"
+        )
+    return "\n".join(rows)
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start

@@ -150,3 +150,17 @@ def decode_and_prefill(
         llm.eval(long_prompt)
         prefills.append(time.perf_counter() - start)
     return 1 / float(np.median(times)), n / min(prefills[1:])
+
+
+def greedy(gguf: Path, prompts: list[list[int]], max_tokens: int, threads: int) -> list[list[int]]:
+    """llama.cpp's greedy continuation of each prompt, `max_tokens` tokens, EOS ignored."""
+    from llama_cpp import Llama
+
+    n_ctx = max(len(p) for p in prompts) + max_tokens + 1
+    llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, verbose=False)
+    outs = []
+    for p in prompts:
+        tokens = llm.generate(p, temp=0.0, repeat_penalty=1.0, reset=True)
+        outs.append([next(tokens) for _ in range(max_tokens)])
+        tokens.close()
+    return outs

@@ -34,15 +34,60 @@ MODES = (
 )
 PREFILL_TOKENS = 1024
 DECODE_PROMPT = 128
+# Greedy agreement with llama.cpp on the same file: natural questions, chat-templated.
+QUESTIONS = (
+    "What is the capital of France?",
+    "Write a haiku about the ocean.",
+    "Explain photosynthesis in two sentences.",
+    "List three uses of a paperclip.",
+    "What is 17 times 23?",
+    "Translate 'good morning' into Spanish.",
+    "Who wrote Romeo and Juliet?",
+    "Give me a tip for learning to program.",
+)
+AGREEMENT_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """Our gguf mode's greedy tokens against llama.cpp's on the same GGUF."""
+
+    identical: int  # continuations identical over all AGREEMENT_TOKENS
+    prompts: int
+    common_prefix: list[int]  # per prompt, leading tokens that agree
 
 
 @dataclass(frozen=True)
 class ModeResult:
     name: str
-    resident_bytes: int  # the weights as held in memory
+    resident_bytes: int  # the weights as held in memory; 0: not known
     decode: DecodeEfficiency | None  # None for a peer we cannot take apart
     decode_tok_s: float  # 0: not timed
     prefill_tok_s: float
+
+
+def llamacpp_agreement(threads: int) -> Agreement | None:
+    """Greedy tokens of our gguf mode (bfloat16) against llama.cpp's, if installed."""
+    from bench import llamacpp
+
+    if not llamacpp.available():
+        return None
+    engine = LLMEngine(
+        EngineConfig(dtype="bfloat16", quantization="gguf", device="cpu", kv_cache_gb=0.25)
+    )
+    tok = engine.tokenizer
+    prompts = [
+        tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS
+    ]
+    greedy = SamplingParams(max_tokens=AGREEMENT_TOKENS, ignore_eos=True)
+    ours = [c.token_ids for c in engine.generate(prompts, greedy)]
+    theirs = llamacpp.greedy(bundled_model_path(), prompts, AGREEMENT_TOKENS, threads)
+    prefix = [_common_prefix(a, b) for a, b in zip(ours, theirs, strict=True)]
+    return Agreement(sum(n == AGREEMENT_TOKENS for n in prefix), len(prompts), prefix)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
 
 
 def run_modes(steps: int, seed: int, bandwidths: list[float]) -> list[ModeResult]:
@@ -128,7 +173,7 @@ def table(results: list[ModeResult], llama_tok_s: float | None) -> str:
         vs = f"{r.decode_tok_s / llama_tok_s:.2f}" if llama_tok_s and r.decode_tok_s else ""
         decode = f"{r.decode_tok_s:.1f}" if r.decode_tok_s else "not timed"
         rows.append(
-            f"| {r.name} | {r.resident_bytes / 2**20:.0f} MiB | "
+            f"| {r.name} | {f'{r.resident_bytes / 2**20:.0f} MiB' if r.resident_bytes else ''} | "
             + (
                 f"{(d.weight_bytes + d.kv_bytes) / 2**20:.0f} MiB | {d.wall_s * 1e3:.2f} ms | "
                 f"{d.median_s * 1e3:.2f} ms | {d.efficiency:.0%} | "

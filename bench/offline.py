@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench import baselines, decode_cost, llamacpp, modes, report, workload
+from bench import baselines, decode_cost, llamacpp, modes, report, vllm_peer, workload
 from bench.baselines import Run
 from bench.decode_cost import DecodeEfficiency, GatherCost
 from bench.kv_waste import KVWaste, kv_waste
@@ -161,12 +161,39 @@ def costs(
     return decode, waste, budget, gathers
 
 
-def engine_modes(args: argparse.Namespace, bandwidths: list[float]) -> list[modes.ModeResult]:
+def vllm(args: argparse.Namespace, requests: list[Request]) -> vllm_peer.VLLMResult | None:
+    """vLLM on the same requests, and its prefill and batch-1 decode; None if not set up."""
+    if not vllm_peer.available():
+        return None
+    say(f"vLLM: {len(requests)} requests, prefill and batch-1 decode ({args.dtype})")
+    rng = np.random.default_rng(args.seed + 2)
+    vocab = 49152  # the bundled model's; vLLM reads its own from the HF copy
+    prefills = [workload.random_prompt(rng, modes.PREFILL_TOKENS, vocab) for _ in range(3)]
+    prompt = workload.random_prompt(rng, modes.DECODE_PROMPT, vocab)
+    cache = args.out.parent / "hf"
+    return vllm_peer.run(
+        bundled_model_path(), args.dtype, requests, prefills, prompt, args.decode_steps, cache
+    )
+
+
+def engine_modes(
+    args: argparse.Namespace, bandwidths: list[float], peer: vllm_peer.VLLMResult | None
+) -> list[modes.ModeResult]:
     say("engine modes: batch-1 decode and 1,024-token prefill per dtype and quantization")
     results = modes.run_modes(args.decode_steps, args.seed, bandwidths)
+    if peer is not None:
+        name = f"vLLM (CPU) {args.dtype}, HF copy"
+        results.append(modes.ModeResult(name, 0, None, peer.decode_tok_s, peer.prefill_tok_s))
     llama = [r.decode_tok_s for r in results if r.name.startswith("llama.cpp")]
     print(f"\nEngine modes (read bandwidth: best of {[f'{b / 1e9:.1f}' for b in bandwidths]} GB/s)")
     print(modes.table(results, llama[0] if llama else None))
+    agreement = modes.llamacpp_agreement(torch.get_num_threads())
+    if agreement is not None:
+        print(
+            f"gguf mode vs llama.cpp, greedy, {modes.AGREEMENT_TOKENS} tokens of "
+            f"{agreement.prompts} chat prompts: {agreement.identical} identical; leading "
+            f"tokens that agree per prompt {agreement.common_prefix}"
+        )
     return results
 
 
@@ -174,7 +201,7 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
     if args.modes_only:
-        results = engine_modes(args, decode_cost.read_bandwidths())
+        results = engine_modes(args, decode_cost.read_bandwidths(), None)
         doc = {"command": ["python", "-m", "bench.offline", *argv], "modes": _modes_json(results)}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(doc, indent=2) + "\n")
@@ -195,11 +222,13 @@ def main(argv: list[str]) -> int:
     )
     hf_one, hf_static, ours, llama_runs = throughput(args, engine, requests)
     decode, waste, budget, gathers = costs(args, engine, requests, prompts, outputs)
-    res = Results(hf_one, hf_static, ours, llama_runs, decode, waste, budget, gathers)
-    report.print_report(res)
     del engine
     gc.collect()
-    mode_results = engine_modes(args, decode.bandwidths)
+    peer = vllm(args, requests)
+    peers = llama_runs + ([peer.run] if peer else [])
+    res = Results(hf_one, hf_static, ours, peers, decode, waste, budget, gathers)
+    report.print_report(res)
+    mode_results = engine_modes(args, decode.bandwidths, peer)
     wall = time.perf_counter() - started
     print(f"\nwall time {wall:.0f} s: python -m bench.offline {' '.join(argv)}")
     doc = {

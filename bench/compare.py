@@ -141,7 +141,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 @contextmanager
 def server(config: str, log_dir: Path) -> Iterator[str]:
     """`splitserve serve` with this configuration; yields its gRPC address."""
-    doc = {**CONFIGS[config], "router": {"port": 0, "metrics_port": None}}
+    doc = {**CONFIGS[config], "router": {"port": 0, "metrics_port": None, "http_port": None}}
     path = log_dir / f"{config}.yaml"
     path.write_text(yaml.safe_dump(doc))
     log_path = log_dir / f"{config}.log"

@@ -238,7 +238,8 @@ class PoolConfig:
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """The gRPC front door: where it listens, how it routes, what it refuses."""
+    """The front doors (gRPC, OpenAI HTTP): where they listen, how they route, what they
+    refuse."""
 
     host: str = "127.0.0.1"
     port: int = 50051
@@ -252,6 +253,7 @@ class RouterConfig:
     stats_interval_s: float = 0.1  # how often worker loads are read
     grace_s: float = 10.0  # on shutdown, how long in-flight requests may run on
     metrics_port: int | None = 9464  # Prometheus /metrics on host:port; 0: any; null: off
+    http_port: int | None = 8000  # the OpenAI-compatible HTTP API on host:port; null: off
 
     def __post_init__(self) -> None:
         _check(isinstance(self.host, str) and bool(self.host), "host", "must be a host name")
@@ -260,12 +262,13 @@ class RouterConfig:
             "port",
             f"must be an integer in [0, 65535] (0: any free port), got {self.port!r}",
         )
-        _check(
-            self.metrics_port is None
-            or (_is_int(self.metrics_port) and 0 <= self.metrics_port < 65536),
-            "metrics_port",
-            f"must be an integer in [0, 65535] or null, got {self.metrics_port!r}",
-        )
+        for name in ("metrics_port", "http_port"):
+            value = getattr(self, name)
+            _check(
+                value is None or (_is_int(value) and 0 <= value < 65536),
+                name,
+                f"must be an integer in [0, 65535] or null, got {value!r}",
+            )
         _check(self.policy in POLICIES, "policy", f"must be one of {POLICIES}, got {self.policy!r}")
         for name in ("affinity_slack_tokens", "max_pending", "max_tokens", "max_message_bytes"):
             value, least = getattr(self, name), 0 if name == "affinity_slack_tokens" else 1

@@ -13,6 +13,7 @@ from cluster.engine.checkpoint import bundled_model_path
 from cluster.engine.tokenizer import Tokenizer
 from cluster.types import ModelInfo
 from router.metrics import RouterMetrics
+from router.openai import OpenAIFrontDoor
 from router.placement import PlacementStore
 from router.policy import PolicyConfig, PolicyName
 from router.router import Router
@@ -30,6 +31,7 @@ class RouterApp:
     placements: PlacementStore | None
     metrics: RouterMetrics
     metrics_http: Any | None  # the /metrics HTTP server, if one was asked for
+    http: OpenAIFrontDoor | None  # the OpenAI-compatible API, if one was asked for
 
     @property
     def address(self) -> str:
@@ -37,7 +39,10 @@ class RouterApp:
 
     async def stop(self, grace_s: float) -> None:
         """Stop accepting; calls in flight get grace_s to finish, then are aborted."""
-        await self.server.stop(grace_s)
+        if self.http is not None:
+            await asyncio.gather(self.server.stop(grace_s), self.http.stop())
+        else:
+            await self.server.stop(grace_s)
         if self.metrics_http is not None:
             self.metrics_http.shutdown()
             self.metrics_http.server_close()
@@ -84,6 +89,18 @@ async def start_router(
         task.add_done_callback(tasks.discard)
 
     workers.on_change = on_change
+    http = None
+    if config.http_port is not None:
+        http = OpenAIFrontDoor(
+            router,
+            tokenizer,
+            info,
+            config.max_tokens,
+            metrics,
+            lambda: bool(workers.snapshot().decode),
+        )
+        await http.start(config.host, config.http_port, config.grace_s)
+        log.info("router: OpenAI-compatible HTTP API on %s/v1", http.address)
     metrics_http = None
     if config.metrics_port is not None:
         metrics_http = metrics.serve(config.host, config.metrics_port)
@@ -97,4 +114,4 @@ async def start_router(
         len(decode),
         info.name,
     )
-    return RouterApp(server, router, workers, placements, metrics, metrics_http)
+    return RouterApp(server, router, workers, placements, metrics, metrics_http, http)

@@ -8,6 +8,7 @@ counters, `_seconds`, `_bytes`, `_ratio`).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -17,8 +18,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from cluster.types import TokenDelta
 from decode_worker.worker import DecodeStats
 from prefill_worker.worker import PrefillStats
+from router.router import Final
 from router.workers import WorkerRegistry
 
 LATENCY_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -62,6 +65,26 @@ class RouterMetrics:
         # What the autoscaler reads each tick (cluster/scaler.py).
         self.recent_ttft = Window()
         self.recent_tpot = Window()
+
+    def observe(self, delta: TokenDelta, final: Final | None, last: float | None) -> float:
+        """Record the latencies one streamed delta shows; returns when it was sent."""
+        now = time.monotonic()
+        if last is not None and delta.token_ids:
+            gap = (now - last) / len(delta.token_ids)
+            for _ in delta.token_ids:
+                self.itl.observe(gap)
+        if final is not None:
+            t, n = final.timing, final.usage.completion_tokens
+            self.ttft.observe(t.first_token_ms / 1e3)
+            self.recent_ttft.add(t.first_token_ms / 1e3)
+            self.e2e.observe(t.total_ms / 1e3)
+            if n > 1:
+                tpot = (t.total_ms - t.first_token_ms) / 1e3 / (n - 1)
+                self.tpot.observe(tpot)
+                self.recent_tpot.add(tpot)
+            if final.route.prefill is not None:
+                self.transfer.observe(t.transfer_ms / 1e3)
+        return now
 
     def serve(self, host: str, port: int) -> Any:
         """Serve /metrics on host:port (0: any free port); returns the HTTP server."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator
 from importlib.metadata import version
 
@@ -66,7 +65,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 prepared = await asyncio.to_thread(prepare, *args)
             last: float | None = None
             async for delta, final in self.router.generate(prepared):
-                last = self._observe(delta, final, last)
+                last = self.metrics.observe(delta, final, last)
                 yield _response(delta, final)
             status = "ok"
         except InvalidRequestError as e:  # ours, or a worker's (Ray wraps it: its cause)
@@ -86,27 +85,6 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             self.metrics.requests.labels(status if code is None else code.name.lower()).inc()
         if code is not None:
             await context.abort(code, why)
-
-    def _observe(self, delta: TokenDelta, final: Final | None, last: float | None) -> float:
-        """Record the latencies one streamed delta shows; returns when it was sent."""
-        now = time.monotonic()
-        m = self.metrics
-        if last is not None and delta.token_ids:
-            gap = (now - last) / len(delta.token_ids)
-            for _ in delta.token_ids:
-                m.itl.observe(gap)
-        if final is not None:
-            t, n = final.timing, final.usage.completion_tokens
-            m.ttft.observe(t.first_token_ms / 1e3)
-            m.recent_ttft.add(t.first_token_ms / 1e3)
-            m.e2e.observe(t.total_ms / 1e3)
-            if n > 1:
-                tpot = (t.total_ms - t.first_token_ms) / 1e3 / (n - 1)
-                m.tpot.observe(tpot)
-                m.recent_tpot.add(tpot)
-            if final.route.prefill is not None:
-                m.transfer.observe(t.transfer_ms / 1e3)
-        return now
 
     async def ListModels(
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext

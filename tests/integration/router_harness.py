@@ -46,7 +46,8 @@ class RouterHarness(_LoopThread):
         **router: Any,
     ) -> None:
         super().__init__()
-        config = RouterConfig(**{"port": 0, "redis_timeout_s": 0.1, "metrics_port": None, **router})
+        defaults = {"port": 0, "redis_timeout_s": 0.1, "metrics_port": None, "http_port": None}
+        config = RouterConfig(**{**defaults, **router})
         self.app: RouterApp = self.call(
             start_router(config, local_prefill_tokens, prefill, decode, redis_url)
         )

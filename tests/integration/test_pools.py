@@ -104,7 +104,7 @@ def test_a_burst_of_long_prompts_grows_the_prefill_pool_and_idleness_shrinks_it(
     config = ServeConfig(
         prefill=PoolConfig(num_cpus=0, engine=ENGINE, autoscale=scaling),
         decode=PoolConfig(num_cpus=0, engine=EngineConfig(kv_cache_gb=0.5, threads=1)),
-        router=RouterConfig(port=0, metrics_port=0),
+        router=RouterConfig(port=0, metrics_port=0, http_port=None),
     )
     h = ClusterHarness(config, "grow-")
     pool = h.cluster.pools["prefill"]
@@ -146,7 +146,7 @@ def test_a_drained_decode_worker_finishes_its_streams_or_aborts_them_past_the_de
     config = ServeConfig(
         prefill=PoolConfig(num_cpus=0, engine=ENGINE),
         decode=PoolConfig(replicas=2, num_cpus=0, engine=ENGINE, autoscale=scaling),
-        router=RouterConfig(port=0, metrics_port=None, policy="least_loaded"),
+        router=RouterConfig(port=0, metrics_port=None, http_port=None, policy="least_loaded"),
     )
     h = ClusterHarness(config, "drain-")
     pool, registry = h.cluster.pools["decode"], h.cluster.app.workers
@@ -192,7 +192,7 @@ def fixed(ray_workers: Any) -> Iterator[ClusterHarness]:
     config = ServeConfig(
         prefill=PoolConfig(num_cpus=0, engine=ENGINE),
         decode=PoolConfig(num_cpus=0, engine=ENGINE),
-        router=RouterConfig(port=0, metrics_port=None),
+        router=RouterConfig(port=0, metrics_port=None, http_port=None),
     )
     h = ClusterHarness(config, "kill-")
     yield h

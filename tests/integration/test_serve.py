@@ -19,7 +19,7 @@ CONFIG = """
 engine: {kv_cache_gb: 0.2, threads: 1, max_num_batched_tokens: 256}
 prefill: {resources: {prefill_node: 1}}  # the local Ray plays both node types
 decode: {resources: {decode_node: 1}}
-router: {port: 0, grace_s: 30, metrics_port: 0}
+router: {port: 0, grace_s: 30, metrics_port: 0, http_port: 0}
 """
 SPLITSERVE = [sys.executable, "-m", "cluster.cli"]
 

@@ -1,0 +1,436 @@
+"""The OpenAI-compatible HTTP front door, on the same router core as the gRPC API.
+
+Routes: POST /v1/chat/completions and /v1/completions (streamed as server-sent events
+ending in `data: [DONE]`, or one JSON body), GET /v1/models, /health and /metrics.
+
+A body becomes the gRPC API's GenerateRequest and is checked by the same `prepare`, so
+both front doors accept and refuse the same requests with the same messages. Errors
+have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a bad
+field (the message and `param` name it), 404 for another model's name, 429 when the
+router is full, 503 with no live decode worker, 500 when a worker failed the request.
+A stream that fails after its first event ends with an error event, never `[DONE]`. A
+client that disconnects has its request aborted on every worker (its pages are freed).
+The session header `X-Session-Id` gives a conversation's turns the same worker.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from cluster.engine.tokenizer import Tokenizer
+from cluster.types import FinishReason, InvalidRequestError, ModelInfo, TokenDelta
+from router.metrics import RouterMetrics
+from router.request import Prepared, prepare
+from router.router import Final, Overloaded, RequestFailed, Router, Unavailable
+from splitserve.v1 import splitserve_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+SESSION_HEADER = "X-Session-Id"
+FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
+MAX_BODY_BYTES = 4 * 2**20
+
+
+class HTTPError(Exception):
+    """An error answered in OpenAI's shape with this status."""
+
+    def __init__(self, status: int, message: str, kind: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.param = status, kind, param
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param,
+                          "code": self.kind}}  # fmt: skip
+
+
+# The shared checks name fields as the gRPC API spells them; here, as OpenAI's body does.
+OPENAI_NAMES = (("sampling.", ""), ("chat.messages", "messages"), ("token_ids", "prompt"),
+                ("text", "prompt"))  # fmt: skip
+
+
+def invalid(e: InvalidRequestError) -> HTTPError:
+    message = str(getattr(e, "cause", e))  # a worker's refusal arrives wrapped by Ray
+    for ours, theirs in OPENAI_NAMES:
+        if message.startswith(ours):
+            message = theirs + message[len(ours) :]
+            break
+    field = message.split(":", 1)[0] if ":" in message else None
+    return HTTPError(400, message, "invalid_request_error", field)
+
+
+# --- OpenAI body -> GenerateRequest -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Call:
+    request: pb.GenerateRequest
+    chat: bool
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+
+
+def _field(body: dict[str, Any], name: str, kinds: tuple[type, ...], what: str) -> Any:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise InvalidRequestError(f"{name}: must be {what}, got {json.dumps(value)[:40]}")
+    return value
+
+
+def to_call(body: Any, chat: bool, session_id: str | None) -> Call:
+    """An OpenAI request body as a GenerateRequest; InvalidRequestError names the field."""
+    if not isinstance(body, dict):
+        raise InvalidRequestError("body: must be a JSON object")
+    msg = pb.GenerateRequest(session_id=session_id or "")
+    model = _field(body, "model", (str,), "a string")
+    if model:
+        msg.model = model
+    if chat:
+        messages = _field(body, "messages", (list,), "a list of messages")
+        if messages is None:
+            raise InvalidRequestError("messages: required")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict):
+                raise InvalidRequestError(f"messages[{i}]: must be an object")
+            role = "system" if m.get("role") == "developer" else str(m.get("role"))
+            msg.chat.messages.add(role=role, content=_content(m.get("content"), i))
+        if not messages:
+            msg.chat.SetInParent()  # prepare says what is wrong with no messages
+    else:
+        _prompt(msg, body.get("prompt"))
+    s = msg.sampling
+    max_tokens = _field(body, "max_completion_tokens", (int,), "an integer")
+    if max_tokens is None:
+        max_tokens = _field(body, "max_tokens", (int,), "an integer")
+    if max_tokens is not None:
+        s.max_tokens = max_tokens
+    for name in ("temperature", "top_p", "min_p"):
+        value = _field(body, name, (int, float), "a number")
+        if value is not None:
+            setattr(s, name, value)
+    for name in ("seed", "top_k"):
+        value = _field(body, name, (int,), "an integer")
+        if value is not None:
+            setattr(s, name, value)
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop
+    if stops is not None:
+        if not isinstance(stops, list) or not all(isinstance(x, str) for x in stops):
+            raise InvalidRequestError("stop: must be a string or a list of strings")
+        s.stop.extend(stops)
+    s.ignore_eos = bool(_field(body, "ignore_eos", (bool,), "true or false"))
+    n = _field(body, "n", (int,), "an integer")
+    if n not in (None, 1):
+        raise InvalidRequestError(f"n: only 1 choice per request is served, got {n}")
+    _field(body, "user", (str,), "a string")
+    logprobs = _logprobs(body, chat)
+    s.logprobs = logprobs
+    stream = bool(_field(body, "stream", (bool,), "true or false"))
+    options = _field(body, "stream_options", (dict,), "an object") or {}
+    include_usage = stream and bool(options.get("include_usage"))
+    return Call(msg, chat, stream, include_usage, logprobs)
+
+
+def _content(content: Any, i: int) -> str:
+    """A message's text: a string, or a list of text parts (the only kind served)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+        for p in content
+    ):
+        return "".join(p["text"] for p in content)
+    raise InvalidRequestError(f"messages[{i}].content: must be a string or a list of text parts")
+
+
+def _prompt(msg: pb.GenerateRequest, prompt: Any) -> None:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        msg.text = prompt
+    elif (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        msg.token_ids.ids.extend(prompt)
+    elif prompt is None:
+        raise InvalidRequestError("prompt: required")
+    else:
+        raise InvalidRequestError(
+            "prompt: must be a string or a list of token ids (one prompt per request)"
+        )
+
+
+def _logprobs(body: dict[str, Any], chat: bool) -> bool:
+    """Chat: `logprobs: true`; completions: `logprobs: 0`. Only the chosen token's."""
+    if chat:
+        top = _field(body, "top_logprobs", (int,), "an integer")
+        if top:
+            raise InvalidRequestError("top_logprobs: only 0 is served (the chosen token's)")
+        return bool(_field(body, "logprobs", (bool,), "true or false"))
+    value = _field(body, "logprobs", (int,), "an integer")
+    if value:
+        raise InvalidRequestError("logprobs: only 0 is served (the chosen token's logprob)")
+    return value == 0
+
+
+# --- responses ---------------------------------------------------------------------------
+
+
+@dataclass
+class Reply:
+    """What a request's stream added up to."""
+
+    text: str = ""
+    token_ids: list[int] | None = None
+    logprobs: list[float] | None = None
+    finish: str | None = None
+    final: Final | None = None
+
+
+def _usage(final: Final) -> dict[str, Any]:
+    u = final.usage
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
+    }
+
+
+class OpenAIFrontDoor:
+    def __init__(
+        self,
+        router: Router,
+        tokenizer: Tokenizer,
+        model: ModelInfo,
+        max_tokens: int,
+        metrics: RouterMetrics,
+        serving: Callable[[], bool],
+    ) -> None:
+        self.router = router
+        self.tokenizer = tokenizer
+        self.model = model
+        self.max_tokens = max_tokens
+        self.metrics = metrics
+        self.serving = serving
+        self.runner: web.AppRunner | None = None
+        self.address = ""
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        return app
+
+    async def start(self, host: str, port: int, grace_s: float) -> None:
+        """Serve on host:port (0: any free port); on stop, requests in flight get grace_s."""
+        # handler_cancellation: a client that goes away cancels its handler at once, even
+        # while it waits for a first token, so the request is aborted on every worker.
+        self.runner = web.AppRunner(
+            self.app(), access_log=None, handler_cancellation=True, shutdown_timeout=grace_s
+        )
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, host, port)
+        await site.start()
+        bound = self.runner.addresses[0]
+        self.address = f"http://{bound[0]}:{bound[1]}"
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    # --- handlers ---
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        card = {"id": self.model.name, "object": "model", "created": 0, "owned_by": "splitserve",
+                "max_model_len": self.model.max_model_len}  # fmt: skip
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        ok = self.serving()
+        return web.json_response({"status": "ok" if ok else "no decode worker"},
+                                 status=200 if ok else 503)  # fmt: skip
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        body = generate_latest(self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        status = "cancelled"  # unless it ends otherwise: the client went away
+        try:
+            call, prepared = await self._prepare(request, chat)
+            if call.stream:
+                response, status = await self._stream(request, call, prepared)
+            else:
+                reply = await self._collect(prepared)
+                response, status = web.json_response(self._body(call, reply)), "ok"
+            return response
+        except HTTPError as e:
+            status = e.kind
+            return web.json_response(e.body(), status=e.status)
+        finally:
+            self.metrics.requests.labels(status).inc()
+
+    async def _prepare(self, request: web.Request, chat: bool) -> tuple[Call, Prepared]:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise HTTPError(400, f"body: not valid JSON: {e}", "invalid_request_error") from None
+        try:
+            call = to_call(body, chat, request.headers.get(SESSION_HEADER))
+            if call.request.model and call.request.model != self.model.name:
+                raise HTTPError(
+                    404,
+                    f"model: {call.request.model[:128]!r} is not served here "
+                    f"(serving {self.model.name!r})",
+                    "model_not_found",
+                    "model",
+                )
+            return call, prepare(call.request, self.tokenizer, self.model, self.max_tokens)
+        except InvalidRequestError as e:
+            raise invalid(e) from None
+
+    async def _deltas(self, p: Prepared) -> AsyncIterator[tuple[TokenDelta, Final | None]]:
+        """The router's stream, its errors as HTTPErrors, its latencies recorded."""
+        try:
+            last: float | None = None
+            async for delta, final in self.router.generate(p):
+                last = self.metrics.observe(delta, final, last)
+                yield delta, final
+        except InvalidRequestError as e:
+            raise invalid(e) from None
+        except Overloaded as e:
+            raise HTTPError(429, str(e), "rate_limit_exceeded") from None
+        except Unavailable as e:
+            raise HTTPError(503, str(e), "service_unavailable") from None
+        except RequestFailed as e:
+            raise HTTPError(500 if e.reason is FinishReason.ERROR else 503, str(e),
+                            "server_error") from None  # fmt: skip
+        except HTTPError:
+            raise
+        except Exception as e:  # a bug of ours: say so, and keep serving
+            log.exception("HTTP generate failed")
+            raise HTTPError(500, f"internal error: {e}", "server_error") from None
+
+    async def _collect(self, p: Prepared) -> Reply:
+        reply = Reply(token_ids=[], logprobs=[] if p.sampling.logprobs else None)
+        async for delta, final in self._deltas(p):
+            reply.text += delta.text
+            assert reply.token_ids is not None
+            reply.token_ids.extend(delta.token_ids)
+            if reply.logprobs is not None:
+                reply.logprobs.extend(delta.logprobs)
+            if delta.finish_reason is not None:
+                reply.finish = FINISH.get(delta.finish_reason, "stop")
+            reply.final = final or reply.final
+        return reply
+
+    def _envelope(self, call: Call, rid: str) -> dict[str, Any]:
+        kind = "chat.completion" if call.chat else "text_completion"
+        return {"id": rid, "object": kind + (".chunk" if call.stream and call.chat else ""),
+                "created": int(time.time()), "model": self.model.name}  # fmt: skip
+
+    def _logprobs(self, call: Call, ids: list[int], values: list[float]) -> dict[str, Any]:
+        tokens = [self.tokenizer.decode([t]) for t in ids]
+        if call.chat:
+            content = [{"token": t, "logprob": v, "bytes": list(t.encode()), "top_logprobs": []}
+                       for t, v in zip(tokens, values, strict=True)]  # fmt: skip
+            return {"content": content}
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": None,
+                "text_offset": None}  # fmt: skip
+
+    def _body(self, call: Call, reply: Reply) -> dict[str, Any]:
+        rid = ("chatcmpl-" if call.chat else "cmpl-") + uuid.uuid4().hex
+        logprobs = None
+        if reply.logprobs is not None and reply.token_ids is not None:
+            logprobs = self._logprobs(call, reply.token_ids, reply.logprobs)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": reply.finish, "logprobs": logprobs}
+        if call.chat:
+            choice["message"] = {"role": "assistant", "content": reply.text}
+        else:
+            choice["text"] = reply.text
+        body = {**self._envelope(call, rid), "choices": [choice]}
+        if reply.final is not None:
+            body["usage"] = _usage(reply.final)
+        return body
+
+    async def _stream(
+        self, request: web.Request, call: Call, p: Prepared
+    ) -> tuple[web.StreamResponse, str]:
+        """Server-sent events: one chunk per delta, then usage if asked, then [DONE]. The
+        response starts with the first delta, so a refusal still gets its status code;
+        a failure after it ends the stream with an error event. Returns how it ended."""
+        envelope = self._envelope(call, ("chatcmpl-" if call.chat else "cmpl-") + uuid.uuid4().hex)
+        response: web.StreamResponse | None = None
+        final: Final | None = None
+        try:
+            async for delta, last in self._deltas(p):
+                if response is None:
+                    response = await self._open(request, call, envelope)
+                await _event(response, {**envelope, "choices": [self._chunk(call, delta)]})
+                final = last or final
+        except HTTPError as e:
+            if response is None:
+                raise
+            await _event(response, e.body())
+            await response.write_eof()
+            return response, e.kind
+        except ConnectionResetError:  # the client left between two events
+            assert response is not None
+            return response, "cancelled"
+        assert response is not None, "a stream ends with a delta that has a finish reason"
+        if call.include_usage and final is not None:
+            await _event(response, {**envelope, "choices": [], "usage": _usage(final)})
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response, "ok"
+
+    async def _open(
+        self, request: web.Request, call: Call, envelope: dict[str, Any]
+    ) -> web.StreamResponse:
+        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        response = web.StreamResponse(headers=headers)
+        await response.prepare(request)
+        if call.chat:  # the role comes first, in a chunk of its own
+            first = {"index": 0, "delta": {"role": "assistant", "content": ""},
+                     "logprobs": None, "finish_reason": None}  # fmt: skip
+            await _event(response, {**envelope, "choices": [first]})
+        return response
+
+    def _chunk(self, call: Call, delta: TokenDelta) -> dict[str, Any]:
+        finish = None if delta.finish_reason is None else FINISH.get(delta.finish_reason)
+        logprobs = None
+        if call.logprobs:
+            logprobs = self._logprobs(call, list(delta.token_ids), list(delta.logprobs))
+        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": finish}
+        if call.chat:
+            choice["delta"] = {"content": delta.text} if delta.text or not finish else {}
+        else:
+            choice["text"] = delta.text
+        return choice
+
+
+async def _event(response: web.StreamResponse, payload: dict[str, Any]) -> None:
+    await response.write(f"data: {json.dumps(payload)}\n\n".encode())

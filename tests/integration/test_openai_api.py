@@ -1,0 +1,159 @@
+"""The OpenAI-compatible HTTP API, driven by the official `openai` client over real Ray
+workers: the same tokens as the gRPC API, streaming and not, errors in OpenAI's shape
+with the right status, and a client that disconnects frees its pages."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+import ray
+
+from cluster.engine import LLMEngine
+from cluster.types import SamplingParams
+from tests.integration.router_harness import RouterHarness, ask
+
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+
+
+@pytest.fixture(scope="module")
+def router(ray_workers: Any) -> Iterator[RouterHarness]:
+    prefill = {"prefill": ray_workers.prefill("prefill")}
+    decode = {"decode": ray_workers.decode("decode", local_prefill_tokens=0)}
+    harness = RouterHarness(prefill, decode, redis_url=None, http_port=0)
+    yield harness
+    harness.stop()
+
+
+@pytest.fixture(scope="module")
+def client(router: RouterHarness) -> openai.OpenAI:
+    assert router.app.http is not None
+    return openai.OpenAI(base_url=router.app.http.address + "/v1", api_key="unused", timeout=120)
+
+
+def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_chat_equals_the_grpc_api_streamed_and_not(
+    router: RouterHarness, client: openai.OpenAI, workers: Any
+) -> None:
+    messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
+    grpc = ask(router.address, messages, max_tokens=24, seed=5, temperature=0.7)
+    whole = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=24, seed=5, temperature=0.7
+    )
+    assert whole.choices[0].message.content == grpc.text
+    assert whole.choices[0].finish_reason == grpc.finish_reason
+    assert whole.usage is not None and whole.usage.completion_tokens == len(grpc.token_ids)
+    assert whole.usage.prompt_tokens == grpc.usage.prompt_tokens
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=24, seed=5, temperature=0.7,
+            stream=True, stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == grpc.text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == grpc.finish_reason and not any(finishes[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == len(grpc.token_ids)
+
+
+def test_completions_from_token_ids_with_a_stop_string(
+    client: openai.OpenAI, engine: LLMEngine, workers: Any
+) -> None:
+    ids = engine.tokenizer.encode("Count with me: one, two, three,")
+    offline = engine.generate([ids], SamplingParams(max_tokens=20, stop=(" six",)))[0]
+    reply = client.completions.create(model=MODEL, prompt=ids, max_tokens=20, stop=" six")
+    assert reply.choices[0].text == offline.text
+    assert reply.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=20, stop=[" six"], stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed) == offline.text
+
+
+def test_logprobs_of_the_chosen_tokens(client: openai.OpenAI, workers: Any) -> None:
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, logprobs=True
+    )
+    assert reply.choices[0].logprobs is not None
+    content = reply.choices[0].logprobs.content
+    assert content is not None and len(content) == reply.usage.completion_tokens  # type: ignore[union-attr]
+    assert all(t.logprob <= 0 for t in content)
+    assert "".join(t.token for t in content) == reply.choices[0].message.content
+
+
+@pytest.mark.parametrize(
+    "fields, status, param",
+    [
+        ({"temperature": "hot"}, 400, "temperature"),
+        ({"n": 2}, 400, "n"),
+        ({"max_tokens": 0}, 400, "max_tokens"),
+        ({"messages": []}, 400, "messages"),
+        ({"top_logprobs": 3}, 400, "top_logprobs"),
+        ({"model": "gpt-4o"}, 404, "model"),
+        ({"model": "x" * 10_000}, 404, "model"),
+    ],
+)
+def test_a_bad_request_gets_openai_error_json_naming_the_field(
+    client: openai.OpenAI, fields: dict[str, Any], status: int, param: str
+) -> None:
+    body: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+    body.update(fields)
+    with pytest.raises(openai.APIStatusError) as err:
+        client.chat.completions.create(**body)
+    assert err.value.status_code == status
+    error = err.value.body
+    assert isinstance(error, dict) and error["param"] == param
+    assert str(error["message"]).startswith(param) and len(str(error["message"])) < 300
+
+
+def test_malformed_json_is_a_400_and_health_and_metrics_answer(router: RouterHarness) -> None:
+    assert router.app.http is not None
+    base = router.app.http.address
+    bad = urllib.request.Request(base + "/v1/completions", data=b"{not json", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(bad, timeout=30)
+    assert err.value.code == 400
+    assert json.loads(err.value.read())["error"]["message"].startswith("body: not valid JSON")
+    with urllib.request.urlopen(base + "/health", timeout=30) as r:
+        assert r.status == 200 and json.loads(r.read()) == {"status": "ok"}
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+        assert b"splitserve_requests_total" in r.read()
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_pages(
+    router: RouterHarness, client: openai.OpenAI, workers: Any
+) -> None:
+    def cancelled() -> float:
+        value = router.app.metrics.registry.get_sample_value(
+            "splitserve_requests_total", {"status": "cancelled"}
+        )
+        return value or 0.0
+
+    before = cancelled()
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Tell me a very long story."}],
+        max_tokens=2000, stream=True, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()  # the connection goes; the request must be aborted on every worker
+    deadline = time.monotonic() + 60
+    decode = workers.handles["decode"]
+    while cancelled() == before or ray.get(decode.stats.remote()).running:
+        assert time.monotonic() < deadline, "the request kept running after the client left"
+        time.sleep(0.05)
+    assert cancelled() == before + 1
+    # the `workers` fixture then asserts every page on every worker is free

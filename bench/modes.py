@@ -76,9 +76,7 @@ def llamacpp_agreement(threads: int) -> Agreement | None:
         EngineConfig(dtype="bfloat16", quantization="gguf", device="cpu", kv_cache_gb=0.25)
     )
     tok = engine.tokenizer
-    prompts = [
-        tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS
-    ]
+    prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
     greedy = SamplingParams(max_tokens=AGREEMENT_TOKENS, ignore_eos=True)
     ours = [c.token_ids for c in engine.generate(prompts, greedy)]
     theirs = llamacpp.greedy(bundled_model_path(), prompts, AGREEMENT_TOKENS, threads)

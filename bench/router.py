@@ -251,7 +251,7 @@ def first_message(tok: Tokenizer, tag: str, tokens: int) -> str:
     with `tag` so that no other conversation shares its prefix."""
     notes = [f"Conversation {tag}. Please read my notes."]
     chat = lambda: [{"role": "user", "content": " ".join(notes)}]
-    while len(tok.encode(tok.apply_chat_template(chat()))) < tokens:
+    while len(tok.encode_chat(chat())) < tokens:
         i = len(notes)
         notes.append(f"Note {i} ({tag}): the boat passed {7 * i % 13} lighthouses and {i} gulls.")
     return " ".join(notes)

@@ -50,7 +50,7 @@ def _generate(args: argparse.Namespace) -> int:
     engine = LLMEngine(engine_config_from_dict(fields))
     prompt = args.prompt
     if args.chat:
-        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        prompt = engine.tokenizer.encode_chat([{"role": "user", "content": prompt}])
     rid = engine.add_request(prompt, sampling)
     while engine.has_unfinished():
         for out in engine.step():

@@ -150,3 +150,22 @@ class _WorkerLoads(Collector):
             hits.add_metric([w], s.prefix_hits / s.prefix_queries if s.prefix_queries else 0.0)
             received.add_metric([w], s.bytes_received)
         yield from (used, hits, received)
+        yield from _vllm_names(decode, prefill)
+
+
+def _vllm_names(
+    decode: dict[str, DecodeStats], prefill: dict[str, PrefillStats]
+) -> Iterator[Metric]:
+    """Each worker's load under the names vLLM exports, which gateways and autoscalers
+    read (llm-d's endpoint picker, KEDA): running, waiting, KV usage as a fraction."""
+    labels = ["worker", "phase"]
+    running = GaugeMetricFamily("vllm:num_requests_running", "Requests running", labels=labels)
+    waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting", labels=labels)
+    kv = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV cache usage, 0-1", labels=labels)
+    for w, s in decode.items():
+        running.add_metric([w, "decode"], s.running)
+        waiting.add_metric([w, "decode"], s.waiting + s.transferring + s.admitting)
+        kv.add_metric([w, "decode"], 1 - s.free_pages / s.num_pages)
+    for w, p in prefill.items():
+        waiting.add_metric([w, "prefill"], p.queued_requests)
+    yield from (running, waiting, kv)

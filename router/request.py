@@ -90,7 +90,7 @@ def _prompt_ids(msg: pb.GenerateRequest, tokenizer: Tokenizer, model: ModelInfo)
             raise InvalidRequestError("text: must not be empty")
         ids = tokenizer.encode(msg.text)
     else:
-        ids = tokenizer.encode(tokenizer.apply_chat_template(_messages(msg.chat)))
+        ids = tokenizer.encode_chat(_messages(msg.chat))
     if not ids:
         raise InvalidRequestError(f"{kind}: the prompt has no tokens")
     if len(ids) >= model.max_model_len:

@@ -65,6 +65,14 @@ class Tokenizer:
         )
         return text
 
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """The rendered template's ids, no special tokens added: a template that writes its
+        own BOS (Llama 3's) gets one, as transformers' `apply_chat_template` gives it."""
+        ids: list[int] = self.hf.encode(
+            self.apply_chat_template(messages), add_special_tokens=False
+        )
+        return ids
+
     @property
     def eos_token_id(self) -> int | None:
         eos: int | None = self.hf.eos_token_id

@@ -72,3 +72,11 @@ def test_metrics_count_requests_and_latencies_and_show_worker_loads(
     for w in ("decode", "colocated"):
         assert 0 <= after[("splitserve_kv_cache_usage_ratio", (("worker", w),))] <= 1
         assert 0 <= after[("splitserve_prefix_cache_hit_ratio", (("worker", w),))] <= 1
+        # the same loads under vLLM's names, for gateways that balance model servers
+        labels = (("phase", "decode"), ("worker", w))
+        assert after[("vllm:kv_cache_usage_perc", labels)] == pytest.approx(
+            after[("splitserve_kv_cache_usage_ratio", (("worker", w),))]
+        )
+        assert after[("vllm:num_requests_running", labels)] >= 0  # as last polled
+        assert after[("vllm:num_requests_waiting", labels)] >= 0
+    assert ("vllm:num_requests_waiting", (("phase", "prefill"), ("worker", "prefill"))) in after

@@ -117,6 +117,11 @@ async def _chat_loop(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from cluster.launch import serve
 
+    return serve(serve_config(args))
+
+
+def serve_config(args: argparse.Namespace) -> ServeConfig:
+    """The config file (or the defaults) with the command line's overrides applied."""
     config = load_serve_config(args.config) if args.config else ServeConfig()
     router = config.router
     if args.host is not None:
@@ -126,14 +131,15 @@ def _serve(args: argparse.Namespace) -> int:
     redis_url = args.redis_url or config.redis_url
     address = args.address or config.ray_address
     config = dataclasses.replace(config, router=router, redis_url=redis_url, ray_address=address)
-    engine = {k: v for k in ("dtype", "quantization") if (v := getattr(args, k)) is not None}
+    names = ("model", "dtype", "quantization")
+    engine = {k: v for k in names if (v := getattr(args, k)) is not None}
     if engine:  # both pools: a prefill and a decode worker must run the same model
         config = dataclasses.replace(
             config,
             prefill=_with_engine(config.prefill, engine),
             decode=_with_engine(config.decode, engine),
         )
-    return serve(config)
+    return config
 
 
 def _with_engine(pool: PoolConfig, fields: dict[str, Any]) -> PoolConfig:
@@ -169,7 +175,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run the whole cluster on this machine (gRPC router)")
+    serve = sub.add_parser(
+        "serve",
+        help="run the whole cluster on this machine (gRPC and OpenAI HTTP router)",
+        epilog=SERVE_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    serve.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="a .gguf file or HF checkpoint directory (default: the bundled SmolLM2-135M)",
+    )
     serve.add_argument("--config", default=None, help="YAML config: pools, transfer, router")
     serve.add_argument("--redis-url", default=None, help="an external Redis (default: embedded)")
     serve.add_argument(
@@ -205,6 +222,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)
     return parser
+
+
+SERVE_EXAMPLES = """examples:
+  splitserve serve                                   # bundled model, one prefill + one decode
+  splitserve serve path/to/model.gguf --quantization gguf --dtype bfloat16
+  splitserve serve path/to/hf-dir --quantization int4 --port 50052
+  splitserve serve --config configs/serve.example.yaml --redis-url redis://host:6379
+  splitserve serve --config deploy/splitserve.yaml   # join a GPU Ray cluster
+then: curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+        -d '{"messages": [{"role": "user", "content": "Hi"}]}'
+      splitserve chat                                # over gRPC on 127.0.0.1:50051
+"""
 
 
 def _engine_args(parser: argparse.ArgumentParser) -> None:

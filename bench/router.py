@@ -1,4 +1,4 @@
-"""`splitserve bench router`: what the gRPC router adds per request, how fast it decides,
+"""`splitserve bench router`: what the router adds per request (gRPC and HTTP), how fast it decides,
 and what session affinity saves on a conversation's second turn.
 
 One process and one asyncio loop run the client, the routers and the direct path, over real
@@ -9,11 +9,12 @@ reply (the session's Redis PUT).
 
 1. Overhead. One decode worker (TransferConfig() defaults, EngineConfig(kv_cache_gb=0.2,
    threads=1)); a short prompt it prefills itself; max_tokens 4, greedy; sequential requests,
-   three paths interleaved in one loop (order rotated per rep), `--reps` after `--warmup`.
+   four paths interleaved in one loop (order rotated per rep), `--reps` after `--warmup`.
    Latency: from the call to the stream's end. direct: Dispatcher.generate on the prompt's
    token ids. router: a gRPC Client sends the text; the router tokenizes, validates, routes
    and streams back over loopback. router+session: the same with a session id, so a Redis
-   GET (EmbeddedRedis) before routing and a background PUT after the last token. Added
+   GET (EmbeddedRedis) before routing and a background PUT after the last token. http: an
+   aiohttp client POSTs the text to the OpenAI API's /v1/completions (one JSON body). Added
    latency: median over reps of (router path - direct) within a rep. As the model's steps
    make each latency vary by milliseconds, also the in-band part outside the Router: median
    of (client latency - the reply's timing.total_ms, which spans Router.generate: Redis GET,
@@ -49,6 +50,7 @@ from pathlib import Path
 from types import SimpleNamespace as Method
 from typing import Any
 
+import aiohttp
 import ray
 
 from cluster.config import EngineConfig, RouterConfig, TransferConfig
@@ -156,7 +158,9 @@ class StubDecode:
 async def router_cost(dispatcher: Dispatcher, reps: int) -> dict[str, float]:
     """Mean ms per request over `reps` sequential requests to a stub worker, by path."""
     stub = StubDecode()
-    app = await start_router(RouterConfig(port=0), 32, {}, {"stub": stub}, None)
+    app = await start_router(
+        RouterConfig(port=0, metrics_port=None, http_port=None), 32, {}, {"stub": stub}, None
+    )
     sampling = SamplingParams(max_tokens=MAX_TOKENS)
     prepared = Prepared(list(range(100, 108)), sampling, None, None)
     out = {}
@@ -187,27 +191,35 @@ async def overhead(
                           TransferConfig(), num_cpus=0)  # fmt: skip
     info: ModelInfo = await decode.info.remote()
     local = TransferConfig().local_prefill_tokens
-    app = await start_router(RouterConfig(port=0), local, {}, {"d": decode}, redis_url)
-    store = app.placements
-    assert store is not None
+    config = RouterConfig(port=0, metrics_port=None, http_port=0)
+    app = await start_router(config, local, {}, {"d": decode}, redis_url)
+    store, http = app.placements, app.http
+    assert store is not None and http is not None
     ids, sampling = tok.encode(PROMPT), SamplingParams(max_tokens=MAX_TOKENS)
-    took: dict[str, list[float]] = {"direct": [], "router": [], "router+session": []}
+    took: dict[str, list[float]] = {"direct": [], "router": [], "router+session": [], "http": []}
     edge: dict[str, list[float]] = {path: [] for path in took}  # e2e - the router's total_ms
+    body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS}
     try:
-        async with Client(app.address) as client:
+        async with Client(app.address) as client, aiohttp.ClientSession() as session:
 
-            async def run(path: str) -> tuple[list[int], float]:
-                """The tokens, and the router's own timing.total_ms (0 for direct)."""
+            async def run(path: str) -> tuple[str, float]:
+                """The text, and the router's own timing.total_ms (0 where not reported)."""
                 if path == "direct":
                     deltas = await _drain(dispatcher.generate(ids, sampling, decode))
-                    return [t for d in deltas for t in d.token_ids], 0.0
+                    return tok.decode([t for d in deltas for t in d.token_ids]), 0.0
+                if path == "http":
+                    url = http.address + "/v1/completions"
+                    async with session.post(url, json=body) as response:
+                        reply = await response.json()
+                    return reply["choices"][0]["text"], 0.0
                 sid = SESSION if path == "router+session" else ""
-                reply = await client.generate(PROMPT, session_id=sid, max_tokens=MAX_TOKENS)
-                return reply.token_ids, reply.timing.total_ms / 1e3
+                got = await client.generate(PROMPT, session_id=sid, max_tokens=MAX_TOKENS)
+                return got.text, got.timing.total_ms / 1e3
 
             expected, _ = await run("direct")
             for rep in range(warmup + reps):
-                order = list(took)[rep % 3 :] + list(took)[: rep % 3]
+                turn = rep % len(took)
+                order = list(took)[turn:] + list(took)[:turn]
                 for path in order:
                     started = time.perf_counter()
                     got, inside = await run(path)
@@ -219,10 +231,11 @@ async def overhead(
     finally:
         await app.stop(1.0)
     paths = {path: _ms(xs) for path, xs in took.items()}
-    for path in ("router", "router+session"):
+    for path in ("router", "router+session", "http"):
         diffs = [a - b for a, b in zip(took[path], took["direct"], strict=True)]
         paths[path][ADDED] = 1e3 * statistics.median(diffs)
-        paths[path][OUTSIDE] = 1e3 * statistics.median(edge[path])
+        if path != "http":  # the HTTP reply carries no server timing
+            paths[path][OUTSIDE] = 1e3 * statistics.median(edge[path])
     samples = {path: [1e3 * x for x in xs] for path, xs in took.items()}
     return dict(prompt_tokens=len(ids), paths=paths, breakdown=breakdown, samples_ms=samples)
 
@@ -296,7 +309,10 @@ async def affinity(tok: Tokenizer, redis_url: str, conversations: int) -> dict[s
     runs: dict[str, list[dict[str, Any]]] = {p: [] for p in POLICIES}
     try:
         for p in POLICIES:
-            config, local = RouterConfig(port=0, policy=p), transfer.local_prefill_tokens
+            config, local = (
+                RouterConfig(port=0, metrics_port=None, http_port=None, policy=p),
+                transfer.local_prefill_tokens,
+            )
             apps[p] = await start_router(config, local, prefill, decode, redis_url)
         clients = {p: Client(app.address) for p, app in apps.items()}
         await conversation(clients["round_robin"], tok, 200)  # warms up all four workers
@@ -341,7 +357,7 @@ def report(r: dict[str, Any]) -> str:
         f"stub workers (mean per request): Dispatcher {cost['dispatcher_ms']:.3f} ms, "
         f"Router.generate {cost['router_ms']:.3f} ms, over gRPC {cost['grpc_ms']:.3f} ms",
     ]
-    for name in ("router", "router+session"):
+    for name in ("router", "router+session", "http"):
         lines.append(_target(f"{name} added median", o["paths"][name][ADDED], 1, " ms"))
     names = [p.value for p in routing.PolicyName]
     lines += ["", "2. Routing decisions per second, pure route() (1,000-token prompt)",

@@ -148,6 +148,26 @@ def _with_engine(pool: PoolConfig, fields: dict[str, Any]) -> PoolConfig:
     )
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from cluster.engine.checkpoint import read_spec
+    from splitserve.capacity import ARCHITECTURES
+    from splitserve.hardware import GPUS, measure
+    from splitserve.plan import report
+
+    spec = ARCHITECTURES.get(args.model) or read_spec(args.model)
+    if args.hardware == "this" or args.measure:
+        hw = measure(refresh=args.measure)
+    elif args.hardware in GPUS:
+        hw = GPUS[args.hardware]
+    else:
+        raise ConfigError(f"hardware: one of {[*GPUS, 'this']}, got {args.hardware!r}")
+    contexts = [int(c) for c in args.contexts.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    print(report(args.model, spec, hw, args.kv_dtype, args.page_size, args.kv_cache_gb,
+                 contexts, batches))  # fmt: skip
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     if args.kind == "transfer":
         from bench.transfer import main as transfer_main
@@ -217,6 +237,27 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--config", default=None, help="YAML config (its engine: section)")
     gen.set_defaults(func=_generate)
 
+    plan = sub.add_parser(
+        "plan",
+        help="capacity planning: KV capacity and the memory wall, before buying hardware",
+        epilog=PLAN_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    plan.add_argument("kind", choices=["capacity"])
+    plan.add_argument(
+        "--model", default="llama-3-8b", help="a named architecture, or a .gguf / HF directory"
+    )
+    plan.add_argument(
+        "--hardware", default="A100", help="A100, H100, H200, L40S, B200, ... or this"
+    )
+    plan.add_argument("--measure", action="store_true", help="measure this machine (re-cache)")
+    plan.add_argument("--kv-cache-gb", type=float, default=40.0)
+    plan.add_argument("--kv-dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
+    plan.add_argument("--page-size", type=int, default=16)
+    plan.add_argument("--contexts", default="512,2048,8192")
+    plan.add_argument("--batches", default="1,8,64,256")
+    plan.set_defaults(func=_plan)
+
     bench = sub.add_parser("bench", help="benchmarks (bench/)")
     bench.add_argument("kind", choices=["offline", "transfer", "router", "serve", "compare"])
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
@@ -233,6 +274,14 @@ SERVE_EXAMPLES = """examples:
 then: curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{"messages": [{"role": "user", "content": "Hi"}]}'
       splitserve chat                                # over gRPC on 127.0.0.1:50051
+"""
+
+
+PLAN_EXAMPLES = """examples:
+  splitserve plan capacity --model llama-3-70b --hardware A100   # the textbook 70B case
+  splitserve plan capacity --model llama-3-8b --hardware H200 --kv-cache-gb 100
+  splitserve plan capacity --model path/to/model.gguf --hardware this --kv-cache-gb 1
+named architectures: smollm2-135m, llama-3-8b, llama-3-70b, qwen2-7b, mistral-7b
 """
 
 

@@ -220,10 +220,47 @@ def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
     return default if f is None else f.contents()
 
 
+def read_spec(path: str | Path) -> ModelSpec:
+    """The model's shape alone, from its config or GGUF metadata: no weights are read."""
+    p = Path(path)
+    if p.is_dir():
+        return spec_from_hf_config(p / "config.json")
+    if p.suffix == ".gguf" and p.is_file():
+        return _gguf_spec(open_gguf(p), p)
+    raise ModelLoadError(f"model path {p}: expected a .gguf file or a checkpoint directory")
+
+
 def _load_gguf(path: Path, keep_blocks: bool) -> tuple[ModelSpec, Weights]:
     from gguf.quants import dequantize
 
     reader = open_gguf(path)
+    spec = _gguf_spec(reader, path)
+    arch = gguf_field(reader, "general.architecture")
+    heads, kv_heads = spec.num_heads, spec.num_kv_heads
+    weights: Weights = {}
+    for t in reader.tensors:
+        try:
+            hf_name = _gguf_name(t.name)
+        except (KeyError, ValueError):
+            continue  # e.g. rope_freqs: recomputed from the metadata
+        shape = tuple(reversed(t.shape.tolist()))
+        kind = t.tensor_type.name
+        if keep_blocks and kind not in ("F32", "F16", "BF16"):
+            if kind not in GGUF_BLOCKS:
+                raise QuantizationError(
+                    f"{path}: tensor {t.name} is {kind}; gguf mode computes with "
+                    f"{', '.join(GGUF_BLOCKS)} blocks (use int8 or int4 for this file)"
+                )
+            q = from_gguf_blocks(kind, t.data, *shape)
+            weights[hf_name] = _unpermuted(arch, t.name, q, heads, kv_heads)
+            continue
+        w = dequantize(t.data, t.tensor_type).reshape(shape)
+        w = _unpermuted(arch, t.name, w, heads, kv_heads)
+        weights[hf_name] = torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
+    return spec, weights
+
+
+def _gguf_spec(reader: Any, path: Path) -> ModelSpec:
     arch = gguf_field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ModelLoadError(
@@ -246,7 +283,7 @@ def _load_gguf(path: Path, keep_blocks: bool) -> tuple[ModelSpec, Weights]:
     if scaling == "linear":
         rope = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
     tokens = reader.fields["tokenizer.ggml.tokens"].data
-    spec = ModelSpec(
+    return ModelSpec(
         vocab_size=int(gguf_field(reader, f"{arch}.vocab_size", len(tokens))),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
@@ -263,27 +300,6 @@ def _load_gguf(path: Path, keep_blocks: bool) -> tuple[ModelSpec, Weights]:
         rope_scaling=rope,
         name=str(gguf_field(reader, "general.name", path.stem)),
     )
-    weights: Weights = {}
-    for t in reader.tensors:
-        try:
-            hf_name = _gguf_name(t.name)
-        except (KeyError, ValueError):
-            continue  # e.g. rope_freqs: recomputed from the metadata
-        shape = tuple(reversed(t.shape.tolist()))
-        kind = t.tensor_type.name
-        if keep_blocks and kind not in ("F32", "F16", "BF16"):
-            if kind not in GGUF_BLOCKS:
-                raise QuantizationError(
-                    f"{path}: tensor {t.name} is {kind}; gguf mode computes with "
-                    f"{', '.join(GGUF_BLOCKS)} blocks (use int8 or int4 for this file)"
-                )
-            q = from_gguf_blocks(kind, t.data, *shape)
-            weights[hf_name] = _unpermuted(arch, t.name, q, heads, kv_heads)
-            continue
-        w = dequantize(t.data, t.tensor_type).reshape(shape)
-        w = _unpermuted(arch, t.name, w, heads, kv_heads)
-        weights[hf_name] = torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
-    return spec, weights
 
 
 _ROPE_TENSORS = ("attn_q.weight", "attn_q.bias", "attn_k.weight", "attn_k.bias")

@@ -50,3 +50,21 @@ def test_a_mode_the_model_cannot_take_exits_2_naming_the_field(tiny_llama_dir: P
     done = _run("generate", "hi", "--model", str(tiny_llama_dir), "--quantization", "gguf")
     assert done.returncode == 2
     assert "quantization: gguf:" in done.stderr
+
+
+def test_plan_capacity_reads_a_model_file_and_measures_this_machine(tmp_path: Path) -> None:
+    import os
+
+    from cluster.engine.checkpoint import bundled_model_path
+
+    done = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "plan", "capacity", "--model",
+         str(bundled_model_path()), "--hardware", "this", "--measure", "--kv-cache-gb", "1",
+         "--kv-dtype", "float32"],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "0.135B parameters" in done.stdout and "this machine" in done.stdout
+    assert "1 GiB holds 1456 pages = 23296 tokens" in done.stdout  # the engine's own figure
+    assert (tmp_path / "splitserve" / "hardware.json").is_file()  # cached for next time

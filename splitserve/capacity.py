@@ -1,0 +1,133 @@
+"""`splitserve plan capacity`: how many sequences a KV budget holds, and how fast a model
+can decode on given hardware (the memory wall). Pure arithmetic over a ModelSpec.
+
+- KV bytes per token = 2 (K and V) x layers x KV heads x head dim x KV dtype bytes; the
+  cache holds whole pages, and a sequence of n tokens needs ceil(n / page_size) pages
+  (the engine's own rule, so the numbers equal its start-up report).
+- Weight bytes = parameters x bits per weight / 8 (nominal: 16 for bf16, 8 for int8, 4
+  for int4; group scales add ~0.5 bits more, which `scale_bits` can include).
+- A decode step of B sequences at context C must read the weights once and every
+  sequence's KV: bytes = weights + B x C x KV bytes per token; at the hardware's
+  bandwidth that is a floor on the step time. It does 2 x parameters x B FLOPs (+ the
+  attention's 4 x layers x heads x head dim x C x B); past the ridge point the compute,
+  not the memory, sets the floor. Tokens/s per user = 1 / step; in total, B / step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from cluster.engine.checkpoint import ModelSpec
+from splitserve.hardware import Hardware
+
+BITS = {"float32": 32, "bfloat16": 16, "float16": 16, "int8": 8, "int4": 4}
+
+
+def num_params(spec: ModelSpec) -> int:
+    """Weights of a Llama-family decoder: embeddings, attention, MLP, norms."""
+    h, kv = spec.hidden_size, spec.num_kv_heads * spec.head_dim
+    q = spec.num_heads * spec.head_dim
+    attention = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if spec.qkv_bias else 0)
+    mlp = 3 * h * spec.intermediate_size
+    per_layer = attention + mlp + 2 * h
+    vocab = spec.vocab_size * h * (1 if spec.tie_embeddings else 2)
+    return spec.num_layers * per_layer + vocab + h
+
+
+def kv_bytes_per_token(spec: ModelSpec, kv_dtype: str) -> int:
+    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * BITS[kv_dtype] // 8
+
+
+@dataclass(frozen=True)
+class KVCapacity:
+    bytes_per_token: int
+    page_size: int
+    pages: int
+
+    @property
+    def bytes_per_page(self) -> int:
+        return self.bytes_per_token * self.page_size
+
+    @property
+    def tokens(self) -> int:
+        return self.pages * self.page_size
+
+    def sequences(self, context: int) -> int:
+        """Sequences of `context` tokens that fit at once."""
+        return self.pages // math.ceil(context / self.page_size)
+
+
+def kv_capacity(spec: ModelSpec, kv_dtype: str, page_size: int, kv_cache_gb: float) -> KVCapacity:
+    """Pages of a `kv_cache_gb` GiB cache, as the engine sizes it."""
+    per_token = kv_bytes_per_token(spec, kv_dtype)
+    return KVCapacity(per_token, page_size, int(kv_cache_gb * 2**30 // (per_token * page_size)))
+
+
+@dataclass(frozen=True)
+class DecodeBound:
+    batch: int
+    context: int
+    bytes_read: float
+    flops: float
+    memory_s: float  # bytes / bandwidth
+    compute_s: float  # flops / peak
+
+    @property
+    def step_s(self) -> float:
+        return max(self.memory_s, self.compute_s)
+
+    @property
+    def bound(self) -> str:
+        return "memory" if self.memory_s >= self.compute_s else "compute"
+
+    @property
+    def tokens_per_s_per_user(self) -> float:
+        return 1 / self.step_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.batch / self.step_s
+
+
+def weight_bytes(spec: ModelSpec, weight_bits: float) -> float:
+    return num_params(spec) * weight_bits / 8
+
+
+def decode_bound(
+    spec: ModelSpec,
+    hw: Hardware,
+    weight_bits: float,
+    kv_dtype: str,
+    batch: int,
+    context: int,
+) -> DecodeBound:
+    """The floor on one decode step of `batch` sequences at `context` tokens each."""
+    kv = batch * context * kv_bytes_per_token(spec, kv_dtype)
+    read = weight_bytes(spec, weight_bits) + kv
+    attention = 4 * spec.num_layers * spec.num_heads * spec.head_dim * context * batch
+    flops = 2 * num_params(spec) * batch + attention
+    return DecodeBound(
+        batch,
+        context,
+        read,
+        flops,
+        read / (hw.bandwidth_gb_s * 1e9),
+        flops / (hw.bf16_tflops * 1e12),
+    )
+
+
+# Named architectures (their published shapes), for planning without the files; planning
+# reads only the shapes, so norm eps and RoPE base are placeholders.
+ARCHITECTURES = {
+    name: ModelSpec(*dims, rms_norm_eps=1e-5, rope_theta=1e6, max_position=max_position,
+                    tie_embeddings=tied, qkv_bias=bias, eos_token_ids=(), name=name)
+    for name, dims, max_position, tied, bias in (
+        # (vocab, hidden, intermediate, layers, heads, KV heads, head dim)
+        ("smollm2-135m", (49152, 576, 1536, 30, 9, 3, 64), 8192, True, False),
+        ("llama-3-8b", (128256, 4096, 14336, 32, 32, 8, 128), 8192, False, False),
+        ("llama-3-70b", (128256, 8192, 28672, 80, 64, 8, 128), 8192, False, False),
+        ("qwen2-7b", (152064, 3584, 18944, 28, 28, 4, 128), 32768, False, True),
+        ("mistral-7b", (32000, 4096, 14336, 32, 32, 8, 128), 32768, False, False),
+    )
+}  # fmt: skip

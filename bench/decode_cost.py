@@ -27,7 +27,7 @@ def read_bandwidths(gib: float = 1.0, buffers: int = 3, repeats: int = 4) -> lis
     found = []
     for _ in range(buffers):
         buf = torch.arange(int(gib * 2**30) // 4, dtype=torch.float32)  # no two pages alike
-        found.append(buf.numel() * 4 / min(_timed(buf.sum) for _ in range(repeats)))
+        found.append(buf.numel() * 4 / min(timed(buf.sum) for _ in range(repeats)))
         del buf
     return found
 
@@ -74,7 +74,7 @@ def weights_sum_s(tensors: list[torch.Tensor], repeats: int = 5) -> float:
             t.sum()
 
     read()
-    return min(_timed(read) for _ in range(repeats))
+    return min(timed(read) for _ in range(repeats))
 
 
 def batch1_decode(
@@ -86,7 +86,7 @@ def batch1_decode(
     try:
         for _ in range(1 + warmup):  # the prefill (one chunk) and the warm-up decodes
             engine.step()
-        times = [_timed(engine.step) for _ in range(steps)]
+        times = [timed(engine.step) for _ in range(steps)]
     finally:
         engine.abort_request(rid)
     # Timed step i attends to prompt + 1 + warmup + i + 1 tokens, its own included.
@@ -148,12 +148,12 @@ def gather_cost(engine: LLMEngine, batch: int, context_len: int, repeats: int) -
             torch.index_select(cache.v[layer], 0, flat, out=ws_v)
 
     forward()
-    forward_s = min(_timed(forward) for _ in range(repeats))
-    gather_s = min(_timed(gather) for _ in range(repeats))
+    forward_s = min(timed(forward) for _ in range(repeats))
+    gather_s = min(timed(gather) for _ in range(repeats))
     return GatherCost(batch, context_len, gather_s, forward_s)
 
 
-def _timed(fn: Callable[[], object]) -> float:
+def timed(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start

@@ -10,8 +10,6 @@ over the best read bandwidth measured in this run. Efficiency = wall / measured 
 from __future__ import annotations
 
 import gc
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +17,7 @@ import numpy as np
 import torch
 
 from bench import baselines, decode_cost, workload
-from bench.decode_cost import DecodeEfficiency
+from bench.decode_cost import DecodeEfficiency, timed
 from cluster.config import EngineConfig
 from cluster.engine import LLMEngine
 from cluster.engine.checkpoint import bundled_model_path
@@ -127,7 +125,7 @@ def _prefill_s(engine: LLMEngine, prompt: list[int]) -> float:
     """Best of two prefills of `prompt` (one token sampled), after a warm-up."""
     one = SamplingParams(max_tokens=1, ignore_eos=True)
     engine.generate([prompt], one)
-    return min(_timed(lambda: engine.generate([prompt], one)) for _ in range(2))
+    return min(timed(lambda: engine.generate([prompt], one)) for _ in range(2))
 
 
 def _peers(steps: int, rng: np.random.Generator) -> list[ModeResult]:
@@ -156,7 +154,7 @@ def _peers(steps: int, rng: np.random.Generator) -> list[ModeResult]:
 def _hf_prefill_s(model: Any, prompt: list[int]) -> float:
     ids = torch.tensor([prompt])
     model(ids)
-    return min(_timed(lambda: model(ids)) for _ in range(2))
+    return min(timed(lambda: model(ids)) for _ in range(2))
 
 
 def table(results: list[ModeResult], llama_tok_s: float | None) -> str:
@@ -181,9 +179,3 @@ def table(results: list[ModeResult], llama_tok_s: float | None) -> str:
             + f"{decode} | {vs} | {r.prefill_tok_s:.0f} |"
         )
     return "\n".join(rows)
-
-
-def _timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start

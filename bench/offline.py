@@ -35,7 +35,7 @@ from bench.report import Results
 from bench.workload import LengthDist, Request
 from cluster.config import DTYPES, QUANTIZATIONS, EngineConfig
 from cluster.engine import LLMEngine
-from cluster.engine.checkpoint import bundled_model_path
+from cluster.engine.checkpoint import bundled_model_path, read_spec
 from cluster.types import SamplingParams
 
 FULL: dict[str, Any] = {
@@ -167,7 +167,7 @@ def vllm(args: argparse.Namespace, requests: list[Request]) -> vllm_peer.VLLMRes
         return None
     say(f"vLLM: {len(requests)} requests, prefill and batch-1 decode ({args.dtype})")
     rng = np.random.default_rng(args.seed + 2)
-    vocab = 49152  # the bundled model's; vLLM reads its own from the HF copy
+    vocab = read_spec(bundled_model_path()).vocab_size
     prefills = [workload.random_prompt(rng, modes.PREFILL_TOKENS, vocab) for _ in range(3)]
     prompt = workload.random_prompt(rng, modes.DECODE_PROMPT, vocab)
     cache = args.out.parent / "hf"

@@ -20,7 +20,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -194,8 +194,8 @@ class Reply:
     """What a request's stream added up to."""
 
     text: str = ""
-    token_ids: list[int] | None = None
-    logprobs: list[float] | None = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # when asked for
     finish: str | None = None
     final: Final | None = None
 
@@ -328,20 +328,16 @@ class OpenAIFrontDoor:
         except RequestFailed as e:
             raise HTTPError(500 if e.reason is FinishReason.ERROR else 503, str(e),
                             "server_error") from None  # fmt: skip
-        except HTTPError:
-            raise
         except Exception as e:  # a bug of ours: say so, and keep serving
             log.exception("HTTP generate failed")
             raise HTTPError(500, f"internal error: {e}", "server_error") from None
 
     async def _collect(self, p: Prepared) -> Reply:
-        reply = Reply(token_ids=[], logprobs=[] if p.sampling.logprobs else None)
+        reply = Reply()
         async for delta, final in self._deltas(p):
             reply.text += delta.text
-            assert reply.token_ids is not None
             reply.token_ids.extend(delta.token_ids)
-            if reply.logprobs is not None:
-                reply.logprobs.extend(delta.logprobs)
+            reply.logprobs.extend(delta.logprobs)
             if delta.finish_reason is not None:
                 reply.finish = FINISH.get(delta.finish_reason, "stop")
             reply.final = final or reply.final
@@ -364,7 +360,7 @@ class OpenAIFrontDoor:
     def _body(self, call: Call, reply: Reply) -> dict[str, Any]:
         rid = ("chatcmpl-" if call.chat else "cmpl-") + uuid.uuid4().hex
         logprobs = None
-        if reply.logprobs is not None and reply.token_ids is not None:
+        if call.logprobs:
             logprobs = self._logprobs(call, reply.token_ids, reply.logprobs)
         choice: dict[str, Any] = {"index": 0, "finish_reason": reply.finish, "logprobs": logprobs}
         if call.chat:

@@ -100,7 +100,7 @@ def quantize(w: torch.Tensor, mode: str) -> GroupQuant:
 
 # --- GGUF blocks ---------------------------------------------------------------------------
 
-# block layouts: (bytes per 32 weights, bits); all begin with a float16 scale d
+# bytes per block of 32 weights; every block begins with a float16 scale d
 GGUF_BLOCKS = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
 

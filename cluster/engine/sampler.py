@@ -29,10 +29,12 @@ def sample(
     if sampled:
         probs = _filtered_probs(logits[sampled], [params[i] for i in sampled])
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; one draw per token.
-        noise = torch.empty_like(probs).exponential_()  # unseeded rows: torch's own generator
-        for row, i in enumerate(sampled):
-            if generators[i] is not None:
-                noise[row] = torch.empty_like(probs[row]).exponential_(generator=generators[i])
+        noise = torch.empty_like(probs)
+        own = [(row, g) for row, i in enumerate(sampled) if (g := generators[i]) is not None]
+        if len(own) < len(sampled):  # unseeded rows: one draw from torch's own generator
+            noise.exponential_()
+        for row, g in own:  # seeded rows (all of them when served): in place, no copy
+            noise[row].exponential_(generator=g)
         tokens[sampled] = (probs / noise).argmax(dim=-1).cpu()
     logprobs = None
     if any(p.logprobs for p in params):

@@ -9,6 +9,7 @@ import logging
 import sys
 import uuid
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -152,8 +153,9 @@ def _plan(args: argparse.Namespace) -> int:
     from cluster.engine.checkpoint import read_spec
     from splitserve.capacity import ARCHITECTURES
     from splitserve.hardware import GPUS, measure
-    from splitserve.plan import report
 
+    if args.kind == "calibrate":
+        return _calibrate(args)
     spec = ARCHITECTURES.get(args.model) or read_spec(args.model)
     if args.hardware == "this" or args.measure:
         hw = measure(refresh=args.measure)
@@ -161,10 +163,40 @@ def _plan(args: argparse.Namespace) -> int:
         hw = GPUS[args.hardware]
     else:
         raise ConfigError(f"hardware: one of {[*GPUS, 'this']}, got {args.hardware!r}")
+    if args.kind == "cluster":
+        from splitserve.plan import plan_cluster
+
+        print(plan_cluster(args, spec, hw))
+        return 0
+    from splitserve.plan import plot_capacity, report
+
     contexts = [int(c) for c in args.contexts.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
+    if args.plot:
+        title = f"{args.model}: KV {args.kv_dtype}, pages of {args.page_size}"
+        plot_capacity(spec, args.kv_dtype, args.page_size, contexts, Path(args.plot), title)
     print(report(args.model, spec, hw, args.kv_dtype, args.page_size, args.kv_cache_gb,
                  contexts, batches))  # fmt: skip
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from splitserve.calibrate import calibrate
+    from splitserve.capacity import ARCHITECTURES
+    from splitserve.step_cost import default_path
+
+    if args.model in ARCHITECTURES and args.model != "smollm2-135m":
+        raise ConfigError(
+            f"model: calibrate runs the real engine, so a model file (or smollm2-135m, the "
+            f"bundled one), not the architecture {args.model!r}"
+        )
+    model = None if args.model in ARCHITECTURES else args.model
+    engine = load_engine_config(args.config) if args.config else EngineConfig()
+    engine = dataclasses.replace(engine, model=model, dtype=args.dtype, threads=args.threads)
+    cost = calibrate(engine)
+    out = Path(args.out) if args.out else default_path()
+    cost.save(out)
+    print(f"{cost}\nwritten to {out}")
     return 0
 
 
@@ -243,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=PLAN_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    plan.add_argument("kind", choices=["capacity"])
+    plan.add_argument("kind", choices=["capacity", "cluster", "calibrate"])
     plan.add_argument(
         "--model", default="llama-3-8b", help="a named architecture, or a .gguf / HF directory"
     )
@@ -254,8 +286,30 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--kv-cache-gb", type=float, default=40.0)
     plan.add_argument("--kv-dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
     plan.add_argument("--page-size", type=int, default=16)
-    plan.add_argument("--contexts", default="512,2048,8192")
-    plan.add_argument("--batches", default="1,8,64,256")
+    plan.add_argument("--plot", default=None, help="capacity, cluster: write a PNG here")
+    cap = plan.add_argument_group("capacity")
+    cap.add_argument("--contexts", default="512,2048,8192")
+    cap.add_argument("--batches", default="1,8,64,256")
+    sim = plan.add_argument_group("cluster (a simulation; see splitserve/sim.py)")
+    sim.add_argument("--workload", default="chat", help="a bench/workloads name or .yaml path")
+    sim.add_argument("--rate", type=float, default=4.0, help="requests (conversations) a second")
+    sim.add_argument("--requests", type=int, default=2000)
+    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--prefill", default="1", help="prefill workers: 2, 1-4 or 1,2,4 (a sweep)")
+    sim.add_argument("--decode", default="1", help="decode workers: as --prefill")
+    sim.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
+    sim.add_argument("--slo-tpot", type=float, default=0.1, help="seconds")
+    sim.add_argument("--config", default=None, help="a serve YAML: pools, engines, policy")
+    sim.add_argument("--quantization", choices=QUANTIZATIONS, default="none")
+    sim.add_argument(
+        "--calibration", default=None, help="step costs from `plan calibrate` (else roofline)"
+    )
+    sim.add_argument("--efficiency", type=float, default=0.5, help="of the roofline reached")
+    sim.add_argument("--link-gb-s", type=float, default=25.0, help="KV transfer, per prefill")
+    cal = plan.add_argument_group("calibrate (times the real engine here)")
+    cal.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    cal.add_argument("--threads", type=int, default=None)
+    cal.add_argument("--out", default=None, help="default: ~/.cache/splitserve/step-cost.json")
     plan.set_defaults(func=_plan)
 
     bench = sub.add_parser("bench", help="benchmarks (bench/)")
@@ -279,8 +333,13 @@ then: curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: applicati
 
 PLAN_EXAMPLES = """examples:
   splitserve plan capacity --model llama-3-70b --hardware A100   # the textbook 70B case
-  splitserve plan capacity --model llama-3-8b --hardware H200 --kv-cache-gb 100
+  splitserve plan capacity --model llama-3-8b --hardware H200 --kv-cache-gb 100 --plot kv.png
   splitserve plan capacity --model path/to/model.gguf --hardware this --kv-cache-gb 1
+  splitserve plan cluster --model llama-3-8b --hardware H100 --workload chat --rate 40 \\
+      --prefill 1-4 --decode 1-8 --plot pd.png       # which P:D meets the SLOs, cheapest
+  splitserve plan calibrate --model smollm2-135m --threads 2     # time this engine's steps
+  splitserve plan cluster --model smollm2-135m --hardware this --calibration \\
+      ~/.cache/splitserve/step-cost.json --rate 2 --requests 200 --decode 1 --prefill 0
 named architectures: smollm2-135m, llama-3-8b, llama-3-70b, qwen2-7b, mistral-7b
 """
 

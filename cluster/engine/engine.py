@@ -20,6 +20,7 @@ import torch
 from cluster.config import ConfigError, EngineConfig
 from cluster.engine.checkpoint import ModelSpec, bundled_model_path, load_checkpoint
 from cluster.engine.kv_cache import KVCache, KVLayout
+from cluster.engine.memory import device_memory, fits
 from cluster.engine.model import LlamaModel
 from cluster.engine.page_pool import PagePool, pages_for
 from cluster.engine.quantization import QuantizationError
@@ -98,7 +99,11 @@ class LLMEngine:
         spec = self.spec
         self.max_model_len = min(config.max_model_len or spec.max_position, spec.max_position)
         self.layout = KVLayout.of(spec, config.page_size, dtype)
-        num_pages = self.layout.pages_for(config.kv_cache_gb * 2**30)
+        kv_bytes = config.kv_cache_gb * 2**30
+        too_big = fits(self.model.weight_bytes, kv_bytes, device_memory(self.device))
+        if too_big:
+            raise ConfigError(f"kv_cache_gb: {too_big}")
+        num_pages = self.layout.pages_for(kv_bytes)
         if num_pages < 1:
             raise ValueError(f"kv_cache_gb: {config.kv_cache_gb} GB holds no page of KV")
         self.cache = KVCache(self.layout, num_pages, self.device)

@@ -7,8 +7,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
-from cluster.config import EngineConfig
+from cluster.config import ConfigError, EngineConfig
 from cluster.engine import LLMEngine
 from cluster.engine.checkpoint import ModelLoadError, bundled_model_path, load_checkpoint
 from cluster.types import InvalidRequestError, SamplingParams
@@ -68,3 +69,11 @@ def test_generate_with_one_bad_prompt_queues_none(engine: LLMEngine):
     with pytest.raises(InvalidRequestError, match=r"^prompt:"):
         engine.generate(["The capital of France is", ""], SamplingParams(max_tokens=3))
     assert not engine.has_unfinished()
+
+
+def test_a_kv_cache_larger_than_the_device_is_refused_before_it_is_allocated():
+    """The engine's own check, for workers on nodes `splitserve serve` cannot see."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    where = "cuda:0 \\(.*\\)" if device == "cuda" else "this host's RAM"
+    with pytest.raises(ConfigError, match=f"^kv_cache_gb: weights .* exceed 90% of {where}'s"):
+        LLMEngine(EngineConfig(device=device, kv_cache_gb=100_000))

@@ -1,0 +1,52 @@
+"""`splitserve serve`'s memory check, before any worker starts: one worker of each pool must
+hold its weights and its KV cache (`kv_cache_gb`) in its device's memory
+(cluster/engine/memory.py has the rule).
+
+The weights are estimated from the model's shape alone (no weights are read), at the pool's
+dtype or quantization. The check runs where the device is known: with a local Ray (no
+`ray_address`) every worker runs on this node, whose RAM or GPU is read here. Joined to a
+cluster, the GPUs are on other nodes; there each engine applies the same rule at start-up,
+before it allocates its KV cache, and its ConfigError ends `serve`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from cluster.config import ConfigError, EngineConfig, ServeConfig
+from cluster.engine.checkpoint import ModelSpec, bundled_model_path, read_spec
+from cluster.engine.engine import pick_device
+from cluster.engine.memory import device_memory, fits
+from splitserve.capacity import BITS, weight_bytes
+
+
+def engine_weight_bytes(spec: ModelSpec, engine: EngineConfig, path: Path) -> float:
+    """The weights one engine holds: a GGUF's own blocks in gguf mode (the file's size),
+    else every parameter at the dtype's or the quantization's nominal bits (int8 / int4
+    group scales, and int4's 8-bit vocabulary, add a few percent: the headroom's share)."""
+    if engine.quantization == "gguf":
+        return path.stat().st_size
+    bits = BITS[engine.dtype if engine.quantization == "none" else engine.quantization]
+    return weight_bytes(spec, bits)
+
+
+def check_fit(config: ServeConfig) -> None:
+    """ModelLoadError if the model is not here (the router reads its tokenizer from it, so
+    it must be, even on a cluster's head); ConfigError, naming the pool and the numbers,
+    if a worker on this node would not fit its device."""
+    for phase, pool in (("prefill", config.prefill), ("decode", config.decode)):
+        engine = pool.engine
+        path = Path(engine.model) if engine.model else bundled_model_path()
+        spec = read_spec(path)
+        if config.ray_address is not None or pool.scaling.max_replicas == 0:
+            continue
+        device = pick_device(engine.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            continue  # the workers fail on their own, saying so
+        kv_bytes = engine.kv_cache_gb * 2**30
+        weights = engine_weight_bytes(spec, engine, path)
+        too_big = fits(weights, kv_bytes, device_memory(device))
+        if too_big:
+            raise ConfigError(f"{phase}.engine.kv_cache_gb: one {phase} worker: {too_big}")

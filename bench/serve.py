@@ -1,5 +1,10 @@
 """`splitserve bench serve`: load a running server with a workload at a sweep of request rates.
 
+`--backend grpc` (default) loads splitserve's gRPC API; `--backend openai` any
+OpenAI-compatible server at a URL (splitserve's HTTP front door, vLLM, ...), streaming
+`--endpoint` completions (token-id prompts: exact lengths) or chat. Both go through
+bench/serve_backend.py's one contract, so the same records and metrics come out.
+
 1. Warm-up: `--warmup` conversations of the workload, one after another, not counted; if
    one fails the benchmark stops there.
 2. Each rate of `--rates` is one run of `--num-requests` conversations (bench/workloads/,
@@ -9,8 +14,9 @@
    of N). For a multi-turn workload the rate counts conversations, and each turn is sent
    when the previous reply has ended. Every turn is one request, with max_tokens = its
    output length, ignore_eos, and a `--timeout-s` deadline: nothing hangs, and a request
-   that fails is recorded by its gRPC status name (its partial reply, usually none, stays
-   in its conversation, which goes on). Every run uses new token ids, same lengths.
+   that fails is recorded by its status name (gRPC's, or HTTP_<code>; its partial reply,
+   usually none, stays in its conversation, which goes on). Every run uses new token ids,
+   same lengths.
 3. Each run's records become its metrics (bench/serve_metrics.py: TTFT, TPOT, ITL, E2E,
    throughput, failures, SLO attainment against `--slo-ttft` and `--slo-tpot`); goodput
    is found over the sweep's finite rates. A table goes to stdout, JSON to `--out`: the
@@ -33,16 +39,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-import grpc
-from google.protobuf import json_format
-
 from bench.arrivals import send_offsets
+from bench.serve_backend import Backend, connect
 from bench.serve_metrics import (
     GOODPUT_ATTAINMENT,
-    OK,
     RequestRecord,
     RunSummary,
-    ServerTiming,
     Slo,
     Stats,
     highest_rate_meeting,
@@ -56,7 +58,8 @@ from bench.serve_workload import (
     load_workload,
     make_conversations,
 )
-from splitserve.client import Client
+from cluster.engine.checkpoint import bundled_model_path
+from cluster.engine.tokenizer import Tokenizer
 
 RESULTS = Path(__file__).parent / "results"
 T = TypeVar("T")
@@ -84,36 +87,8 @@ class Progress:
         print(f"\r{line}", end=end, file=sys.stderr, flush=True)
 
 
-async def send(
-    client: Client, prompt: list[int], max_tokens: int, session_id: str, timeout_s: float
-) -> tuple[RequestRecord, list[int]]:
-    """One request, streamed to its end or its error: its record and the reply's ids."""
-    messages: list[tuple[float, int]] = []
-    reply: list[int] = []
-    status, last = OK, None
-    sent = time.perf_counter()
-    try:
-        async for piece in client.stream(
-            prompt, timeout_s, max_tokens=max_tokens, ignore_eos=True, session_id=session_id
-        ):
-            if piece.token_ids:
-                messages.append((time.perf_counter(), len(piece.token_ids)))
-                reply.extend(piece.token_ids)
-            last = piece
-    except grpc.aio.AioRpcError as e:
-        status = e.code().name
-    end = time.perf_counter()
-    timing, cached = None, 0
-    if status == OK and last is not None:
-        t = last.timing
-        timing = ServerTiming(t.queue_ms, t.prefill_ms, t.transfer_ms, t.first_token_ms, t.total_ms)
-        cached = last.usage.cached_prompt_tokens
-    record = RequestRecord(sent, end, tuple(messages), len(prompt), status, cached, timing)
-    return record, reply
-
-
 async def converse(
-    client: Client,
+    backend: Backend,
     conversation: Conversation,
     timeout_s: float,
     done: Callable[[RequestRecord], None],
@@ -122,15 +97,15 @@ async def converse(
     history: list[int] = []
     for turn in conversation.turns:
         prompt = history + turn.user
-        record, reply = await send(
-            client, prompt, turn.output_len, conversation.session_id, timeout_s
+        record, reply = await backend.send(
+            prompt, turn.output_len, conversation.session_id, timeout_s
         )
         done(record)
         history = prompt + reply
 
 
 async def run(
-    client: Client,
+    backend: Backend,
     conversations: list[Conversation],
     offsets: list[float],
     concurrency: int | None,
@@ -150,7 +125,7 @@ async def run(
     async def one(conversation: Conversation, offset: float) -> None:
         await asyncio.sleep(start + offset - time.perf_counter())
         async with slots:
-            await converse(client, conversation, timeout_s, done)
+            await converse(backend, conversation, timeout_s, done)
 
     await asyncio.gather(*(one(c, o) for c, o in zip(conversations, offsets, strict=True)))
     return records
@@ -162,10 +137,10 @@ async def sweep(
     """Warm up, then one run per rate: the server's info and each run's records."""
     make = lambda n, run: make_conversations(spec, n, args.seed, run, args.vocab_size)
     runs = []
-    async with Client(args.target) as client:
-        server = json_format.MessageToDict(await client.server_info())
+    async with connect(args.backend, args.target, args.endpoint, tokenizer(args, spec)) as backend:
+        server = await backend.info()
         warm = make(args.warmup, 0)
-        records = await run(client, warm, [0.0] * len(warm), 1, args.timeout_s, "warm-up")
+        records = await run(backend, warm, [0.0] * len(warm), 1, args.timeout_s, "warm-up")
         failed = sorted({r.status for r in records if not r.ok})
         if failed:
             raise WarmupFailed(f"warm-up failed: {', '.join(failed)}")
@@ -174,9 +149,16 @@ async def sweep(
             offsets = send_offsets(len(conversations), rate, args.seed, args.burstiness)
             label = f"rate {rate:g}/s"
             runs.append(
-                await run(client, conversations, offsets, args.concurrency, args.timeout_s, label)
+                await run(backend, conversations, offsets, args.concurrency, args.timeout_s, label)
             )
     return server, runs
+
+
+def tokenizer(args: argparse.Namespace, spec: WorkloadSpec) -> Tokenizer | None:
+    """The bundled model's, when the openai backend needs one (see bench/serve_backend.py)."""
+    if args.backend == "openai" and (args.endpoint == "chat" or spec.multi_turn):
+        return Tokenizer.load(bundled_model_path())
+    return None
 
 
 @dataclass(frozen=True)
@@ -253,7 +235,10 @@ def _rates(text: str) -> list[float]:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     positive, count = _arg(float, lambda v: v > 0, "> 0"), _arg(int, lambda v: v >= 1, ">= 1")
     p = argparse.ArgumentParser(prog="splitserve bench serve", description=__doc__.split("\n")[0])
-    p.add_argument("--target", required=True, help="the server, HOST:PORT")
+    p.add_argument("--target", required=True, help="grpc: HOST:PORT; openai: its base URL")
+    p.add_argument("--backend", choices=("grpc", "openai"), default="grpc")
+    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
+                   help="openai: the API to call")  # fmt: skip
     p.add_argument("--workload", default="chat", help="chat, long-prompt, multi-turn or a .yaml")
     p.add_argument("--rates", type=_rates, default=[1.0], help="comma-separated req/s, or inf")
     p.add_argument("--burstiness", type=positive, default=1.0, help="gamma shape; 1: Poisson")

@@ -46,7 +46,8 @@ class ServerTiming:
 @dataclass(frozen=True)
 class RequestRecord:
     """One request as the client saw it. `messages`: (arrival time, token count) for each
-    streamed message that carried tokens, in order. `status`: "OK" or the gRPC status name.
+    streamed message that carried tokens, in order. `status`: "OK" or the failure's name
+    (bench/serve_backend.py: a gRPC status name, or HTTP_<code> and the like).
     `timing` comes with the last message of a request that succeeded."""
 
     send_s: float
@@ -115,7 +116,7 @@ class RunSummary:
 
     requests: int
     completed: int
-    failures: dict[str, int]  # gRPC status name -> count
+    failures: dict[str, int]  # RequestRecord.status -> count
     duration_s: float
     request_throughput: float  # completed requests / s
     output_throughput: float  # output tokens of completed requests / s

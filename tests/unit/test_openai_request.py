@@ -43,6 +43,14 @@ def test_a_completion_prompt_is_text_or_token_ids(prompt: Any, kind: str) -> Non
     assert msg.WhichOneof("input") == kind and msg.sampling.max_tokens == 4
 
 
+def test_ignore_eos_is_taken_as_vllm_spells_it() -> None:
+    """Load generators ask for exact output lengths this way (`bench serve --backend openai`,
+    AIPerf's `--extra-inputs ignore_eos:true`)."""
+    body = {"prompt": [1, 2], "max_tokens": 4, "ignore_eos": True}
+    assert to_call(body, chat=False, session_id=None).request.sampling.ignore_eos
+    assert not to_call({"prompt": [1]}, chat=False, session_id=None).request.sampling.ignore_eos
+
+
 @pytest.mark.parametrize(
     "body, message",
     [
@@ -54,6 +62,7 @@ def test_a_completion_prompt_is_text_or_token_ids(prompt: Any, kind: str) -> Non
         ({"prompt": "a", "n": 3}, "n: only 1 choice per request"),
         ({"prompt": "a", "stop": [1]}, "stop: must be a string or a list of strings"),
         ({"prompt": "a", "logprobs": 2}, "logprobs: only 0 is served"),
+        ({"prompt": "a", "ignore_eos": "yes"}, "ignore_eos: must be true or false"),
     ],
 )
 def test_a_bad_completion_body_is_refused_naming_the_field(body: Any, message: str) -> None:

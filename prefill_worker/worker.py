@@ -68,6 +68,7 @@ class PrefillWorker:
             self.engine.cache,
             compat_hash(self.engine.spec, engine.dtype, engine.page_size, engine.quantization),
             transfer.ucx_devices,
+            transfer.ucx_transports,
             transfer.progress_thread,
         )
         self.sender = KVSender(

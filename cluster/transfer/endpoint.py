@@ -11,13 +11,16 @@ across hosts over RDMA or TCP, and CUDA pages GPU to GPU (cuda_ipc, GPUDirect RD
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from cluster.config import ConfigError
 from cluster.engine.kv_cache import KVCache
 from cluster.transfer.wire import Handshake, Notice, WireError
 from cluster.types import PageId
@@ -62,10 +65,13 @@ class KVEndpoint:
         cache: KVCache,
         compat: bytes,
         ucx_devices: str,
+        ucx_transports: str = "",
         progress_thread: bool = False,
     ) -> None:
-        """Without a progress thread, UCX moves only inside `finished`, `notices` and the
-        posting calls: the owner must call one of them regularly (workers do every tick)."""
+        """UCX runs on exactly `ucx_devices` over `ucx_transports` ("" for all of either);
+        ConfigError naming the field if this host has not got them. Without a progress
+        thread, UCX moves only inside `finished`, `notices` and the posting calls: the owner
+        must call one of them regularly (workers do every tick)."""
         from nixl._api import nixl_agent, nixl_agent_config
 
         self.name = name
@@ -73,9 +79,8 @@ class KVEndpoint:
         self.compat = compat
         config = nixl_agent_config(enable_prog_thread=progress_thread, backends=[])
         self._agent = nixl_agent(name, config)
-        self._agent.create_backend("UCX", {"ucx_devices": ucx_devices})
+        _create_ucx_backend(self._agent, ucx_devices, ucx_transports)
         self._on_gpu = cache.k.is_cuda
-        self._mem = "VRAM" if self._on_gpu else "DRAM"
         self._dev = cache.k.device.index or 0
         self._regs = [self._agent.register_memory(t) for t in (cache.k, cache.v)]
         self.page_bytes = cache.k[0, 0].numel() * cache.k.element_size()
@@ -133,19 +138,19 @@ class KVEndpoint:
             remote.append((np.uint64(peer_base) + (lay * there + runs[:, 1]) * pb).ravel())
         lengths = np.concatenate([lengths, lengths])
 
-        def descs(addrs: list[np.ndarray], dev: int) -> Any:
+        def descs(addrs: list[np.ndarray], on_gpu: bool, dev: int) -> Any:
             rows = np.stack(
                 [np.concatenate(addrs), lengths, np.full(len(lengths), dev, np.uint64)], axis=1
             )
-            return self._agent.get_xfer_descs(rows, self._mem)
+            return self._agent.get_xfer_descs(rows, "VRAM" if on_gpu else "DRAM")
 
         if self._on_gpu:
             torch.cuda.current_stream().synchronize()  # the KV must be written before UCX reads
         try:
             handle = self._agent.initialize_xfer(
                 "WRITE",
-                descs(local, self._dev),
-                descs(remote, hs.device_id),
+                descs(local, self._on_gpu, self._dev),
+                descs(remote, hs.on_gpu, hs.device_id),
                 peer.name,
                 notice.encode(),
             )
@@ -188,3 +193,45 @@ class KVEndpoint:
         self.progress()
         out, self._inbox = self._inbox, []
         return out
+
+
+def _create_ucx_backend(agent: Any, devices: str, transports: str) -> None:
+    """Give `agent` a UCX backend on exactly `devices` over `transports` ("" for all).
+
+    UCX reads UCX_NET_DEVICES and UCX_TLS when NIXL creates its context, so they are set
+    for that call only, and the config wins over the environment. NIXL's own parameters
+    cannot carry them: `device_list` appends ":1" (an InfiniBand port) to every name, so no
+    TCP device (`lo`, `eth0`) can be named, and `engine_config` splits on the commas that
+    UCX writes its lists with."""
+    missing = [d for d in devices.split(",") if devices and not _is_device(d)]
+    if missing:
+        raise ConfigError(
+            f"transfer.ucx_devices: {missing[0]!r} is not a network or RDMA device of this "
+            f"host (see /sys/class/net and /sys/class/infiniband)"
+        )
+    env = {"UCX_NET_DEVICES": devices or "all", "UCX_TLS": transports or "all"}
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        agent.create_backend("UCX", {})
+    except Exception as e:
+        raise ConfigError(
+            f"transfer.ucx_devices {devices!r} with transfer.ucx_transports {transports!r}: "
+            f"UCX cannot start on them here ({e}; UCX's log above names what it found)"
+        ) from None
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                del os.environ[key]
+            else:
+                os.environ[key] = value
+
+
+def _is_device(name: str) -> bool:
+    """A network interface (`lo`, `eth0`) or an RDMA device, with or without its port
+    (`mlx5_0`, `mlx5_0:1`), as UCX names them."""
+    dev, _, port = name.partition(":")
+    rdma = Path("/sys/class/infiniband", dev)
+    if port:
+        return (rdma / "ports" / port).is_dir()
+    return Path("/sys/class/net", dev).exists() or rdma.exists()

@@ -201,6 +201,14 @@ def test_pool_engines_override_the_shared_engine_field_by_field() -> None:
         ({"router": {"grace_s": 0}}, "router.grace_s: must be a number > 0"),
         ({"router": {"colour": "red"}}, "router.colour: unknown field"),
         ({"transfer": {"lease_s": -1}}, "transfer.lease_s: must be a number > 0"),
+        (
+            {"transfer": {"ucx_devices": "lo, eth0"}},
+            "transfer.ucx_devices: must be a comma-separated list of UCX names",
+        ),
+        (
+            {"transfer": {"ucx_transports": ["tcp"]}},
+            "transfer.ucx_transports: must be a comma-separated list of UCX names",
+        ),
         ({"redis_url": "http://x"}, "config.redis_url: must be a redis:// or rediss:// URL"),
         ({"pools": 3}, "config.pools: unknown field"),
         ({"engine": [1]}, "engine: must be a mapping"),

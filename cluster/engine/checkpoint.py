@@ -1,8 +1,10 @@
 """Model checkpoints: the Llama-family shape (`ModelSpec`) and its weights, from GGUF or HF.
 
-Weights come back under Hugging Face names (`model.layers.0.self_attn.q_proj.weight`),
-dequantized to float32, whatever the file held; or, asked to keep a GGUF's blocks, its
-quantized matrices as `GroupQuant`s holding the file's own blocks.
+Weights come back under Hugging Face names (`model.layers.0.self_attn.q_proj.weight`).
+A HF directory streams: each tensor is read from its shard when the model takes it, in the
+target dtype on the target device, with no host copy kept. A GGUF is dequantized to
+float32 whatever the file held; or, asked to keep its blocks, its quantized matrices come
+back as `GroupQuant`s holding the file's own blocks.
 """
 
 from __future__ import annotations
@@ -10,9 +12,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -28,6 +31,7 @@ BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 GGUF_ARCHITECTURES = ("llama", "qwen2")
 ROPE_TYPES = ("default", "linear", "llama3")
+CPU = torch.device("cpu")
 
 
 class ModelLoadError(ValueError):
@@ -89,21 +93,33 @@ def bundled_model_path() -> Path:
     return path
 
 
-Weights = dict[str, torch.Tensor | GroupQuant]
+class Weights(Protocol):
+    """A checkpoint's tensors under HF names, each taken once by the model it builds."""
+
+    def __contains__(self, name: object) -> bool: ...
+
+    def pop(self, name: str) -> torch.Tensor | GroupQuant: ...
 
 
-def load_checkpoint(path: str | Path, keep_blocks: bool = False) -> tuple[ModelSpec, Weights]:
-    """Read a GGUF file or a HF checkpoint directory; float32 weights under HF names.
+def load_checkpoint(
+    path: str | Path,
+    keep_blocks: bool = False,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device = CPU,
+) -> tuple[ModelSpec, Weights]:
+    """Read a GGUF file or a HF checkpoint directory; weights under HF names.
 
-    `keep_blocks`: a GGUF's Q4_0 / Q4_1 / Q8_0 matrices come back as their own blocks;
-    QuantizationError for a directory or a file with other quantized types."""
+    A directory's tensors come as `dtype` on `device`, read one by one as they are taken;
+    a GGUF's as float32 on the CPU. `keep_blocks`: a GGUF's Q4_0 / Q4_1 / Q8_0 matrices
+    come back as their own blocks; QuantizationError for a directory or a file with other
+    quantized types."""
     p = Path(path)
     if not p.exists():
         raise ModelLoadError(f"model path {p}: does not exist")
     if p.is_dir():
         if keep_blocks:
             raise QuantizationError(f"{p} is a checkpoint directory, not a .gguf file")
-        return _load_hf_dir(p)
+        return spec_from_hf_config(p / "config.json"), StreamedWeights(p, dtype, device)
     if p.suffix == ".gguf":
         return _load_gguf(p, keep_blocks)
     raise ModelLoadError(f"model path {p}: expected a .gguf file or a checkpoint directory")
@@ -112,21 +128,52 @@ def load_checkpoint(path: str | Path, keep_blocks: bool = False) -> tuple[ModelS
 # --- Hugging Face directory ---------------------------------------------------------------
 
 
-def _load_hf_dir(d: Path) -> tuple[ModelSpec, Weights]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+class StreamedWeights:
+    """A HF checkpoint directory's tensors, each read from its shard's memory map when it
+    is popped, converted to `dtype` on `device`, and its mapping dropped: loading holds
+    at most one tensor of the file in host memory beyond what the model keeps. Progress
+    goes to stderr when it is a terminal."""
 
-    spec = spec_from_hf_config(d / "config.json")
-    files = sorted(d.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"{d}: no *.safetensors files")
-    weights: dict[str, torch.Tensor] = {}
-    for f in files:
+    def __init__(self, d: Path, dtype: torch.dtype, device: torch.device) -> None:
+        from safetensors import SafetensorError, safe_open
+        from tqdm import tqdm
+
+        files = sorted(d.glob("*.safetensors"))
+        if not files:
+            raise ModelLoadError(f"{d}: no *.safetensors files")
+        self._where: dict[str, Path] = {}
+        for f in files:
+            try:
+                with safe_open(str(f), "pt") as shard:  # reads the header only
+                    self._where.update(dict.fromkeys(shard.keys(), f))
+            except (SafetensorError, OSError, ValueError) as e:
+                raise ModelLoadError(f"{f}: corrupt or truncated safetensors file: {e}") from None
+        self._dtype, self._device = dtype, device
+        self._progress = tqdm(
+            total=len(self._where),
+            desc=f"loading {d.name}",
+            unit=" tensors",
+            disable=not sys.stderr.isatty(),
+            leave=False,
+        )
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._where
+
+    def pop(self, name: str) -> torch.Tensor:
+        from safetensors import SafetensorError, safe_open
+
+        f = self._where.pop(name)
         try:
-            weights.update(load_file(str(f)))
+            with safe_open(str(f), "pt") as shard:
+                mapped = shard.get_tensor(name)  # a view of the file: no bytes read yet
+            tensor = mapped.to(device=self._device, dtype=self._dtype, copy=True)
         except (SafetensorError, OSError, ValueError) as e:
-            raise ModelLoadError(f"{f}: corrupt or truncated safetensors file: {e}") from None
-    return spec, {k: v.float() for k, v in weights.items()}
+            raise ModelLoadError(f"{f}: tensor {name} cannot be read: {e}") from None
+        self._progress.update()
+        if not self._where:
+            self._progress.close()
+        return tensor
 
 
 def spec_from_hf_config(path: Path) -> ModelSpec:
@@ -230,14 +277,16 @@ def read_spec(path: str | Path) -> ModelSpec:
     raise ModelLoadError(f"model path {p}: expected a .gguf file or a checkpoint directory")
 
 
-def _load_gguf(path: Path, keep_blocks: bool) -> tuple[ModelSpec, Weights]:
+def _load_gguf(
+    path: Path, keep_blocks: bool
+) -> tuple[ModelSpec, dict[str, torch.Tensor | GroupQuant]]:
     from gguf.quants import dequantize
 
     reader = open_gguf(path)
     spec = _gguf_spec(reader, path)
     arch = gguf_field(reader, "general.architecture")
     heads, kv_heads = spec.num_heads, spec.num_kv_heads
-    weights: Weights = {}
+    weights: dict[str, torch.Tensor | GroupQuant] = {}
     for t in reader.tensors:
         try:
             hf_name = _gguf_name(t.name)

@@ -52,7 +52,9 @@ def _load_model(
     try:
         if quantization != "none" and device.type != "cpu":
             raise QuantizationError(f"its kernels run on CPU only so far, not {device.type}")
-        spec, weights = load_checkpoint(path, keep_blocks=quantization == "gguf")
+        # int8 / int4 quantize from float32, as they were measured
+        load_dtype = dtype if quantization == "none" else torch.float32
+        spec, weights = load_checkpoint(path, quantization == "gguf", load_dtype, device)
         return spec, LlamaModel(spec, weights, dtype, device, quantization)
     except QuantizationError as e:
         raise ConfigError(f"quantization: {quantization}: {e}") from None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -72,3 +74,59 @@ def test_generate_on_a_hf_checkpoint(tiny_llama_dir: Path):
         )
     assert done.token_ids == ref[0, len(prompt) :].tolist()
     assert_no_leak(engine)
+
+
+# Loads a checkpoint into a bf16 model in a fresh process; prints the peak host memory the
+# load added (VmHWM, reset to VmRSS just before) and the bytes the model keeps.
+_LOAD_AND_MEASURE = """
+import sys
+from pathlib import Path
+import safetensors, tqdm, torch
+from cluster.engine.checkpoint import load_checkpoint
+from cluster.engine.model import LlamaModel
+
+def kib(field):
+    return int(Path("/proc/self/status").read_text().split(field + ":")[1].split()[0])
+
+torch.ones(8).to(torch.bfloat16).sum()  # first-use allocations happen before the baseline
+Path("/proc/self/clear_refs").write_text("5")  # peak RSS := RSS
+base = kib("VmRSS")
+spec, weights = load_checkpoint(sys.argv[1], dtype=torch.bfloat16)
+model = LlamaModel(spec, weights, torch.bfloat16, torch.device("cpu"))
+held = [*model.tensors, model.cos, model.signed_sin]
+assert all(t.dtype == torch.bfloat16 for t in held)
+print((kib("VmHWM") - base) * 1024, sum(t.nbytes for t in held))
+"""
+
+
+def test_loading_holds_at_most_one_shard_in_host_memory_beyond_the_model(tmp_path: Path):
+    """A bf16 checkpoint of several shards loads into a bf16 model: host memory peaks at
+    what the model keeps plus at most 1.2x one shard (converting the whole checkpoint to
+    float32 first, as loading once did, peaked at 3x the model)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path, max_shard_size="32MB")
+    shards = [f.stat().st_size for f in tmp_path.glob("*.safetensors")]
+    assert len(shards) >= 2
+    run = subprocess.run(
+        [sys.executable, "-c", _LOAD_AND_MEASURE, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    peak, kept = map(int, run.stdout.split())
+    mib = 2**20
+    print(f"peak {peak / mib:.1f} MiB, model {kept / mib:.1f} MiB, shard {max(shards) / mib:.1f}")
+    assert peak <= kept + 1.2 * max(shards)

@@ -12,6 +12,7 @@ and TPOT p50 per rate. Writes docs/plan.md's validation table when asked (--writ
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -35,14 +36,19 @@ ROUTER_S = 0.002  # the router's added latency over gRPC (README, bench router)
 TOLERANCE = 0.2
 
 
-def cluster(config: str, costs: dict[int, Linear]) -> Cluster:
+def cluster(config: str, costs: dict[int, Linear], overhead: tuple[float, float]) -> Cluster:
+    """The serve config's cluster; `overhead` is (per step, per request) seconds."""
+    step_s, request_s = overhead
     serve = serve_config_from_dict(CONFIGS[config])
     spec = read_spec(bundled_model_path())
 
     def pool(p: Any) -> Pool:
         e = p.engine
         pages = kv_capacity(spec, e.dtype, e.page_size, e.kv_cache_gb).pages
-        return Pool(p.replicas, e, pages, costs[e.threads], p.autoscale)
+        # threads None: torch's default, both cores here
+        cost = costs[e.threads or 2]
+        cost = dataclasses.replace(cost, base_s=cost.base_s + step_s)
+        return Pool(p.replicas, e, pages, cost, p.autoscale)
 
     return Cluster(
         pool(serve.prefill),
@@ -54,12 +60,15 @@ def cluster(config: str, costs: dict[int, Linear]) -> Cluster:
         ),
         kv_bytes_per_token(spec, serve.decode.engine.dtype),
         LINK_GB_S,
-        router_s=ROUTER_S,
+        router_s=ROUTER_S + request_s,
     )
 
 
 def predict(
-    result: dict[str, Any], config: str, costs: dict[int, Linear]
+    result: dict[str, Any],
+    config: str,
+    costs: dict[int, Linear],
+    overhead: tuple[float, float] = (0.0, 0.0),
 ) -> list[dict[str, float]]:
     plan, workload = result["plan"], load_workload(result["workload"])
     seed = result.get("seed", 0)
@@ -67,7 +76,8 @@ def predict(
     for i, rate in enumerate(plan["rates"], start=1):
         conversations = make_conversations(workload, plan["num_requests"], seed, i)
         arrivals = send_offsets(len(conversations), rate, seed)
-        lat = Simulation(cluster(config, costs), conversations, arrivals).run().latencies()
+        sim = Simulation(cluster(config, costs, overhead), conversations, arrivals)
+        lat = sim.run().latencies()
         measured = next(
             r["summary"] for r in result["configs"][config]["runs"] if r["rate"] == rate
         )
@@ -112,20 +122,36 @@ def main(argv: list[str] | None = None) -> int:
         costs = {t: Linear.load(Path(f)) for t, f in zip((1, 2), args.calibration, strict=True)}
     else:
         costs = {t: calibrate(EngineConfig(dtype="bfloat16", threads=t)) for t in (1, 2)}
-    found = sorted(RESULTS.glob("compare-*.json"))
-    if not found:
-        raise SystemExit(f"no bench compare results in {RESULTS}: run `splitserve bench compare`")
+    found = {p.stem.removeprefix("compare-"): p for p in RESULTS.glob("compare-*.json")}
+    if "chat" not in found:
+        raise SystemExit(f"no chat result in {RESULTS}: run `splitserve bench compare`")
+    loaded = {w: json.loads(found[w].read_text()) for w in ("chat", "long-prompt") if w in found}
+    # The serving overheads (Ray calls, the worker loops, streaming, the router and the
+    # load generator sharing the cores) are fitted once per configuration at chat's lowest
+    # rate: per step, the measured TPOT p50 minus the engine-only prediction; then per
+    # request, the measured TTFT p50 minus the prediction with that. All else is predicted.
+    overhead = {}
+    for c in CHECKED:
+        first = predict(loaded["chat"], c, costs)[0]
+        step_s = first["tpot_measured"] - first["tpot"]
+        first = predict(loaded["chat"], c, costs, (step_s, 0.0))[0]
+        overhead[c] = (step_s, first["ttft_measured"] - first["ttft"])
     results: dict[str, dict[str, list[dict[str, float]]]] = {}
-    for path in found:
-        result = json.loads(path.read_text())
-        if result["workload"] not in ("chat", "long-prompt"):
-            continue
-        results[result["workload"]] = {
-            c: predict(result, c, costs) for c in CHECKED if c in result["configs"]
-        }
+    for label, fitted in (("engine only", False), ("with serving overhead", True)):
+        for workload, result in loaded.items():
+            results[f"{workload}, {label}"] = {
+                c: predict(result, c, costs, overhead[c] if fitted else (0.0, 0.0))
+                for c in CHECKED
+                if c in result["configs"]
+            }
     out = table(results)
     for t, cost in costs.items():
         out += f"\n\nstep cost, {t} thread(s): {cost}"
+    for c, (step_s, request_s) in overhead.items():
+        out += (
+            f"\n\nserving overhead, {c}: {step_s * 1e3:.1f} ms a step, "
+            f"{request_s * 1e3:.1f} ms a request"
+        )
     print(out)
     if args.out:
         Path(args.out).write_text(out + "\n")

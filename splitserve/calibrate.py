@@ -7,7 +7,6 @@ import dataclasses
 import time
 
 import numpy as np
-import torch
 
 from cluster.config import EngineConfig
 from cluster.engine.engine import LLMEngine
@@ -22,10 +21,17 @@ PREFILL_GRID = (16, 64, 256, 512, 1024, 2048)
 def measure(config: EngineConfig, repeats: int = 3) -> list[Sample]:
     """Best-of-`repeats` seconds of each grid point's step, on an engine built from
     `config` with chunked prefill off (each prompt is one step)."""
-    if config.threads is not None:
-        torch.set_num_threads(config.threads)
+    # All of a decode point's prompts are admitted in one step, so all its rows decode
+    # together from the next.
+    budget = max(rows * context for rows, context in DECODE_GRID)
     engine = LLMEngine(
-        dataclasses.replace(config, chunked_prefill=False, prefix_caching=False, max_num_seqs=64)
+        dataclasses.replace(
+            config,
+            chunked_prefill=False,
+            prefix_caching=False,
+            max_num_seqs=max(rows for rows, _ in DECODE_GRID),
+            max_num_batched_tokens=budget,
+        )
     )
     rng = np.random.default_rng(0)
 
@@ -47,8 +53,8 @@ def measure(config: EngineConfig, repeats: int = 3) -> list[Sample]:
     for rows, context in DECODE_GRID:
         params = SamplingParams(max_tokens=repeats + 2, ignore_eos=True)
         rids = [engine.add_request(prompt(context), params) for _ in range(rows)]
-        while any(engine.status(r) is not RequestStatus.RUNNING for r in rids):
-            engine.step()
+        engine.step()
+        assert all(engine.status(r) is RequestStatus.RUNNING for r in rids), "not all admitted"
         samples.append(([context + 1] * rows, [], min(timed_step() for _ in range(repeats))))
         for r in rids:
             engine.abort_request(r)

@@ -27,6 +27,7 @@ from cluster.engine.checkpoint import bundled_model_path, read_spec
 from router.policy import PolicyConfig, PolicyName
 from splitserve.calibrate import calibrate
 from splitserve.capacity import kv_bytes_per_token, kv_capacity
+from splitserve.plan import pyplot
 from splitserve.sim import Cluster, Pool, Simulation
 from splitserve.step_cost import Linear
 
@@ -112,11 +113,35 @@ def table(results: dict[str, dict[str, list[dict[str, float]]]]) -> str:
     return "\n".join(lines)
 
 
+def plot(results: dict[str, dict[str, list[dict[str, float]]]], path: Path) -> None:
+    """Predicted against measured p50s, TTFT and TPOT side by side; the band is +-20%."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(9, 4))
+    for ax, metric in zip(axes, ("ttft", "tpot"), strict=True):
+        top = 0.0
+        for label, configs in results.items():
+            for config, rows in configs.items():
+                x = [r[f"{metric}_measured"] * 1e3 for r in rows]
+                y = [r[metric] * 1e3 for r in rows]
+                top = max(top, *x, *y)
+                marker = "o" if "overhead" in label else "x"
+                ax.scatter(x, y, marker=marker, label=f"{label}: {config}")
+        line = np.array([0, top * 1.1])
+        ax.plot(line, line, color="black", linewidth=0.8)
+        ax.fill_between(line, line * (1 - TOLERANCE), line * (1 + TOLERANCE), alpha=0.1)
+        ax.set_xlabel(f"{metric.upper()} p50 measured (ms)")
+        ax.set_ylabel(f"{metric.upper()} p50 predicted (ms)")
+    axes[1].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.plan_check", description=__doc__)
     p.add_argument("--calibration", nargs=2, metavar=("ONE_THREAD", "TWO_THREADS"),
                    help="plan calibrate outputs to use instead of calibrating now")  # fmt: skip
     p.add_argument("--out", default=None, help="write the table (markdown) here")
+    p.add_argument("--plot", default=None, help="write the predicted-vs-measured PNG here")
     args = p.parse_args(argv)
     if args.calibration:
         costs = {t: Linear.load(Path(f)) for t, f in zip((1, 2), args.calibration, strict=True)}
@@ -153,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{request_s * 1e3:.1f} ms a request"
         )
     print(out)
+    if args.plot:
+        plot(results, Path(args.plot))
     if args.out:
         Path(args.out).write_text(out + "\n")
     return 0

@@ -277,7 +277,7 @@ def plan_cluster(args: argparse.Namespace, spec: ModelSpec, hw: Hardware) -> str
 
 def plot_cluster(outcomes: Sequence[Outcome], path: Path, title: str) -> None:
     """Goodput per worker against the P:D ratio, one line per cluster size."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for size in sorted({o.workers for o in outcomes}):
         pts = sorted((o.prefill / o.decode, o.goodput / o.workers) for o in outcomes
@@ -290,7 +290,7 @@ def plot_cluster(outcomes: Sequence[Outcome], path: Path, title: str) -> None:
 def plot_capacity(spec: ModelSpec, kv_dtype: str, page_size: int, contexts: Sequence[int],
                   path: Path, title: str) -> None:  # fmt: skip
     """Sequences that fit against KV cache GiB, one line per context length."""
-    plt = _pyplot()
+    plt = pyplot()
     gbs = np.linspace(1, 80, 80)
     fig, ax = plt.subplots(figsize=(7, 4))
     for c in contexts:
@@ -308,7 +308,7 @@ def _save(fig: Any, ax: Any, xlabel: str, ylabel: str, title: str, path: Path) -
     fig.savefig(path, dpi=110)
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
     try:
         import matplotlib
 

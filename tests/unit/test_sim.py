@@ -182,3 +182,18 @@ def test_a_prompts_last_chunk_of_one_token_is_its_prefill_not_a_decode(prefill: 
     result = Simulation(cluster, single_turns([(65, 4), (129, 3)]), [0.0, 0.005]).run()
     assert [r.tokens for r in result.requests] == [4, 3]
     assert all(r.first_token < r.end for r in result.requests)
+
+
+def test_plan_cluster_from_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """A sweep on a named GPU: one prefill worker cannot keep up with long prompts at this
+    rate, two can, and the table says so and recommends the smallest cluster that does."""
+    from cluster.cli import main
+
+    args = ["plan", "cluster", "--model", "llama-3-8b", "--hardware", "H100"]
+    args += ["--workload", "long-prompt", "--rate", "30", "--requests", "300"]
+    assert main([*args, "--prefill", "1-2", "--decode", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith(("  1   1", "  2   1"))]
+    attainment = {row[0]: float(row[-5].rstrip("%")) for row in rows}
+    assert attainment["1"] < 90 <= attainment["2"]
+    assert "recommended: 2 prefill + 1 decode workers" in out

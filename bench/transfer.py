@@ -204,7 +204,10 @@ def exposure(
     # Polling like a decode worker with a transfer in flight (its tick is 1 ms).
     receiver = Receiver(layout, max(tokens_list) // PAGE_SIZE + 1, compat, poll_s=0.001)
     ep = KVEndpoint("bench-prefill", engine.cache, compat, "lo")
-    senders = {s: KVSender(ep, engine.pool, layout.num_layers, s, 0.0) for s in (True, False)}
+    senders = {
+        s: KVSender(ep, engine.pool, layout.num_layers, s, 0.0, engine.device)
+        for s in (True, False)
+    }
     out = []
     try:
         for tokens in tokens_list:

@@ -77,6 +77,7 @@ class PrefillWorker:
             self.engine.spec.num_layers,
             transfer.stream_layers,
             transfer.write_margin_s,
+            self.engine.device,
         )
         self._waiting: dict[RequestId, asyncio.Future[FirstToken | None]] = {}
         self._loop = WorkerLoop(self._tick, name=f"{name}-engine")

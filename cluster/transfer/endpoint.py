@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from cluster.config import ConfigError
 from cluster.engine.kv_cache import KVCache
@@ -123,7 +122,9 @@ class KVEndpoint:
         dst: Sequence[PageId],
         notice: Notice,
     ) -> Write:
-        """Post one WRITE of pages src -> dst (K and V) for `layers`; the notice rides on it."""
+        """Post one WRITE of pages src -> dst (K and V) for `layers`; the notice rides on it.
+        The caller posts only KV the device has finished writing (see LayerReady): UCX
+        reads the pages as they are when it runs, and nothing here waits on the device."""
         hs = peer.handshake
         assert hs.page_bytes == self.page_bytes and 0 <= layers.start < layers.stop
         runs = np.array(page_runs(src, dst), dtype=np.uint64).reshape(-1, 3)
@@ -144,8 +145,6 @@ class KVEndpoint:
             )
             return self._agent.get_xfer_descs(rows, "VRAM" if on_gpu else "DRAM")
 
-        if self._on_gpu:
-            torch.cuda.current_stream().synchronize()  # the KV must be written before UCX reads
         try:
             handle = self._agent.initialize_xfer(
                 "WRITE",

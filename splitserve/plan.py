@@ -96,8 +96,13 @@ class Outcome:
     tpot: tuple[float, float, float]
     itl: tuple[float, float, float]
     attainment: float  # of all requests, meeting both SLOs
-    kv_peak: float  # the highest mean decode KV use seen at a tick (0 without ticks)
+    kv_use: tuple[tuple[float, float], ...]  # (time, mean decode KV use) at each tick
     transfer_gb: float
+
+    @property
+    def kv_peak(self) -> float:
+        """The highest mean decode KV use seen at a tick."""
+        return max((kv for _, kv in self.kv_use), default=0.0)
 
     @property
     def workers(self) -> int:
@@ -141,7 +146,7 @@ def outcome(prefill: int, decode: int, result: Result, slo: Slo) -> Outcome:
         pct(tpot),
         itl,  # type: ignore[arg-type]
         met / len(result.requests),
-        max((t[3] for t in result.ticks), default=0.0),
+        tuple((t, kv) for t, _, _, kv in result.ticks),
         result.transfer_bytes / 1e9,
     )
 
@@ -276,8 +281,15 @@ def plan_cluster(args: argparse.Namespace, spec: ModelSpec, hw: Hardware) -> str
 
 
 def plot_cluster(outcomes: Sequence[Outcome], path: Path, title: str) -> None:
-    """Goodput per worker against the P:D ratio, one line per cluster size."""
+    """Goodput per worker against the P:D ratio, one line per cluster size; and beside it
+    (PATH-kv.png) each cluster's decode KV use over time."""
     plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for o in outcomes:
+        ax.plot(*zip(*o.kv_use, strict=True), label=f"{o.prefill}P {o.decode}D", linewidth=0.8)
+    ax.set_ylim(0, 1)
+    _save(fig, ax, "simulated time (s)", "mean decode KV use", title,
+          path.with_name(f"{path.stem}-kv{path.suffix}"))  # fmt: skip
     fig, ax = plt.subplots(figsize=(7, 4))
     for size in sorted({o.workers for o in outcomes}):
         pts = sorted((o.prefill / o.decode, o.goodput / o.workers) for o in outcomes

@@ -1,9 +1,9 @@
 """`splitserve bench compare`: does disaggregation pay off on this machine? The same load
 against each serving configuration in turn, one report.
 
-Configurations, each started as `splitserve serve` (a child process with its own Ray,
-Redis and router; the bundled model in bfloat16, the faster dtype for prefill on this
-CPU, see the README) on this machine's cores:
+Configurations, the first three started as `splitserve serve` (a child process with its
+own Ray, Redis and router; the bundled model in bfloat16, the faster dtype for prefill on
+this CPU, see the README) on this machine's cores:
 
   disaggregated       1 prefill + 1 decode worker, 1 thread each, pinned to cores 0 and 1
                       (KV pushed in one WRITE per prompt: `stream_layers: false`, the

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from cluster.engine import LLMEngine
-from cluster.engine.attention import AttentionBatch
+from cluster.engine.attention import StepBatch
+from cluster.engine.attention_cpu import CpuBackend
 from cluster.engine.kv_cache import KVCache
 from cluster.engine.page_pool import pages_for
 from cluster.types import SamplingParams
@@ -120,22 +121,22 @@ def gather_cost(engine: LLMEngine, batch: int, context_len: int, repeats: int) -
     width = pages_for(context_len, ps)
     pages = torch.randint(0, cache.num_pages, (batch, width), device=engine.device)
     last = context_len - 1
-    attn = AttentionBatch(
-        slot_mapping=pages[:, last // ps] * ps + last % ps,
-        num_decodes=batch,
-        decode_pages=pages,
-        decode_mask=(torch.arange(width * ps, device=engine.device) < context_len).expand(
-            batch, 1, 1, width * ps
-        ),
-        decode_workspace=cache.k.new_empty((2, batch * width, *cache.k.shape[2:])),
-        prefills=(),
+    backend = CpuBackend(layout, engine.device)
+    attn = backend.prepare(
+        StepBatch(
+            num_decodes=batch,
+            query_start=list(range(batch + 1)),
+            context_lens=[context_len] * batch,
+            page_table=pages,
+            slot_mapping=pages[:, last // ps] * ps + last % ps,
+        )
     )
     ids = torch.randint(0, engine.spec.vocab_size, (batch,), device=engine.device)
     positions = torch.full((batch,), last, device=engine.device)
     rows = torch.arange(batch, device=engine.device)
 
     def forward() -> None:
-        engine.model.forward(ids, positions, attn, cache, rows)
+        engine.model.forward(ids, positions, backend, attn, cache, rows)
 
     flat = pages.flatten()
 

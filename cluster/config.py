@@ -20,6 +20,7 @@ T = TypeVar("T")
 DTYPES = ("float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("none", "int8", "int4", "gguf")  # cluster/engine/quantization.py
+ATTENTION_BACKENDS = ("auto", "cpu", "triton", "flashinfer")  # cluster/engine/attention.py
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class EngineConfig:
     dtype: str = "float32"
     quantization: str = "none"  # weights: none | int8 | int4 | gguf (the file's own blocks)
     device: str = "auto"
+    attention_backend: str = "auto"  # cpu on CPU; CUDA: flashinfer if installed, else triton
     kv_cache_gb: float = 1.0
     page_size: int = 16
     max_num_seqs: int = 64
@@ -47,6 +49,11 @@ class EngineConfig:
             self.quantization in QUANTIZATIONS,
             "quantization",
             f"must be one of {QUANTIZATIONS}, got {self.quantization!r}",
+        )
+        _check(
+            self.attention_backend in ATTENTION_BACKENDS,
+            "attention_backend",
+            f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}",
         )
         _check(
             _is_number(self.kv_cache_gb) and self.kv_cache_gb > 0,

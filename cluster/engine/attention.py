@@ -1,111 +1,100 @@
-"""Paged attention: write new K/V into their page slots, attend through page tables.
+"""The attention backend seam: what one step's attention needs, and who computes it.
 
-A batch holds decode rows first (one query token each), then prefill chunks (many
-query tokens each, possibly after cached context). Decodes attend together: their
-pages are gathered (index_select: measured ~2x faster than advanced indexing) into a
-padded [batch, max_context] copy with a length mask.
-A prefill chunk with no earlier context attends to its own fresh K/V without reading
-the cache; one with context (prefix-cache hit, later chunk) gathers its pages. Both go
-through SDPA's fused kernel (4-D inputs; see `heads_first`).
+Once per step the runner lays the batch out on the host (`StepBatch`) and the backend
+turns it into its own metadata (`prepare`: device tensors, workspaces, plans). Then
+every layer calls `forward(layer, q, k, v, cache, metadata)`, which writes the new K/V
+into their page slots and returns the attention output. Backends:
+
+- `cpu`: PyTorch SDPA and matmuls over gathered pages (cluster/engine/attention_cpu.py);
+- `triton`: our own Triton kernels reading pages in place (attention_triton.py);
+- `flashinfer`: FlashInfer's paged kernels, on CUDA when installed (attention_flashinfer.py).
 """
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
+
+from cluster.config import ConfigError
+from cluster.engine.kv_cache import KVCache, KVLayout
 
 
 @dataclass(frozen=True)
-class PrefillChunk:
-    start: int  # first row of this chunk in the batch
-    num_tokens: int  # query tokens in this chunk
-    context_len: int  # tokens attended to, this chunk's included
-    pages: torch.Tensor  # page ids covering context_len tokens (long)
+class StepBatch:
+    """One step's attention layout, on the host. Sequences run decodes first (one new
+    token each), then prefill chunks; sequence i's new tokens are rows
+    [query_start[i], query_start[i + 1]) of the step."""
+
+    num_decodes: int
+    query_start: list[int]  # [seqs + 1]
+    context_lens: list[int]  # [seqs] tokens each attends to, its new ones included
+    page_table: torch.Tensor  # [seqs, width] int64 page ids covering each context, 0-padded
+    slot_mapping: torch.Tensor  # [tokens] int64 slot (page * page_size + offset) per new token
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.context_lens)
 
 
-@dataclass(frozen=True)
-class AttentionBatch:
-    slot_mapping: torch.Tensor  # [N] flat slot (page * page_size + offset) for each new token
-    num_decodes: int  # rows [0, num_decodes) are decodes
-    decode_pages: torch.Tensor | None  # [num_decodes, max_pages] page ids, padded with 0
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_pages * page_size] bool
-    # Reused by every layer for the gathered decode K and V: a fresh ~100 MB tensor per
-    # layer costs more in page faults than the copy itself at large batch x context.
-    decode_workspace: torch.Tensor | None  # [2, num_decodes * max_pages, page_size, ...]
-    prefills: tuple[PrefillChunk, ...]
+class AttentionBackend(Protocol):
+    """Paged attention for one engine: its cache layout, device and dtype are fixed."""
+
+    name: str  # as in the config, and which kernel ran: what the benchmarks print
+
+    def prepare(self, batch: StepBatch) -> Any:
+        """This step's metadata, read by every layer's `forward`."""
+        ...
+
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [tokens, heads, head_dim]
+        k: torch.Tensor,  # [tokens, kv_heads, head_dim]
+        v: torch.Tensor,
+        cache: KVCache,
+        metadata: Any,
+    ) -> torch.Tensor:
+        """Store k and v of layer `layer` into their slots, then attend: [tokens, heads, dim]."""
+        ...
 
 
-def paged_attention(
-    q: torch.Tensor,  # [N, heads, head_dim]
-    k: torch.Tensor,  # [N, kv_heads, head_dim]
-    v: torch.Tensor,
-    k_cache: torch.Tensor,  # [pages, page_size, kv_heads, head_dim] of this layer
-    v_cache: torch.Tensor,
-    batch: AttentionBatch,
-) -> torch.Tensor:
-    kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, batch.slot_mapping, k)
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, batch.slot_mapping, v)
-    outs: list[torch.Tensor] = []
-    nd = batch.num_decodes
-    if nd:
-        assert batch.decode_pages is not None and batch.decode_mask is not None
-        assert batch.decode_workspace is not None
-        flat = batch.decode_pages.flatten()
-        ws_k, ws_v = batch.decode_workspace
-        torch.index_select(k_cache, 0, flat, out=ws_k)
-        torch.index_select(v_cache, 0, flat, out=ws_v)
-        kd = ws_k.view(nd, -1, kv_heads, head_dim).transpose(1, 2)
-        vd = ws_v.view(nd, -1, kv_heads, head_dim).transpose(1, 2)
-        outs.append(_decode_attention(q[:nd], kd, vd, batch.decode_mask))
-    for c in batch.prefills:
-        qc = heads_first(q[c.start : c.start + c.num_tokens])
-        if c.context_len == c.num_tokens:
-            kc = heads_first(k[c.start : c.start + c.num_tokens])
-            vc = heads_first(v[c.start : c.start + c.num_tokens])
-            out = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=True)
-        else:
-            kc = heads_first(k_cache.index_select(0, c.pages).flatten(0, 1)[: c.context_len])
-            vc = heads_first(v_cache.index_select(0, c.pages).flatten(0, 1)[: c.context_len])
-            offset = c.context_len - c.num_tokens
-            rows = torch.arange(c.num_tokens, device=q.device).unsqueeze(1) + offset
-            mask = torch.arange(c.context_len, device=q.device).unsqueeze(0) <= rows
-            out = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, enable_gqa=True)
-        outs.append(out[0].transpose(0, 1))
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
+def resolve_backend(name: str, device: torch.device) -> str:
+    """The backend `engine.attention_backend: name` means on `device`; ConfigError when
+    it cannot run there. auto: cpu on CPU; on CUDA FlashInfer if installed, else triton."""
+    has = lambda module: importlib.util.find_spec(module) is not None
+    if name == "auto":
+        if device.type == "cpu":
+            return "cpu"
+        return "flashinfer" if has("flashinfer") else "triton"
+    if name == "triton" and not has("triton"):
+        raise ConfigError("attention_backend: triton is not installed (pip install triton)")
+    if name == "flashinfer" and (device.type != "cuda" or not has("flashinfer")):
+        raise ConfigError(
+            f"attention_backend: flashinfer needs a CUDA device and the flashinfer package; "
+            f"device is {device.type}, flashinfer {'is' if has('flashinfer') else 'is not'} "
+            f"installed"
+        )
+    if name == "cpu" and device.type != "cpu":
+        raise ConfigError(f"attention_backend: cpu runs on the CPU only, not {device.type}")
+    return name
 
 
-def heads_first(x: torch.Tensor) -> torch.Tensor:
-    """[tokens, heads, head_dim] -> [1, heads, tokens, head_dim], a view.
+def make_backend(
+    name: str, layout: KVLayout, num_heads: int, device: torch.device
+) -> AttentionBackend:
+    """The backend named by `resolve_backend`, built for this engine's cache."""
+    if name == "cpu":
+        from cluster.engine.attention_cpu import CpuBackend
 
-    SDPA needs 4-D inputs to pick a fused kernel: with 3-D ones PyTorch runs the unfused
-    "math" backend on every device (measured 4x slower on a 1,024-token CPU prefill).
-    """
-    return x.transpose(0, 1).unsqueeze(0)
+        return CpuBackend(layout, device)
+    if name == "triton":
+        from cluster.engine.attention_triton import TritonBackend
 
+        return TritonBackend(device)
+    assert name == "flashinfer", name
+    from cluster.engine.attention_flashinfer import FlashInferBackend
 
-FUSED_BF16_DECODE_BATCH = 4
-
-
-def _decode_attention(
-    q: torch.Tensor,  # [batch, heads, head_dim]
-    k: torch.Tensor,  # [batch, kv_heads, context, head_dim]
-    v: torch.Tensor,
-    mask: torch.Tensor,  # [batch, 1, 1, context] bool
-) -> torch.Tensor:
-    if q.dtype == torch.float32 or q.is_cuda:
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, enable_gqa=True)
-        return out.squeeze(2)
-    b, heads, dim = q.shape
-    if b <= FUSED_BF16_DECODE_BATCH:
-        # A KV head's query heads as that head's query rows: SDPA's fused kernel, no GQA
-        # expansion (measured 18 us against 46 for matmuls at batch 1, 128 tokens).
-        grouped = q.view(b, k.shape[1], -1, dim)
-        return F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask).view(b, heads, dim)
-    # Larger batches: on CPU, torch's SDPA kernels measured 1.5-12x slower than two matmuls
-    # in bfloat16 at batch 8-64. Query heads grouped by their KV head; softmax in float32.
-    scores = torch.matmul(q.view(b, k.shape[1], -1, dim), k.transpose(2, 3)).float()
-    scores = (scores * dim**-0.5).masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), v).view(b, heads, dim)
+    return FlashInferBackend(layout, num_heads, device)

@@ -18,13 +18,14 @@ from pathlib import Path
 import torch
 
 from cluster.config import ConfigError, EngineConfig
+from cluster.engine.attention import resolve_backend
 from cluster.engine.checkpoint import ModelSpec, bundled_model_path, load_checkpoint
 from cluster.engine.kv_cache import KVCache, KVLayout
 from cluster.engine.memory import device_memory, fits
 from cluster.engine.model import LlamaModel
 from cluster.engine.page_pool import PagePool, pages_for
 from cluster.engine.quantization import QuantizationError
-from cluster.engine.runner import ModelRunner
+from cluster.engine.runner import build_runner
 from cluster.engine.sampler import sample
 from cluster.engine.scheduler import Scheduler, Step
 from cluster.engine.sequence import Sequence
@@ -95,6 +96,7 @@ class LLMEngine:
         self.model_id = path.name if path.is_dir() else path.stem
         self.device = pick_device(config.device)
         dtype = getattr(torch, config.dtype)
+        backend = resolve_backend(config.attention_backend, self.device)
         started = time.perf_counter()
         self.spec, self.model = _load_model(path, config.quantization, dtype, self.device)
         self.tokenizer = Tokenizer.load(path)
@@ -113,15 +115,20 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.pool, config.max_num_seqs, config.max_num_batched_tokens, config.chunked_prefill
         )
-        self.runner = ModelRunner(self.model, self.cache, self.device)
+        self.runner = build_runner(
+            self.model, self.cache, backend, config.max_num_seqs, self.max_model_len, self.device
+        )
         self._live: dict[RequestId, _Live] = {}
         self._ids = itertools.count()
         log.info(
-            "loaded %s (%s, quantization %s, %s) in %.1fs: weights %.1f MiB resident",
+            "loaded %s (%s, quantization %s, %s, %s attention%s) in %.1fs: weights %.1f MiB "
+            "resident",
             self.spec.name,
             config.dtype,
             config.quantization,
             self.device,
+            backend,
+            ", CUDA-graph decode" if self.runner.graphs else "",
             time.perf_counter() - started,
             self.model.weight_bytes / 2**20,
         )

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from cluster.engine.attention import AttentionBatch, paged_attention
+from cluster.engine.attention import AttentionBackend
 from cluster.engine.checkpoint import ModelLoadError, ModelSpec, Weights
 from cluster.engine.kv_cache import KVCache
 from cluster.engine.quantization import (
@@ -149,7 +150,8 @@ class LlamaModel:
         self,
         input_ids: torch.Tensor,  # [N]
         positions: torch.Tensor,  # [N]
-        batch: AttentionBatch,
+        attention: AttentionBackend,
+        metadata: Any,  # attention.prepare's for this step
         cache: KVCache,
         logits_rows: torch.Tensor,  # rows whose next-token logits are wanted
         on_layer: Callable[[int], None] | None = None,  # after layer i's KV is in the cache
@@ -168,7 +170,7 @@ class LlamaModel:
             qk = rotate(qkv[:, : nq + nkv].view(n, -1, s.head_dim), cos, sin)
             q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
             v = qkv[:, nq + nkv :].view(n, s.num_kv_heads, s.head_dim)
-            a = paged_attention(q, k, v, cache.k[i], cache.v[i], batch)
+            a = attention.forward(i, q, k, v, cache, metadata)
             if on_layer is not None:
                 on_layer(i)
             x = x + layer.o(a.reshape(n, nq))

@@ -1,29 +1,83 @@
-"""Executes a scheduled step: builds the batch tensors, runs the model, returns logits.
+"""Executes a scheduled step: lays the batch out, runs the model, returns logits.
 
 Only sequences whose last token's KV is computed in this step get a logits row:
 every decode, and a prefill chunk that finishes its sequence's uncomputed tokens.
+A decode-only step replays a captured CUDA graph when the engine has them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from cluster.engine.attention import AttentionBatch, PrefillChunk
+from cluster.engine.attention import AttentionBackend, StepBatch, make_backend
 from cluster.engine.kv_cache import KVCache
 from cluster.engine.model import LlamaModel
 from cluster.engine.page_pool import pages_for
 from cluster.engine.scheduler import Step
 from cluster.engine.sequence import Sequence
 
+if TYPE_CHECKING:  # it imports triton, which a CPU-only install may lack
+    from cluster.engine.cuda_graphs import DecodeGraphs
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """One step's model inputs on the host."""
+
+    ids: list[int]
+    positions: torch.Tensor  # [tokens] long
+    batch: StepBatch
+    sampled: list[Sequence]  # the sequences that get a next token
+    logits_rows: list[int]  # their rows
+
+
+def lay_out(step: Step, page_size: int) -> StepInputs:
+    """The step as token ids, positions and the attention layout, decodes first."""
+    ps, nd = page_size, len(step.decodes)
+    seqs = [(s, 1) for s in step.decodes] + list(step.prefills)
+    context_lens = [s.num_computed + n for s, n in seqs]
+    width = max(pages_for(c, ps) for c in context_lens)
+    table = torch.tensor([s.pages[:width] + [0] * (width - len(s.pages[:width])) for s, _ in seqs])
+    ids = [s.token_ids[s.num_computed] for s in step.decodes]
+    pos = torch.tensor(context_lens[:nd], dtype=torch.long) - 1
+    positions = [pos]
+    slots = [table[torch.arange(nd), pos // ps] * ps + pos % ps]
+    starts = list(range(nd + 1))
+    # A decode row is sampled unless it is a prompt's one-token chunk short of its end.
+    rows = [i for i, s in enumerate(step.decodes) if s.num_computed + 1 == len(s.token_ids)]
+    sampled = [step.decodes[i] for i in rows]
+    for i in range(nd, len(seqs)):
+        seq, context = seqs[i][0], context_lens[i]
+        ids.extend(seq.token_ids[seq.num_computed : context])
+        pos = torch.arange(seq.num_computed, context)
+        positions.append(pos)
+        slots.append(table[i, pos // ps] * ps + pos % ps)
+        starts.append(len(ids))
+        if context == len(seq.token_ids):
+            sampled.append(seq)
+            rows.append(len(ids) - 1)
+    batch = StepBatch(nd, starts, context_lens, table, torch.cat(slots))
+    return StepInputs(ids, torch.cat(positions), batch, sampled, rows)
+
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, cache: KVCache, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        cache: KVCache,
+        attention: AttentionBackend,
+        device: torch.device,
+        graphs: DecodeGraphs | None = None,
+    ) -> None:
         self.model = model
         self.cache = cache
-        self.page_size = cache.layout.page_size
+        self.attention = attention
         self.device = device
+        self.graphs = graphs
 
     def run(
         self, step: Step, on_layer: Callable[[int], None] | None = None
@@ -32,59 +86,39 @@ class ModelRunner:
 
         `on_layer(i)` runs as soon as layer i's KV for this step is in the cache.
         """
-        ps = self.page_size
-        ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
-        sampled: list[Sequence] = []
-        logits_rows: list[int] = []
-
-        decode_pages = decode_mask = workspace = None
-        if step.decodes:
-            nd = len(step.decodes)
-            pos = torch.tensor([s.num_computed for s in step.decodes])
-            width = pages_for(int(pos.max()) + 1, ps)
-            table = torch.tensor(
-                [s.pages[:width] + [0] * (width - len(s.pages[:width])) for s in step.decodes]
-            )
-            ids.extend(s.token_ids[s.num_computed] for s in step.decodes)
-            positions.append(pos)
-            slots.append(table[torch.arange(nd), pos // ps] * ps + pos % ps)
-            for row, seq in enumerate(step.decodes):
-                if seq.num_computed + 1 == len(seq.token_ids):
-                    sampled.append(seq)
-                    logits_rows.append(row)
-            mask = torch.arange(width * ps)[None, :] <= pos[:, None]
-            decode_pages = table.to(self.device)
-            decode_mask = mask[:, None, None, :].to(self.device)
-            k = self.cache.k
-            workspace = k.new_empty((2, nd * width, *k.shape[2:]))
-        chunks = []
-        for seq, n in step.prefills:
-            start, context = len(ids), seq.num_computed + n
-            pages = torch.tensor(seq.pages[: pages_for(context, ps)])
-            ids.extend(seq.token_ids[seq.num_computed : context])
-            pos = torch.arange(seq.num_computed, context)
-            positions.append(pos)
-            slots.append(pages[pos // ps] * ps + pos % ps)
-            if context == len(seq.token_ids):
-                sampled.append(seq)
-                logits_rows.append(len(ids) - 1)
-            chunks.append(PrefillChunk(start, n, context, pages.to(self.device)))
-        batch = AttentionBatch(
-            slot_mapping=torch.cat(slots).to(self.device),
-            num_decodes=len(step.decodes),
-            decode_pages=decode_pages,
-            decode_mask=decode_mask,
-            decode_workspace=workspace,
-            prefills=tuple(chunks),
-        )
+        inputs = lay_out(step, self.cache.layout.page_size)
+        if self.graphs is not None and not step.prefills and on_layer is None:
+            logits = self.graphs.run(inputs.batch, inputs.ids, inputs.positions)
+            if logits is not None:
+                rows = inputs.logits_rows
+                return inputs.sampled, logits if len(rows) == len(logits) else logits[rows]
         logits = self.model.forward(
-            torch.tensor(ids, dtype=torch.long, device=self.device),
-            torch.cat(positions).to(self.device),
-            batch,
+            torch.tensor(inputs.ids, dtype=torch.long).to(self.device),
+            inputs.positions.to(self.device),
+            self.attention,
+            self.attention.prepare(inputs.batch),
             self.cache,
-            torch.tensor(logits_rows, dtype=torch.long, device=self.device),
+            torch.tensor(inputs.logits_rows, dtype=torch.long).to(self.device),
             on_layer,
         )
-        return sampled, logits
+        return inputs.sampled, logits
+
+
+def build_runner(
+    model: LlamaModel,
+    cache: KVCache,
+    backend: str,  # resolve_backend's answer
+    max_num_seqs: int,
+    max_model_len: int,
+    device: torch.device,
+) -> ModelRunner:
+    """A runner on `backend`; with triton on CUDA its decode steps are CUDA graphs."""
+    attention = make_backend(backend, cache.layout, model.spec.num_heads, device)
+    graphs = None
+    if backend == "triton" and device.type == "cuda":
+        from cluster.engine.attention_triton import TritonBackend
+        from cluster.engine.cuda_graphs import DecodeGraphs
+
+        assert isinstance(attention, TritonBackend)
+        graphs = DecodeGraphs(model, attention, cache, max_num_seqs, max_model_len, device)
+    return ModelRunner(model, cache, attention, device, graphs)

@@ -21,11 +21,11 @@ def sample(
 ) -> tuple[list[int], list[float] | None]:
     """Token per row and, when any row asked for them, the chosen tokens' logprobs."""
     rows = logits.shape[0]
-    tokens = torch.empty(rows, dtype=torch.long)
+    tokens = torch.empty(rows, dtype=torch.long, device=logits.device)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if greedy:
-        tokens[greedy] = logits[greedy].argmax(dim=-1).cpu()
+        tokens[greedy] = logits[greedy].argmax(dim=-1)
     if sampled:
         probs = _filtered_probs(logits[sampled], [params[i] for i in sampled])
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; one draw per token.
@@ -35,12 +35,13 @@ def sample(
             noise.exponential_()
         for row, g in own:  # seeded rows (all of them when served): in place, no copy
             noise[row].exponential_(generator=g)
-        tokens[sampled] = (probs / noise).argmax(dim=-1).cpu()
-    logprobs = None
-    if any(p.logprobs for p in params):
-        chosen = torch.log_softmax(logits, dim=-1).gather(1, tokens.to(logits.device)[:, None])
-        logprobs = chosen.squeeze(1).tolist()
-    return tokens.tolist(), logprobs
+        tokens[sampled] = (probs / noise).argmax(dim=-1)
+    # Everything above stays on the logits' device; one copy brings the results back.
+    if not any(p.logprobs for p in params):
+        return tokens.tolist(), None
+    chosen = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+    ids, logprobs = torch.stack((tokens.double(), chosen.double())).tolist()  # ids exact < 2^53
+    return [int(t) for t in ids], logprobs
 
 
 def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

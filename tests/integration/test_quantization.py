@@ -13,7 +13,8 @@ import torch
 
 from cluster.config import ConfigError, EngineConfig
 from cluster.engine import LLMEngine
-from cluster.engine.attention import AttentionBatch, PrefillChunk
+from cluster.engine.attention import StepBatch
+from cluster.engine.attention_cpu import CpuBackend
 from cluster.engine.kv_cache import KVCache
 from cluster.engine.page_pool import pages_for
 from cluster.engine.quantization import DenseLinear, GroupQuant, Int4Linear
@@ -42,15 +43,17 @@ def _text_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
     n, ps = len(ids), engine.layout.page_size
     cache = KVCache(engine.layout, pages_for(n, ps), engine.device)
     positions = torch.arange(n)
-    batch = AttentionBatch(
-        slot_mapping=positions,  # pages 0.. in order: slot i holds token i
+    backend = CpuBackend(engine.layout, engine.device)
+    batch = StepBatch(
         num_decodes=0,
-        decode_pages=None,
-        decode_mask=None,
-        decode_workspace=None,
-        prefills=(PrefillChunk(0, n, n, torch.arange(cache.num_pages)),),
+        query_start=[0, n],
+        context_lens=[n],
+        page_table=torch.arange(cache.num_pages)[None],
+        slot_mapping=positions,  # pages 0.. in order: slot i holds token i
     )
-    return engine.model.forward(torch.tensor(ids), positions, batch, cache, positions)
+    return engine.model.forward(
+        torch.tensor(ids), positions, backend, backend.prepare(batch), cache, positions
+    )
 
 
 def _perplexity(logits: torch.Tensor, ids: list[int]) -> float:

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
-from cluster.engine.attention import (
-    AttentionBatch,
+from cluster.engine.attention_cpu import (
+    CpuMetadata,
     PrefillChunk,
     _decode_attention,
     paged_attention,
@@ -35,10 +35,10 @@ def test_bfloat16_decode_attention_matches_float32_sdpa() -> None:
     assert torch.allclose(ours[0].float(), v[0, :, 0].repeat_interleave(3, 0), atol=0.02)
 
 
-def _prefill_batch(num_tokens: int, context_len: int, page_size: int) -> AttentionBatch:
+def _prefill_batch(num_tokens: int, context_len: int, page_size: int) -> CpuMetadata:
     pages = torch.arange(pages_for(context_len, page_size))
     pos = torch.arange(context_len - num_tokens, context_len)
-    return AttentionBatch(
+    return CpuMetadata(
         slot_mapping=pages[pos // page_size] * page_size + pos % page_size,
         num_decodes=0,
         decode_pages=None,

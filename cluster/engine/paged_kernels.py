@@ -1,0 +1,242 @@
+"""Triton kernels that read and write KV pages where they lie, through the page table.
+
+Layout (cluster/engine/kv_cache.py): one layer's cache is [pages, page_size, kv_heads,
+head_dim], so token slot `page * page_size + offset` holds kv_heads * head_dim contiguous
+values. Keys are found through `table[seq, pos // page_size]`: no gather copy, no mask
+tensor. Scores, softmax and accumulators are float32 whatever the input dtype; float32
+inputs multiply in IEEE float32 (no TF32), so a float32 engine matches the CPU one.
+
+- `store_kv`: this step's new K/V into their slots; a slot of -1 (a padding row of a
+  captured decode graph) writes nothing.
+- `paged_decode`: one query token per sequence. A program takes one sequence, one KV
+  head (its query heads as the rows of one matrix: GQA shares every key load) and one
+  partition of the context (split-K, so a single long sequence still fills the GPU);
+  `_decode_reduce` merges the partitions. A sequence of length 0 yields zeros.
+- `paged_prefill`: a chunk of queries attends to the pages before it (prefix hits,
+  earlier chunks) and to itself causally; its own K/V are already in the cache.
+
+On a CPU tensor they run under Triton's interpreter (TRITON_INTERPRET=1), as the tests do.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _dot_types(x: torch.Tensor) -> tuple[tl.dtype, str]:
+    """The dtype the matmuls take and their float32 precision. Triton's interpreter (a CPU
+    tensor) computes bfloat16 arithmetic wrongly (measured: garbage from tl.dot), so there
+    bfloat16 values are widened to float32 once loaded; on a GPU they stay bfloat16."""
+    if x.dtype == torch.float32 or x.device.type == "cpu":
+        return tl.float32, "ieee"
+    return tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16, "tf32"
+
+
+@triton.jit
+def _store_kv_kernel(
+    k, v, k_cache, v_cache, slots, stride_k, stride_v, ROW: tl.constexpr, BLOCK: tl.constexpr
+):
+    t = tl.program_id(0)
+    slot = tl.load(slots + t).to(tl.int64)
+    if slot >= 0:
+        cols = tl.arange(0, BLOCK)
+        m = cols < ROW
+        tl.store(k_cache + slot * ROW + cols, tl.load(k + t * stride_k + cols, mask=m), mask=m)
+        tl.store(v_cache + slot * ROW + cols, tl.load(v + t * stride_v + cols, mask=m), mask=m)
+
+
+def store_kv(
+    k: torch.Tensor,  # [N, kv_heads, head_dim], rows may be strided
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # [pages, page_size, kv_heads, head_dim], contiguous
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,  # [N] int32 or int64; -1 writes nothing
+) -> None:
+    row = k.shape[1] * k.shape[2]
+    assert k.stride(1) == k.shape[2] and k.stride(2) == 1 and v.stride(1) == v.shape[2]
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    _store_kv_kernel[(k.shape[0],)](
+        k, v, k_cache, v_cache, slots, k.stride(0), v.stride(0), row, triton.next_power_of_2(row)
+    )
+
+
+@triton.jit
+def _key_offsets(table_row, kpos, kmask, kv_head, PAGE: tl.constexpr, KV_HEADS, D: tl.constexpr):
+    """Element offsets of keys at positions `kpos` of one KV head, through the page table."""
+    page = tl.load(table_row + kpos // PAGE, mask=kmask, other=0).to(tl.int64)
+    slot = page * PAGE + kpos % PAGE
+    return (slot * KV_HEADS + kv_head)[:, None] * D + tl.arange(0, D)[None, :]
+
+
+@triton.jit
+def _attend(
+    qv, k_cache, v_cache, offs, kmask, valid, m_i, l_i, acc, scale,
+    DOT: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One block of keys into the running softmax (max m_i, sum l_i, weighted values acc)
+    of the query rows qv; `valid` [rows, keys] masks scores out."""
+    kt = tl.load(k_cache + offs, mask=kmask[:, None], other=0).to(DOT)
+    s = tl.dot(qv, tl.trans(kt), input_precision=PRECISION) * scale
+    s = tl.where(valid, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    vt = tl.load(v_cache + offs, mask=kmask[:, None], other=0).to(DOT)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT), vt, input_precision=PRECISION)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
+def _decode_kernel(
+    q, k_cache, v_cache, table, lens, part_acc, part_max, part_sum,
+    stride_q, stride_table, scale, partition, num_splits, kv_heads,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    length = tl.load(lens + b)
+    start = split * partition
+    end = tl.minimum(length, start + partition)
+    rows = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, D)
+    qmask = rows < GROUP
+    heads = h * GROUP + rows
+    qv = tl.load(
+        q + b * stride_q + heads[:, None] * D + dims[None, :], mask=qmask[:, None], other=0
+    )
+    qv = qv.to(DOT)
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D], tl.float32)
+    table_row = table + b.to(tl.int64) * stride_table
+    for n0 in range(start, end, BLOCK_N):
+        kpos = n0 + tl.arange(0, BLOCK_N)
+        kmask = kpos < end
+        offs = _key_offsets(table_row, kpos, kmask, h, PAGE, kv_heads, D)
+        m_i, l_i, acc = _attend(
+            qv, k_cache, v_cache, offs, kmask, kmask[None, :], m_i, l_i, acc, scale, DOT, PRECISION
+        )
+    part = (b * (kv_heads * GROUP) + heads) * num_splits + split
+    tl.store(part_acc + part[:, None] * D + dims[None, :], acc, mask=qmask[:, None])
+    tl.store(part_max + part, m_i, mask=qmask)
+    tl.store(part_sum + part, l_i, mask=qmask)
+
+
+@triton.jit
+def _decode_reduce(
+    part_acc, part_max, part_sum, out, lens, stride_out, partition, num_splits, heads,
+    D: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    used = tl.cdiv(tl.load(lens + b), partition)
+    splits = tl.arange(0, SPLITS_PAD)
+    smask = splits < used
+    part = (b * heads + h) * num_splits + splits
+    m = tl.load(part_max + part, mask=smask, other=float("-inf"))
+    top = tl.maximum(tl.max(m, 0), -3.0e38)  # finite when no partition is used: no NaN
+    weight = tl.where(smask, tl.exp(m - top), 0.0)
+    total = tl.sum(tl.load(part_sum + part, mask=smask, other=0.0) * weight, 0)
+    dims = tl.arange(0, D)
+    acc = tl.load(part_acc + part[:, None] * D + dims[None, :], mask=smask[:, None], other=0.0)
+    o = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out + b * stride_out + h * D + dims, o.to(out.dtype.element_ty))
+
+
+def paged_decode(
+    q: torch.Tensor,  # [B, heads, head_dim], heads contiguous
+    k_cache: torch.Tensor,  # [pages, page_size, kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    table: torch.Tensor,  # [B, width] page ids (int32)
+    lens: torch.Tensor,  # [B] context lengths, this token included (int32)
+    num_splits: int,  # partitions of `partition` tokens; covers the longest context
+    partition: int,
+    out: torch.Tensor,  # [B, heads, head_dim] contiguous, q's dtype: the attention output
+    block_n: int = 64,
+) -> None:
+    batch, heads, dim = q.shape
+    page, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = heads // kv_heads
+    assert q.stride(1) == dim and q.stride(2) == 1 and partition % block_n == 0
+    part_acc = q.new_empty((batch, heads, num_splits, dim), dtype=torch.float32)
+    part_max = q.new_empty((batch, heads, num_splits), dtype=torch.float32)
+    part_sum = torch.empty_like(part_max)
+    _decode_kernel[(batch, kv_heads, num_splits)](
+        q, k_cache, v_cache, table, lens, part_acc, part_max, part_sum,
+        q.stride(0), table.stride(0), dim**-0.5, partition, num_splits, kv_heads,
+        group, max(16, triton.next_power_of_2(group)), dim, page, block_n, *_dot_types(q),
+    )  # fmt: skip
+    assert out.is_contiguous()
+    _decode_reduce[(batch, heads)](
+        part_acc, part_max, part_sum, out, lens, out.stride(0), partition, num_splits, heads,
+        dim, triton.next_power_of_2(num_splits),
+    )  # fmt: skip
+
+
+@triton.jit
+def _prefill_kernel(
+    q, k_cache, v_cache, out, table, lens, query_start,
+    stride_q, stride_qh, stride_out, stride_table, scale, kv_heads,
+    GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    s = tl.program_id(0)
+    head = tl.program_id(1)
+    first = tl.program_id(2) * BLOCK_M
+    q0 = tl.load(query_start + s)
+    num_q = tl.load(query_start + s + 1) - q0
+    if first < num_q:
+        length = tl.load(lens + s)
+        offset = length - num_q  # cached tokens before this chunk
+        rows = first + tl.arange(0, BLOCK_M)
+        rmask = rows < num_q
+        dims = tl.arange(0, D)
+        tokens = (q0 + rows).to(tl.int64)
+        qv = tl.load(
+            q + tokens[:, None] * stride_q + head * stride_qh + dims[None, :],
+            mask=rmask[:, None],
+            other=0,
+        ).to(DOT)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        table_row = table + s.to(tl.int64) * stride_table
+        end = tl.minimum(length, offset + first + BLOCK_M)  # causal: no key past the last row
+        for n0 in range(0, end, BLOCK_N):
+            kpos = n0 + tl.arange(0, BLOCK_N)
+            kmask = kpos < end
+            offs = _key_offsets(table_row, kpos, kmask, head // GROUP, PAGE, kv_heads, D)
+            valid = (kpos[None, :] <= (offset + rows)[:, None]) & kmask[None, :]  # causal
+            m_i, l_i, acc = _attend(
+                qv, k_cache, v_cache, offs, kmask, valid, m_i, l_i, acc, scale, DOT, PRECISION
+            )
+        o = acc / l_i[:, None]
+        dst = out + tokens[:, None] * stride_out + head * D + dims[None, :]
+        tl.store(dst, o.to(out.dtype.element_ty), mask=rmask[:, None])
+
+
+def paged_prefill(
+    q: torch.Tensor,  # [N, heads, head_dim]: the chunks' query rows, back to back
+    k_cache: torch.Tensor,  # [pages, page_size, kv_heads, head_dim], chunks' K/V stored
+    v_cache: torch.Tensor,
+    table: torch.Tensor,  # [S, width] page ids (int32)
+    lens: torch.Tensor,  # [S] context lengths, each chunk included (int32)
+    query_start: torch.Tensor,  # [S + 1] chunk s is rows [query_start[s], query_start[s+1])
+    max_query_len: int,
+    out: torch.Tensor,  # [N, heads, head_dim], q's dtype: rows of the chunks are written
+    block_m: int = 64,
+    block_n: int = 64,
+) -> None:
+    heads, dim = q.shape[1], q.shape[2]
+    page, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    assert out.stride(1) == dim and out.stride(2) == 1
+    grid = (table.shape[0], heads, triton.cdiv(max_query_len, block_m))
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, table, lens, query_start,
+        q.stride(0), q.stride(1), out.stride(0), table.stride(0), dim**-0.5, kv_heads,
+        heads // kv_heads, dim, page, block_m, block_n, *_dot_types(q),
+    )  # fmt: skip

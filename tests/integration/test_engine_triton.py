@@ -1,0 +1,104 @@
+"""The engine with the triton attention backend: on the CPU under Triton's interpreter it
+produces the CPU backend's greedy tokens on the bundled model (prefix hit and chunked
+prefill included), and one decode step of this GPU path stays within its host budget.
+On a CUDA device, decode runs as CUDA graphs and matches the CPU engine."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run on the CPU
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from bench.step_budget import counting
+from cluster.config import ConfigError, EngineConfig
+from cluster.engine import LLMEngine
+from cluster.types import SamplingParams
+from tests.helpers import assert_no_leak
+
+# Small enough for the interpreter: a 40-token budget cuts the long prompt into chunks.
+ENGINE = dict(kv_cache_gb=0.05, max_num_batched_tokens=40, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def triton_engine() -> LLMEngine:
+    return LLMEngine(EngineConfig(attention_backend="triton", device="cpu", **ENGINE))
+
+
+def test_triton_backend_greedy_tokens_equal_the_cpu_backend(
+    triton_engine: LLMEngine, make_engine: Any
+) -> None:
+    cpu = make_engine("cpu-small", **ENGINE)
+    assert triton_engine.runner.attention.name == "triton"
+    assert cpu.runner.attention.name == "cpu"
+    tok = cpu.tokenizer
+    story = tok.encode("Once upon a time, in a small village by the sea, there lived an old")
+    prompts = [story + tok.encode(" fisherman who"), tok.encode("The capital of France is")]
+    greedy = SamplingParams(max_tokens=4)
+    want = [c.token_ids for c in cpu.generate(prompts, greedy)]
+    assert [c.token_ids for c in triton_engine.generate(prompts, greedy)] == want
+    # Again: the story's full pages now come from the prefix cache.
+    again = triton_engine.generate([prompts[0]], greedy)[0]
+    assert again.num_cached_tokens == 16 and again.token_ids == want[0]
+    assert_no_leak(triton_engine)
+
+
+def _decode_budget(engine: LLMEngine, rows: int) -> tuple[int, int, list[str]]:
+    """Ops, kernel launches and syncs of one decode-only step of `rows` sequences."""
+    # Two tokens: the prefill samples the first, the counted decode step the second.
+    params = [SamplingParams(max_tokens=2, ignore_eos=True)] * (rows // 2) + [
+        SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.8)
+    ] * (rows - rows // 2)
+    for i, p in enumerate(params):
+        engine.add_request([1, 2, 3, 4 + i], p)
+    while any(s.num_computed < s.num_prompt for s in engine.scheduler.running) or (
+        engine.scheduler.waiting
+    ):
+        engine.step()
+    with counting() as budget:
+        outputs = engine.step()
+    assert len(outputs) == rows and not engine.has_unfinished()
+    return budget.ops, budget.launches, budget.syncs
+
+
+def test_one_decode_step_syncs_once_and_its_ops_do_not_grow_with_the_batch(
+    tiny_llama_dir: Path,
+) -> None:
+    # Two layers of GQA: the interpreter's time goes to kernels, not to what is counted.
+    config = EngineConfig(model=str(tiny_llama_dir), attention_backend="triton", device="cpu")
+    engine = LLMEngine(replace(config, kv_cache_gb=0.01))
+    ops4, launches4, syncs4 = _decode_budget(engine, 4)
+    ops8, launches8, syncs8 = _decode_budget(engine, 8)
+    assert syncs4 == syncs8 == ["tolist"]  # the sampled tokens, one copy
+    assert ops4 == ops8  # no per-row work
+    assert launches4 == launches8 == 3 * engine.spec.num_layers  # store, decode, reduce
+    assert_no_leak(engine)
+
+
+def test_attention_backend_is_validated_naming_the_field() -> None:
+    with pytest.raises(ConfigError, match="attention_backend"):
+        EngineConfig(attention_backend="flash")
+    with pytest.raises(ConfigError, match="attention_backend: flashinfer needs a CUDA device"):
+        LLMEngine(EngineConfig(attention_backend="flashinfer", device="cpu", kv_cache_gb=0.05))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_decode_matches_the_cpu_engine(
+    engine: LLMEngine, prompts: list[list[int]]
+) -> None:
+    gpu = LLMEngine(EngineConfig(device="cuda", attention_backend="triton", kv_cache_gb=0.5))
+    assert gpu.runner.graphs is not None
+    greedy = SamplingParams(max_tokens=16)
+    with counting() as budget:
+        got = [c.token_ids for c in gpu.generate(prompts, greedy)]
+    assert got == [c.token_ids for c in engine.generate(prompts, greedy)]
+    assert budget.replays > 0
+    assert_no_leak(gpu)

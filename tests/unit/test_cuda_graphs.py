@@ -1,0 +1,92 @@
+"""CUDA-graph decode on the CPU: which bucket a batch runs in, how a step is padded into
+the static buffer, and that padding rows run through the kernels without touching a page."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run on the CPU
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from cluster.engine.attention import StepBatch
+from cluster.engine.attention_triton import TritonBackend, TritonMetadata
+from cluster.engine.cuda_graphs import (
+    PADDING_SLOT,
+    Segments,
+    bucket_for,
+    bucket_sizes,
+    fill,
+)
+from cluster.engine.kv_cache import KVCache, KVLayout
+
+
+def test_buckets_are_powers_of_two_up_to_max_num_seqs() -> None:
+    assert bucket_sizes(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert bucket_sizes(48) == [1, 2, 4, 8, 16, 32, 48]
+    assert bucket_sizes(1) == [1]
+    buckets = bucket_sizes(48)
+    assert [bucket_for(n, buckets) for n in (1, 3, 8, 9, 33, 48)] == [1, 4, 8, 16, 48, 48]
+    assert bucket_for(49, buckets) is None  # runs eagerly
+
+
+def _decode_step(lens: list[int], page_size: int) -> tuple[StepBatch, list[int], torch.Tensor]:
+    table = torch.tensor([[3, 7, 0], [5, 1, 2], [9, 0, 0]])[: len(lens)]
+    pos = torch.tensor(lens) - 1
+    slots = table[torch.arange(len(lens)), pos // page_size] * page_size + pos % page_size
+    batch = StepBatch(len(lens), list(range(len(lens) + 1)), lens, table, slots)
+    return batch, [11 * (i + 1) for i in range(len(lens))], pos
+
+
+def test_fill_pads_rows_to_the_bucket_with_no_slot_and_no_context() -> None:
+    seg = Segments(rows=8, width=4)
+    buffer = torch.full((seg.size,), 99, dtype=torch.int32)
+    batch, ids, pos = _decode_step([20, 40, 3], page_size=16)
+    fill(buffer, seg, batch, ids, pos, bucket=4)
+    off = seg.offsets()
+    part = lambda name, n: buffer[off[name] : off[name] + n].tolist()
+    assert part("ids", 4) == [11, 22, 33, 0]
+    assert part("positions", 4) == [19, 39, 2, 0]
+    assert part("slots", 4) == [7 * 16 + 3, 2 * 16 + 7, 9 * 16 + 2, PADDING_SLOT]
+    assert part("lens", 4) == [20, 40, 3, 0]
+    table = buffer[off["table"] : off["table"] + 4 * seg.width].view(4, seg.width)
+    assert table.tolist() == [[3, 7, 0, 0], [5, 1, 2, 0], [9, 0, 0, 0], [0, 0, 0, 0]]
+
+
+def test_padding_rows_write_no_page_and_attend_to_nothing() -> None:
+    layout = KVLayout(num_layers=1, num_kv_heads=2, head_dim=16, page_size=16, dtype=torch.float32)
+    cache = KVCache(layout, num_pages=12, device=torch.device("cpu"))
+    cache.k.normal_()
+    cache.v.normal_()
+    before_k, before_v = cache.k.clone(), cache.v.clone()
+    seg = Segments(rows=4, width=3)
+    buffer = torch.zeros(seg.size, dtype=torch.int32)
+    buffer[seg.offsets()["starts"] : seg.offsets()["table"]] = torch.arange(5)
+    batch, ids, pos = _decode_step([20, 40], page_size=16)
+    fill(buffer, seg, batch, ids, pos, bucket=4)
+    off = seg.offsets()
+    metadata = TritonMetadata(
+        slot_mapping=buffer[off["slots"] : off["slots"] + 4],
+        page_table=buffer[off["table"] : off["table"] + 4 * seg.width].view(4, seg.width),
+        context_lens=buffer[off["lens"] : off["lens"] + 4],
+        query_start=buffer[off["starts"] : off["starts"] + 5],
+        num_decodes=4,
+        max_query_len=0,
+        num_splits=1,
+    )
+    q = torch.randn(4, 4, 16)
+    k, v = torch.randn(2, 4, 2, 16).unbind()
+    out = TritonBackend(torch.device("cpu"), partition=64, block=16).forward(
+        0, q, k, v, cache, metadata
+    )
+    changed = (cache.k[0] != before_k[0]).any(-1).any(-1).flatten().nonzero().flatten()
+    assert changed.tolist() == sorted(batch.slot_mapping.tolist())  # the real rows only
+    assert torch.equal(cache.v[0].flatten(0, 1)[batch.slot_mapping], v[:2])
+    untouched = torch.ones(12 * 16, dtype=torch.bool)
+    untouched[batch.slot_mapping] = False
+    assert torch.equal(cache.v[0].flatten(0, 1)[untouched], before_v[0].flatten(0, 1)[untouched])
+    assert torch.equal(out[2:], torch.zeros(2, 4, 16))  # padding rows attend to nothing
+    assert out[:2].abs().sum() > 0

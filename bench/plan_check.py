@@ -35,11 +35,12 @@ CHECKED = ("disaggregated", "colocated")
 LINK_GB_S = 10.0  # NIXL WRITE of a prompt's KV on loopback here (README, bench transfer)
 ROUTER_S = 0.002  # the router's added latency over gRPC (README, bench router)
 TOLERANCE = 0.2
+PROBE_ROW_S = 0.001
 
 
 def cluster(config: str, costs: dict[int, Linear], overhead: tuple[float, float]) -> Cluster:
-    """The serve config's cluster; `overhead` is (per step, per request) seconds."""
-    step_s, request_s = overhead
+    """The serve config's cluster; `overhead` is (per decode row, per request) seconds."""
+    row_s, request_s = overhead
     serve = serve_config_from_dict(CONFIGS[config])
     spec = read_spec(bundled_model_path())
 
@@ -48,7 +49,7 @@ def cluster(config: str, costs: dict[int, Linear], overhead: tuple[float, float]
         pages = kv_capacity(spec, e.dtype, e.page_size, e.kv_cache_gb).pages
         # threads None: torch's default, both cores here
         cost = costs[e.threads or 2]
-        cost = dataclasses.replace(cost, base_s=cost.base_s + step_s)
+        cost = dataclasses.replace(cost, per_row_s=cost.per_row_s + row_s)
         return Pool(p.replicas, e, pages, cost, p.autoscale)
 
     return Cluster(
@@ -151,16 +152,21 @@ def main(argv: list[str] | None = None) -> int:
     if "chat" not in found:
         raise SystemExit(f"no chat result in {RESULTS}: run `splitserve bench compare`")
     loaded = {w: json.loads(found[w].read_text()) for w in ("chat", "long-prompt") if w in found}
-    # The serving overheads (Ray calls, the worker loops, streaming, the router and the
-    # load generator sharing the cores) are fitted once per configuration at chat's lowest
-    # rate: per step, the measured TPOT p50 minus the engine-only prediction; then per
-    # request, the measured TTFT p50 minus the prediction with that. All else is predicted.
+    # The serving overheads (each token streamed through Ray, the router and gRPC to the
+    # load generator, all sharing the two cores; each request's calls between them) are
+    # fitted once per configuration at chat's lowest rate: per decode row, so that the
+    # TPOT p50 matches (secant steps), then per request, the TTFT p50 left over. Every
+    # other figure is a prediction.
     overhead = {}
     for c in CHECKED:
-        first = predict(loaded["chat"], c, costs)[0]
-        step_s = first["tpot_measured"] - first["tpot"]
-        first = predict(loaded["chat"], c, costs, (step_s, 0.0))[0]
-        overhead[c] = (step_s, first["ttft_measured"] - first["ttft"])
+        tpot = lambda row_s: predict(loaded["chat"], c, costs, (row_s, 0.0))[0]["tpot"]  # noqa: B023
+        target = predict(loaded["chat"], c, costs)[0]["tpot_measured"]
+        (x0, y0), x1 = (0.0, tpot(0.0)), PROBE_ROW_S
+        for _ in range(4):
+            y1 = tpot(x1)
+            (x0, y0), x1 = (x1, y1), x1 + (target - y1) * (x1 - x0) / (y1 - y0)
+        at_fit = predict(loaded["chat"], c, costs, (x1, 0.0))[0]
+        overhead[c] = (x1, at_fit["ttft_measured"] - at_fit["ttft"])
     results: dict[str, dict[str, list[dict[str, float]]]] = {}
     for label, fitted in (("engine only", False), ("with serving overhead", True)):
         for workload, result in loaded.items():
@@ -172,9 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     out = table(results)
     for t, cost in costs.items():
         out += f"\n\nstep cost, {t} thread(s): {cost}"
-    for c, (step_s, request_s) in overhead.items():
+    for c, (row_s, request_s) in overhead.items():
         out += (
-            f"\n\nserving overhead, {c}: {step_s * 1e3:.1f} ms a step, "
+            f"\n\nserving overhead, {c}: {row_s * 1e3:.2f} ms a decode row, "
             f"{request_s * 1e3:.1f} ms a request"
         )
     print(out)

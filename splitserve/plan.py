@@ -174,9 +174,10 @@ def sweep(
     prefill: Sequence[int],
     decode: Sequence[int],
     slo: Slo,
+    burstiness: float = 1.0,
 ) -> list[Outcome]:
     return [
-        outcome(p, d, simulate(make(p, d), workload, rate, requests, seed), slo)
+        outcome(p, d, simulate(make(p, d), workload, rate, requests, seed, burstiness), slo)
         for p in prefill
         for d in decode
     ]
@@ -265,7 +266,7 @@ def plan_cluster(args: argparse.Namespace, spec: ModelSpec, hw: Hardware) -> str
     workload = load_workload(args.workload)
     outcomes = sweep(
         make, workload, args.rate, args.requests, args.seed,
-        counts(args.prefill), counts(args.decode), slo,
+        counts(args.prefill), counts(args.decode), slo, args.burstiness,
     )  # fmt: skip
     model = f"{args.model} ({num_params(spec) / 1e9:.3g}B, {args.quantization}, KV {args.kv_dtype})"
     where = f"step costs {cost.source}" if isinstance(cost, Linear) else (

@@ -295,6 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--rate", type=float, default=4.0, help="requests (conversations) a second")
     sim.add_argument("--requests", type=int, default=2000)
     sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--burstiness", type=float, default=1.0, help="1: Poisson; < 1 burstier")
     sim.add_argument("--prefill", default="1", help="prefill workers: 2, 1-4 or 1,2,4 (a sweep)")
     sim.add_argument("--decode", default="1", help="decode workers: as --prefill")
     sim.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")

@@ -115,11 +115,13 @@ def ucx_perftest_gbps(size: int, iters: int) -> float:
 # --- the receiving process -----------------------------------------------------------------
 
 
-def _receiver(conn: Any, layout: KVLayout, num_pages: int, compat: bytes, poll_s: float) -> None:
+def _receiver(
+    conn: Any, layout: KVLayout, num_pages: int, compat: bytes, poll_s: float, device: str
+) -> None:
     """Holds a KV cache and polls notices every poll_s, rounds or not (so a prefill measured
     alone shares the CPU with the same polling); reports when a round's KV has all landed."""
     torch.set_num_threads(1)
-    cache = KVCache(layout, num_pages, torch.device("cpu"))
+    cache = KVCache(layout, num_pages, torch.device(device))
     ep = KVEndpoint("bench-receiver", cache, compat, "lo")
     conn.send(ep.handshake())
     in_round, landed, expected = False, 0, None
@@ -140,10 +142,12 @@ def _receiver(conn: Any, layout: KVLayout, num_pages: int, compat: bytes, poll_s
 
 
 class Receiver:
-    def __init__(self, layout: KVLayout, num_pages: int, compat: bytes, poll_s: float) -> None:
+    def __init__(
+        self, layout: KVLayout, num_pages: int, compat: bytes, poll_s: float, device: str = "cpu"
+    ) -> None:
         ctx = mp.get_context("spawn")
         self.conn, there = ctx.Pipe()
-        args = (there, layout, num_pages, compat, poll_s)
+        args = (there, layout, num_pages, compat, poll_s, device)
         self.proc = ctx.Process(target=_receiver, args=args)
         self.proc.start()
         self.handshake: bytes = self.conn.recv()
@@ -165,18 +169,24 @@ class Receiver:
 # --- measurements ----------------------------------------------------------------------------
 
 
-def kv_bandwidth(layout: KVLayout, compat: bytes, reps: int) -> list[tuple[int, int, int, float]]:
+def kv_bandwidth(
+    layout: KVLayout,
+    compat: bytes,
+    reps: int,
+    tokens_list: tuple[int, ...] = TOKENS,
+    device: str = "cpu",  # both caches: "cuda" is GPU to GPU on one device
+) -> list[tuple[int, int, int, float]]:
     """(tokens, bytes, descriptor bytes, GB/s) for each prompt size, all layers in one WRITE."""
-    pages = max(TOKENS) // PAGE_SIZE
-    cache = KVCache(layout, pages, torch.device("cpu"))
+    pages = max(tokens_list) // PAGE_SIZE
+    cache = KVCache(layout, pages, torch.device(device))
     cache.k.normal_()
     cache.v.normal_()
-    receiver = Receiver(layout, pages, compat, poll_s=0.0002)
+    receiver = Receiver(layout, pages, compat, poll_s=0.0002, device=device)
     ep = KVEndpoint("bench-sender", cache, compat, "lo")
     peer = ep.connect(receiver.handshake)
     out = []
     try:
-        for tokens in TOKENS:
+        for tokens in tokens_list:
             ids = [PageId(p) for p in range(tokens // PAGE_SIZE)]
             rates, nbytes = [], 0
             for _ in range(reps + 1):  # the first round also connects: not counted

@@ -11,6 +11,12 @@ PageId = NewType("PageId", int)
 BlockHash = NewType("BlockHash", bytes)
 
 
+# At or below this a temperature is greedy: dividing float32 logits by it overflows (from about
+# 1e-37 the probabilities are NaN, which drew token 0 every step), and this close to 0 a
+# draw is the argmax but for near-ties anyway. vLLM draws the same line at 1e-5.
+GREEDY_TEMPERATURE = 1e-5
+
+
 def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
@@ -40,7 +46,8 @@ class FinishReason(enum.Enum):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens. temperature 0 is greedy; seed makes sampling batch-independent."""
+    """How to pick tokens. A temperature at or under GREEDY_TEMPERATURE (0 too) is greedy;
+    seed makes sampling batch-independent."""
 
     max_tokens: int = 64
     temperature: float = 0.0
@@ -72,7 +79,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature <= GREEDY_TEMPERATURE
 
 
 @dataclass

@@ -82,3 +82,16 @@ def test_generate_leaves_other_requests_running(engine: LLMEngine):
     done = engine.generate(["The capital of France is"], SamplingParams(max_tokens=4))
     assert len(done[0].token_ids) == 4
     assert engine.abort_request(other)
+
+
+def test_a_temperature_at_or_under_the_epsilon_gives_the_greedy_tokens(
+    engine: LLMEngine, prompts: list[list[int]]
+):
+    # 1e-38 and less once drew NaN probabilities and answered token 0 every step.
+    greedy = engine.generate([prompts[0]], SamplingParams(max_tokens=8))[0].token_ids
+    assert len(set(greedy)) > 1
+    tiny = [1e-5, 1e-6, 1e-20, 1e-38, 1e-40, 1e-45, 1e-300, 0.0]
+    outs = engine.generate(
+        [prompts[0]] * len(tiny), [SamplingParams(max_tokens=8, temperature=t) for t in tiny]
+    )
+    assert {t: o.token_ids for t, o in zip(tiny, outs, strict=True)} == dict.fromkeys(tiny, greedy)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from cluster.engine.sampler import _filtered_probs, sample
-from cluster.types import SamplingParams
+from cluster.types import GREEDY_TEMPERATURE, SamplingParams
 
 GREEDY = SamplingParams()
 
@@ -125,3 +125,16 @@ def test_unseeded_rows_draw_together_and_follow_the_softmax() -> None:
     tokens, _ = sample(logits.repeat(n, 1), [SamplingParams(temperature=0.7)] * n, [None] * n)
     freq = torch.bincount(torch.tensor(tokens), minlength=5).float() / n
     assert torch.allclose(freq, torch.softmax(logits / 0.7, dim=-1), atol=0.03), freq
+
+
+def test_a_temperature_near_zero_picks_the_argmax_and_below_the_epsilon_is_greedy() -> None:
+    # Logits a whole unit apart: from 1e-3 down, every draw is the argmax; from 1e-37 down
+    # float32 logits / temperature overflow, so those must never reach the draw.
+    logits = torch.arange(50, dtype=torch.float32).flip(0)[None].repeat(3, 1) * 0.5
+    logits[1] = logits[1].roll(17)
+    logits[2] = -logits[2]
+    for temperature in (1e-3, 1e-4, 2e-5, 1e-5, 1e-6, 1e-20, 1e-38, 1e-40, 1e-45, 1e-300, 0.0):
+        params = SamplingParams(temperature=temperature, seed=1)
+        assert params.greedy == (temperature <= GREEDY_TEMPERATURE)
+        tokens, _ = sample(logits, [params] * 3, [seeded(s) for s in range(3)])
+        assert tokens == logits.argmax(dim=-1).tolist(), temperature

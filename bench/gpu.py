@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 RESULTS = Path(__file__).parent / "results"
+PAGE = 16  # tokens per KV page
 HBM_BYTES_S = 4.8e12  # H200
 DENSE_BF16_FLOPS = 989e12  # H200 SXM, dense
 
@@ -100,7 +101,7 @@ class Rig:
     """A model of random weights with a KV cache and a runner: an engine without a
     checkpoint, scheduler or tokenizer, stepped directly."""
 
-    def __init__(self, spec: Any, device: torch.device, max_seqs: int, max_len: int) -> None:
+    def __init__(self, spec: Any, device: torch.device, sizes: Sizes) -> None:
         from cluster.engine.attention import resolve_backend
         from cluster.engine.kv_cache import KVCache, KVLayout
         from cluster.engine.model import LlamaModel
@@ -110,19 +111,22 @@ class Rig:
         dtype = torch.bfloat16
         self.spec, self.device = spec, device
         self.model = LlamaModel(spec, random_weights(spec, dtype, device), dtype, device)
-        self.layout = KVLayout.of(spec, 16, dtype)
-        self.pages_per_seq = pages_for(max_len, 16)
-        self.cache = KVCache(self.layout, max_seqs * self.pages_per_seq, device)
+        self.layout = KVLayout.of(spec, PAGE, dtype)
+        max_seqs, decode_len = max(sizes.batches), sizes.context + PAGE
+        # Room for the largest decode batch, or for the one long prefill.
+        pages = max(max_seqs * pages_for(decode_len, PAGE), pages_for(sizes.prefill, PAGE))
+        self.cache = KVCache(self.layout, pages, device)
         backend = resolve_backend("auto", device) if device.type == "cuda" else "triton"
-        self.runner = build_runner(self.model, self.cache, backend, max_seqs, max_len, device)
+        self.runner = build_runner(self.model, self.cache, backend, max_seqs, decode_len, device)
 
     def sequences(self, batch: int, context: int) -> list[Any]:
         """`batch` sequences whose next token is at position context - 1, on pages of their own."""
+        from cluster.engine.page_pool import pages_for
         from cluster.engine.sequence import Sequence
         from cluster.types import PageId, RequestId, SamplingParams
 
         ids = torch.randint(0, self.spec.vocab_size, (context,)).tolist()
-        per = self.pages_per_seq
+        per = pages_for(context, PAGE)
         return [
             Sequence(
                 RequestId(f"s{i}"),
@@ -323,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     results["greedy"] = greedy_agreement(device, sizes.greedy_tokens)
     results["decode"], results["prefill"], results["budget"] = [], [], []
     for name in sizes.models:
-        rig = Rig(spec_of(name), device, max(sizes.batches), max(sizes.context, sizes.prefill) + 16)
+        rig = Rig(spec_of(name), device, sizes)
         results["decode"] += [
             {**asdict(d), "tokens_s": d.tokens_s, "roofline_share": d.roofline_share}
             for d in decode(rig, name, sizes)

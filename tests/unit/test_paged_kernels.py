@@ -117,9 +117,10 @@ def test_paged_prefill_matches_reference_for_fresh_prefix_hit_and_later_chunks(
         assert (out[rows].float() - ref).abs().max().item() < TOLERANCE[dtype], f"chunk {i}"
 
 
-def test_store_kv_writes_each_token_to_its_slot_and_skips_padding() -> None:
-    k_cache, v_cache = torch.zeros(2, 4, PAGE, KV_HEADS, DIM).unbind()
-    qkv = torch.randn(3, (HEADS + 2 * KV_HEADS) * DIM)  # k and v as strided views, as the model
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_writes_each_token_to_its_slot_and_skips_padding(dtype: torch.dtype) -> None:
+    k_cache, v_cache = torch.zeros(2, 4, PAGE, KV_HEADS, DIM, dtype=dtype).unbind()
+    qkv = torch.randn(3, (HEADS + 2 * KV_HEADS) * DIM).to(dtype)  # k, v: strided, as the model
     k = qkv[:, HEADS * DIM : (HEADS + KV_HEADS) * DIM].view(3, KV_HEADS, DIM)
     v = qkv[:, (HEADS + KV_HEADS) * DIM :].view(3, KV_HEADS, DIM)
     slots = torch.tensor([37, -1, 5], dtype=torch.int32)  # the middle row is padding

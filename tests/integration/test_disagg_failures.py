@@ -101,6 +101,19 @@ async def _is(ref: Any, status: RequestStatus) -> bool:
     return bool(await ref == status)
 
 
+async def _worker_id(disp: Dispatcher, request_id: str) -> RequestId:
+    """The id the workers know the caller's request by, once its stream has started."""
+    found: list[RequestId] = []
+
+    async def started() -> bool:
+        rid = disp.worker_id(RequestId(request_id))
+        found.extend([rid] if rid else [])
+        return rid is not None
+
+    await until(started, request_id)
+    return found[0]
+
+
 def test_abort_while_queued_or_prefilling_on_the_prefill_worker(
     workers: Any, prompts: list[list[int]]
 ) -> None:
@@ -112,13 +125,15 @@ def test_abort_while_queued_or_prefilling_on_the_prefill_worker(
         a = asyncio.create_task(
             collect(disp, long_prompt(prompts[7], 1000), GREEDY, d, serial, "pf")  # 16 steps
         )
-        await until(lambda: _is(serial.status.remote("pf"), RequestStatus.PREFILLING), "pf")
+        pf = await _worker_id(disp, "pf")
+        await until(lambda: _is(serial.status.remote(pf), RequestStatus.PREFILLING), "pf")
         b = asyncio.create_task(collect(disp, prompts[4], GREEDY, d, serial, "q"))
-        await until(lambda: _is(serial.status.remote("q"), RequestStatus.WAITING), "q")
-        assert await serial.status.remote("pf") is RequestStatus.PREFILLING
+        q = await _worker_id(disp, "q")
+        await until(lambda: _is(serial.status.remote(q), RequestStatus.WAITING), "q")
+        assert await serial.status.remote(pf) is RequestStatus.PREFILLING
         await disp.abort(RequestId("q"))  # first: with "pf" gone, "q" would start at once
         await disp.abort(RequestId("pf"))
-        for rid, task in (("q", b), ("pf", a)):
+        for rid, task in ((q, b), (pf, a)):
             result = await task
             assert result.finish is FinishReason.ABORT and result.tokens == []
             assert await serial.status.remote(rid) is None
@@ -266,11 +281,11 @@ def test_a_duplicate_request_id_is_refused_and_the_first_request_is_untouched(
     run(go())
 
 
-def test_a_duplicate_id_from_another_dispatcher_leaves_the_live_request_running(
+def test_two_dispatchers_may_use_the_same_id_and_each_runs_its_own_request(
     workers: Any, prompts: list[list[int]]
 ) -> None:
-    """Two routers share a decode worker: one's refused duplicate must not abort the
-    other's request (a refused submit has nothing of its own to abort)."""
+    """Two routers share a decode worker and a caller's id: each id is its own router's,
+    so each runs its own request, and neither's end touches the other's."""
     c = workers.decode("colocated")
     rid = RequestId("shared-id")
     sampling = SamplingParams(max_tokens=40, ignore_eos=True)
@@ -280,9 +295,35 @@ def test_a_duplicate_id_from_another_dispatcher_leaves_the_live_request_running(
         live = asyncio.ensure_future(collect(first, prompts[2], sampling, c, request_id=rid))
         while (await c.stats.remote()).running == 0:  # the first request is decoding
             await asyncio.sleep(0.01)
-        with pytest.raises(InvalidRequestError, match="already in flight"):
-            await collect(second, prompts[0], sampling, c, request_id=rid)
+        other = await collect(second, prompts[0], SamplingParams(max_tokens=4), c, request_id=rid)
+        assert other.finish is not None and other.tokens
+        assert [d.request_id for d in other.deltas] == [rid] * len(other.deltas)
         done = await live
         assert done.finish is FinishReason.LENGTH and len(done.tokens) == 40
+
+    run(go())
+
+
+def test_an_id_reused_right_after_its_cancel_runs_the_second_request_untouched(
+    workers: Any, prompts: list[list[int]]
+) -> None:
+    """The first use's abort is issued after the second use is submitted: it must end only
+    the first, and the second streams every token of its own."""
+    c = workers.decode("colocated")
+    rid = RequestId("again")
+    sampling = SamplingParams(max_tokens=12, ignore_eos=True)
+
+    async def go() -> None:
+        disp = Dispatcher()
+        reference = await collect(disp, prompts[3], sampling, c)
+        first = disp.generate(prompts[2], SamplingParams(max_tokens=200, ignore_eos=True), c,
+                              request_id=rid)  # fmt: skip
+        assert (await first.__anext__()).token_ids
+        await first.aclose()  # the abort of the first use is spawned, not yet sent
+        second = disp.generate(prompts[3], sampling, c, request_id=rid)
+        deltas = [await second.__anext__()]  # submitted before that abort goes out
+        deltas += [d async for d in second]
+        assert deltas[-1].finish_reason is FinishReason.LENGTH, deltas[-1]
+        assert [t for d in deltas for t in d.token_ids] == reference.tokens
 
     run(go())

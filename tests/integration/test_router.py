@@ -290,6 +290,32 @@ def test_a_request_id_already_in_flight_is_refused(
         loop.call_soon_threadsafe(loop.stop)
 
 
+def test_an_id_reused_right_after_a_cancel_gets_its_own_reply(
+    routers: tuple[RouterHarness, ...], workers: Any
+) -> None:
+    address = routers[0].address
+    prompt = "Name three rivers of Europe."
+    expected = ask(address, prompt, max_tokens=6, ignore_eos=True)
+
+    async def cancel_then_reuse(rid: str) -> Any:
+        async with Client(address) as client:
+            async for _ in client.stream(prompt, max_tokens=200, ignore_eos=True, request_id=rid):
+                break  # cancels the first use after its first token
+            while True:  # until the router has seen the cancel; never ABORTED by it
+                try:
+                    return await client.generate(prompt, max_tokens=6, ignore_eos=True,
+                                                 request_id=rid)  # fmt: skip
+                except grpc.aio.AioRpcError as e:
+                    if "already in flight" not in (e.details() or ""):
+                        raise
+
+    for i in range(8):
+        reply = asyncio.run(cancel_then_reuse(f"reused-{i}"))
+        assert (reply.request_id, reply.token_ids) == (f"reused-{i}", expected.token_ids)
+    workers.assert_all_pages_free()
+    assert all(r.app.router.pending == 0 for r in routers)
+
+
 def test_redis_outage_fails_open_and_affinity_resumes(
     routers: tuple[RouterHarness, ...], workers: Any, redis: EmbeddedRedis
 ) -> None:

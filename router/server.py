@@ -1,7 +1,8 @@
 """The gRPC server: splitserve.v1.Generation, the standard health service and reflection.
 
-Status codes: a bad field is INVALID_ARGUMENT (the message names it), a full router is
-RESOURCE_EXHAUSTED, no live decode worker is UNAVAILABLE, a request a worker failed is
+Status codes: a bad field, or a message that does not parse, is INVALID_ARGUMENT (the
+message names the field; unparsable messages are logged at most once a minute), a full
+router is RESOURCE_EXHAUSTED, no live decode worker is UNAVAILABLE, a request a worker failed is
 INTERNAL, one the server aborted (shutdown) is ABORTED. A client that cancels, or
 whose deadline passes, has its request aborted on every worker.
 """
@@ -24,6 +25,7 @@ from decode_worker.worker import DecodeStats
 from router.metrics import RouterMetrics
 from router.request import prepare
 from router.router import Final, Overloaded, RequestFailed, Router, Unavailable
+from router.unparsable import RateLimitedLog, Unparsable, parse_generate
 from splitserve.v1 import splitserve_pb2 as pb
 from splitserve.v1 import splitserve_pb2_grpc as pb_grpc
 
@@ -32,6 +34,7 @@ log = logging.getLogger(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 INLINE_BYTES = 4096  # requests this small are tokenized on the event loop
 FINISH = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH}
+UNPARSABLE_LOG_EVERY_S = 60.0
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
@@ -48,14 +51,20 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.tokenizer = tokenizer
         self.model = model
         self.config = config
+        self.unparsable = RateLimitedLog(log, UNPARSABLE_LOG_EVERY_S)
 
     async def Generate(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GenerateRequest | Unparsable, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         status = "cancelled"  # unless it ends otherwise: the client left or its deadline passed
         code: grpc.StatusCode | None = None
         why = ""
         try:
+            if isinstance(request, Unparsable):
+                self.unparsable.warning(
+                    f"Generate: a {request.num_bytes}-byte message did not parse: {request.why}"
+                )
+                raise InvalidRequestError(f"request: not a GenerateRequest: {request.why}")
             args = (request, self.tokenizer, self.model, self.config.max_tokens)
             # Tokenizing a long input takes milliseconds: not on the event loop. A short
             # one takes tens of microseconds, less than the hop to a thread.
@@ -162,7 +171,7 @@ class RouterServer:
             ("grpc.max_send_message_length", config.max_message_bytes),
         ]
         self.server = grpc.aio.server(options=options)
-        pb_grpc.add_GenerationServicer_to_server(servicer, self.server)
+        _add_generation(servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
         reflection.enable_server_reflection((*names, reflection.SERVICE_NAME), self.server)
@@ -188,3 +197,27 @@ class RouterServer:
         """Refuse new calls; let calls in flight run up to grace_s, then cancel them."""
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
+
+
+def _add_generation(servicer: GenerationServicer, server: grpc.aio.Server) -> None:
+    """The generated registration, but a Generate message that does not parse reaches
+    the servicer as an Unparsable (grpc would answer UNKNOWN and log a traceback)."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate,
+            request_deserializer=parse_generate,
+            response_serializer=pb.GenerateResponse.SerializeToString,
+        ),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            servicer.ListModels,
+            request_deserializer=pb.ListModelsRequest.FromString,
+            response_serializer=pb.ListModelsResponse.SerializeToString,
+        ),
+        "GetServerInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.GetServerInfo,
+            request_deserializer=pb.GetServerInfoRequest.FromString,
+            response_serializer=pb.ServerInfo.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_registered_method_handlers(SERVICE, handlers)

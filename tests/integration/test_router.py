@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 import uuid
@@ -16,8 +17,10 @@ from redis import Redis
 from cluster.engine import LLMEngine
 from cluster.redis_server import EmbeddedRedis
 from cluster.types import SamplingParams
+from router.server import UNPARSABLE_LOG_EVERY_S
 from splitserve.client import Client
 from tests.integration.router_harness import RouterHarness, ask
+from tests.unit.test_unparsable import CORRUPT
 
 
 @pytest.fixture(scope="module")
@@ -219,6 +222,39 @@ def test_bad_input_is_refused_by_field_and_the_server_keeps_serving(
     assert no_input.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "input" in (no_input.details() or "")
     assert ask(address, "The sky is", max_tokens=4).usage.completion_tokens == 4
+
+
+def test_a_message_that_does_not_parse_is_invalid_argument_and_logged_at_a_bounded_rate(
+    routers: tuple[RouterHarness, ...], workers: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    address = routers[0].address
+    bad = [*CORRUPT.values()] * 4
+
+    async def send_raw() -> list[tuple[grpc.StatusCode, str]]:
+        async with grpc.aio.insecure_channel(address) as channel:
+            call = channel.unary_stream(
+                "/splitserve.v1.Generation/Generate",
+                request_serializer=lambda b: b,
+                response_deserializer=lambda b: b,
+            )
+            got = []
+            for data in bad:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    async for _ in call(data):
+                        pass
+                got.append((err.value.code(), err.value.details() or ""))
+            return got
+
+    with caplog.at_level(logging.WARNING):
+        started = time.monotonic()
+        got = asyncio.run(send_raw())
+        elapsed = time.monotonic() - started
+    assert all(code == grpc.StatusCode.INVALID_ARGUMENT for code, _ in got), got
+    assert all(why.startswith("request: not a GenerateRequest") for _, why in got), got
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    lines = [r for r in caplog.records if "did not parse" in r.getMessage()]
+    assert 1 <= len(lines) <= 1 + elapsed / UNPARSABLE_LOG_EVERY_S
+    assert ask(address, "Snow is", max_tokens=3).usage.completion_tokens == 3
 
 
 def test_message_over_the_size_limit_is_refused(

@@ -29,7 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from cluster.engine.tokenizer import Tokenizer
 from cluster.types import FinishReason, InvalidRequestError, ModelInfo, TokenDelta
 from router.metrics import RouterMetrics
-from router.request import Prepared, prepare
+from router.request import Prepared, prepare, shown
 from router.router import Final, Overloaded, RequestFailed, Router, Unavailable
 from splitserve.v1 import splitserve_pb2 as pb
 
@@ -303,7 +303,7 @@ class OpenAIFrontDoor:
             if call.request.model and call.request.model != self.model.name:
                 raise HTTPError(
                     404,
-                    f"model: {call.request.model[:128]!r} is not served here "
+                    f"model: {shown(call.request.model)} is not served here "
                     f"(serving {self.model.name!r})",
                     "model_not_found",
                     "model",

@@ -24,6 +24,9 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_CHARS_PER_TOKEN = 32
 # Ids and session ids become Redis keys and log fields: keep them short and plain.
 ID_PATTERN = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+# An error message quotes at most this much of a value the caller sent: echoed whole, a
+# 10,000-character model name overflowed gRPC's status metadata (RESOURCE_EXHAUSTED).
+SHOWN_CHARS = 64
 # Sampling fields a request may leave unset (then the engine's defaults apply).
 OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed")
 
@@ -44,7 +47,7 @@ def prepare(
     """Check every field of `msg` and tokenize its input; InvalidRequestError names the field."""
     if msg.model and msg.model != model.name:
         raise InvalidRequestError(
-            f"model: {msg.model!r} is not served here (serving {model.name!r})"
+            f"model: {shown(msg.model)} is not served here (serving {model.name!r})"
         )
     session_id = _id(msg.session_id, "session_id")
     request_id = _id(msg.request_id, "request_id")
@@ -58,12 +61,19 @@ def prepare(
     return Prepared(ids, sampling, session_id, RequestId(request_id) if request_id else None)
 
 
+def shown(value: str, limit: int = SHOWN_CHARS) -> str:
+    """`value` as an error message may echo it: quoted, and cut to `limit` characters."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}... ({len(value)} characters)"
+
+
 def _id(value: str, name: str) -> str | None:
     if not value:
         return None
     if not ID_PATTERN.fullmatch(value):
         raise InvalidRequestError(
-            f"{name}: must be 1-128 characters of letters, digits and . _ : -, got {value[:40]!r}"
+            f"{name}: must be 1-128 characters of letters, digits and . _ : -, got {shown(value)}"
         )
     return value
 
@@ -109,7 +119,7 @@ def _messages(chat: pb.Chat) -> list[dict[str, str]]:
     for i, m in enumerate(chat.messages):
         if m.role not in ROLES:
             raise InvalidRequestError(
-                f"chat.messages[{i}].role: must be one of {ROLES}, got {m.role!r}"
+                f"chat.messages[{i}].role: must be one of {ROLES}, got {shown(m.role)}"
             )
     return [{"role": m.role, "content": m.content} for m in chat.messages]
 

@@ -103,6 +103,7 @@ def test_logprobs_of_the_chosen_tokens(client: openai.OpenAI, workers: Any) -> N
         ({"top_logprobs": 3}, 400, "top_logprobs"),
         ({"model": "gpt-4o"}, 404, "model"),
         ({"model": "x" * 10_000}, 404, "model"),
+        ({"messages": [{"role": "r" * 10_000, "content": "Hi"}]}, 400, "messages[0].role"),
     ],
 )
 def test_a_bad_request_gets_openai_error_json_naming_the_field(

@@ -197,6 +197,8 @@ BAD = [
     ({"prompt": "hi", "session_id": "bad id with spaces"}, "session_id"),
     ({"prompt": "hi", "request_id": "x" * 200}, "request_id"),
     ({"prompt": "hi", "model": "gpt-9"}, "model"),
+    ({"prompt": "hi", "model": "m" * 10_000}, "model"),  # echoed whole, it overflowed metadata
+    ({"prompt": [{"role": "r" * 10_000, "content": "hi"}]}, "chat.messages[0].role"),
     ({"prompt": "word " * 9000}, "text"),
     # Fits the model's context but not a worker's whole KV cache (0.2 GB): the worker says so.
     ({"prompt": "word " * 900, "max_tokens": 4000}, "max_tokens: the request needs"),
@@ -218,6 +220,7 @@ def test_bad_input_is_refused_by_field_and_the_server_keeps_serving(
         e = asyncio.run(refuse(fields))
         assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, (fields, e.details())
         assert (e.details() or "").startswith(name), (name, e.details())
+        assert len(e.details() or "") < 400, "a value the caller sent is echoed cut short"
     no_input = asyncio.run(refuse({"prompt": []}))
     assert no_input.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "input" in (no_input.details() or "")

@@ -45,6 +45,8 @@ async def _serve(config: ServeConfig) -> None:
             redis = EmbeddedRedis()
             redis_url = redis.start()
             stack.callback(redis.stop)
+            supervisor = asyncio.create_task(redis.supervise())  # a killed one comes back
+            stack.push_async_callback(_cancel, supervisor)  # before redis.stop
             log.info("redis: embedded valkey-server at %s", redis_url)
         else:
             log.info("redis: %s (external)", redis_url)
@@ -76,6 +78,11 @@ async def _serve(config: ServeConfig) -> None:
         log.info("splitserve: stopping; requests in flight get %.0fs", config.router.grace_s)
         await cluster.stop(config.router.grace_s)
     log.info("splitserve: stopped")
+
+
+async def _cancel(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 @dataclass

@@ -29,7 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from cluster.engine.tokenizer import Tokenizer
 from cluster.types import FinishReason, InvalidRequestError, ModelInfo, TokenDelta
 from router.metrics import RouterMetrics
-from router.request import Prepared, prepare, shown
+from router.request import Prepared, prepare_off_loop, shown
 from router.router import Final, Overloaded, RequestFailed, Router, Unavailable
 from splitserve.v1 import splitserve_pb2 as pb
 
@@ -280,18 +280,24 @@ class OpenAIFrontDoor:
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         status = "cancelled"  # unless it ends otherwise: the client went away
         try:
-            call, prepared = await self._prepare(request, chat)
-            if call.stream:
-                response, status = await self._stream(request, call, prepared)
-            else:
-                reply = await self._collect(prepared)
-                response, status = web.json_response(self._body(call, reply)), "ok"
+            try:
+                with self.router.in_flight():  # before tokenizing: a flood is refused here
+                    response, status = await self._answer(request, chat)
+            except Overloaded as e:
+                raise HTTPError(429, str(e), "rate_limit_exceeded") from None
             return response
         except HTTPError as e:
             status = e.kind
             return web.json_response(e.body(), status=e.status)
         finally:
             self.metrics.requests.labels(status).inc()
+
+    async def _answer(self, request: web.Request, chat: bool) -> tuple[web.StreamResponse, str]:
+        call, prepared = await self._prepare(request, chat)
+        if call.stream:
+            return await self._stream(request, call, prepared)
+        reply = await self._collect(prepared)
+        return web.json_response(self._body(call, reply)), "ok"
 
     async def _prepare(self, request: web.Request, chat: bool) -> tuple[Call, Prepared]:
         try:
@@ -308,7 +314,8 @@ class OpenAIFrontDoor:
                     "model_not_found",
                     "model",
                 )
-            return call, prepare(call.request, self.tokenizer, self.model, self.max_tokens)
+            args = (call.request, self.tokenizer, self.model, self.max_tokens)
+            return call, await prepare_off_loop(*args)
         except InvalidRequestError as e:
             raise invalid(e) from None
 
@@ -316,13 +323,11 @@ class OpenAIFrontDoor:
         """The router's stream, its errors as HTTPErrors, its latencies recorded."""
         try:
             last: float | None = None
-            async for delta, final in self.router.generate(p):
+            async for delta, final in self.router.generate(p, admitted=True):
                 last = self.metrics.observe(delta, final, last)
                 yield delta, final
         except InvalidRequestError as e:
             raise invalid(e) from None
-        except Overloaded as e:
-            raise HTTPError(429, str(e), "rate_limit_exceeded") from None
         except Unavailable as e:
             raise HTTPError(503, str(e), "service_unavailable") from None
         except RequestFailed as e:

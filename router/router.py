@@ -1,7 +1,9 @@
 """The router: one prepared request in, its token stream out, placed by the policy.
 
 Life of a request here:
-1. Past `max_pending` requests in flight it is refused at once (Overloaded).
+1. Past `max_pending` requests in flight it is refused at once (Overloaded). A front
+   door takes the request's slot (`in_flight`) before it tokenizes the input, so a
+   flood of long inputs is refused there too instead of piling up work.
 2. Its session's placement is read from Redis (a hint; Redis down means no hint).
 3. The policy picks a decode worker and maybe a prefill worker from the last loads.
 4. The Dispatcher runs it on them and streams its deltas; the trace records when it
@@ -14,8 +16,9 @@ Life of a request here:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,16 +93,25 @@ class Router:
         self._turn = 0
         self._tasks: set[asyncio.Task[Any]] = set()
 
-    async def generate(self, p: Prepared) -> AsyncIterator[tuple[TokenDelta, Final | None]]:
-        """The request's deltas in order; the last one comes with its Final."""
+    @contextlib.contextmanager
+    def in_flight(self) -> Iterator[None]:
+        """Hold one of the `max_pending` in-flight slots for the block; Overloaded if none."""
         if self.pending >= self.max_pending:
             raise Overloaded(f"{self.pending} requests in flight, the limit is {self.max_pending}")
         self.pending += 1
         try:
-            async for item in self._generate(p, time.monotonic()):
-                yield item
+            yield
         finally:
             self.pending -= 1
+
+    async def generate(
+        self, p: Prepared, admitted: bool = False
+    ) -> AsyncIterator[tuple[TokenDelta, Final | None]]:
+        """The request's deltas in order; the last one comes with its Final. `admitted`:
+        the caller already holds this request's `in_flight` slot."""
+        with contextlib.nullcontext() if admitted else self.in_flight():
+            async for item in self._generate(p, time.monotonic()):
+                yield item
 
     async def _generate(
         self, p: Prepared, arrived: float

@@ -9,7 +9,6 @@ whose deadline passes, has its request aborted on every worker.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 from importlib.metadata import version
@@ -23,7 +22,7 @@ from cluster.engine.tokenizer import Tokenizer
 from cluster.types import FinishReason, InvalidRequestError, ModelInfo, TokenDelta
 from decode_worker.worker import DecodeStats
 from router.metrics import RouterMetrics
-from router.request import prepare
+from router.request import prepare_off_loop
 from router.router import Final, Overloaded, RequestFailed, Router, Unavailable
 from router.unparsable import RateLimitedLog, Unparsable, parse_generate
 from splitserve.v1 import splitserve_pb2 as pb
@@ -32,7 +31,6 @@ from splitserve.v1 import splitserve_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
-INLINE_BYTES = 4096  # requests this small are tokenized on the event loop
 FINISH = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH}
 UNPARSABLE_LOG_EVERY_S = 60.0
 
@@ -65,17 +63,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     f"Generate: a {request.num_bytes}-byte message did not parse: {request.why}"
                 )
                 raise InvalidRequestError(f"request: not a GenerateRequest: {request.why}")
-            args = (request, self.tokenizer, self.model, self.config.max_tokens)
-            # Tokenizing a long input takes milliseconds: not on the event loop. A short
-            # one takes tens of microseconds, less than the hop to a thread.
-            if request.ByteSize() <= INLINE_BYTES:
-                prepared = prepare(*args)
-            else:
-                prepared = await asyncio.to_thread(prepare, *args)
-            last: float | None = None
-            async for delta, final in self.router.generate(prepared):
-                last = self.metrics.observe(delta, final, last)
-                yield _response(delta, final)
+            with self.router.in_flight():  # before tokenizing: a flood is refused here
+                args = (request, self.tokenizer, self.model, self.config.max_tokens)
+                prepared = await prepare_off_loop(*args)
+                last: float | None = None
+                async for delta, final in self.router.generate(prepared, admitted=True):
+                    last = self.metrics.observe(delta, final, last)
+                    yield _response(delta, final)
             status = "ok"
         except InvalidRequestError as e:  # ours, or a worker's (Ray wraps it: its cause)
             code, why = grpc.StatusCode.INVALID_ARGUMENT, str(getattr(e, "cause", e))
@@ -165,6 +159,7 @@ class RouterServer:
 
     def __init__(self, servicer: GenerationServicer, config: RouterConfig) -> None:
         self.config = config
+        self.servicer = servicer
         self.health = health.aio.HealthServicer()
         options = [
             ("grpc.max_receive_message_length", config.max_message_bytes),

@@ -119,6 +119,21 @@ def test_a_bad_request_gets_openai_error_json_naming_the_field(
     assert str(error["message"]).startswith(param) and len(str(error["message"])) < 300
 
 
+def test_a_full_router_refuses_a_long_prompt_before_tokenizing_it(
+    router: RouterHarness, client: openai.OpenAI
+) -> None:
+    # Tokenized first, this prompt would be refused as too long (400), not as overload.
+    router.app.router.max_pending = 0
+    try:
+        with pytest.raises(openai.RateLimitError):
+            client.with_options(max_retries=0).completions.create(
+                model=MODEL, prompt="x" * 200_000, max_tokens=4
+            )
+    finally:
+        router.app.router.max_pending = 256
+    assert router.app.router.pending == 0
+
+
 def test_malformed_json_is_a_400_and_health_and_metrics_answer(router: RouterHarness) -> None:
     assert router.app.http is not None
     base = router.app.http.address

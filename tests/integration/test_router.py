@@ -17,6 +17,7 @@ from redis import Redis
 from cluster.engine import LLMEngine
 from cluster.redis_server import EmbeddedRedis
 from cluster.types import SamplingParams
+from router.request import MAX_CHARS_PER_TOKEN
 from router.server import UNPARSABLE_LOG_EVERY_S
 from splitserve.client import Client
 from tests.integration.router_harness import RouterHarness, ask
@@ -311,6 +312,59 @@ def test_past_max_pending_requests_are_refused_at_once(
     finally:
         a.app.router.max_pending = 256
     assert ask(a.address, "Hello there", max_tokens=4).usage.completion_tokens == 4
+
+
+def test_a_flood_of_long_texts_is_bounded_by_max_pending_and_a_short_request_gets_through(
+    routers: tuple[RouterHarness, ...], workers: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a = routers[0]
+    servicer = a.app.server.servicer
+    tokenizer = servicer.tokenizer
+    encode, lock = tokenizer.encode, threading.Lock()
+    active, peak = [0], [0]
+
+    def counted(text: str) -> list[int]:
+        with lock:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        try:
+            return encode(text)
+        finally:
+            with lock:
+                active[0] -= 1
+
+    monkeypatch.setattr(tokenizer, "encode", counted)
+    # Just under the character limit: tokenized (~65k tokens) before it is refused.
+    huge = "x" * (servicer.model.max_model_len * MAX_CHARS_PER_TOKEN - 16)
+
+    async def one(client: Client, prompt: str) -> grpc.StatusCode:
+        try:
+            await client.generate(prompt, max_tokens=4)
+            return grpc.StatusCode.OK
+        except grpc.aio.AioRpcError as e:
+            return e.code()
+
+    async def short_one(client: Client, flood: asyncio.Future[Any]) -> grpc.StatusCode:
+        while (code := await one(client, "Rain falls on")) is grpc.StatusCode.RESOURCE_EXHAUSTED:
+            assert not flood.done() or a.app.router.pending < 2, "refused with a free slot"
+        return code
+
+    async def go() -> tuple[list[grpc.StatusCode], grpc.StatusCode]:
+        async with Client(a.address) as client:
+            flood = asyncio.gather(*(one(client, huge) for _ in range(12)))
+            short = await short_one(client, flood)
+            return await flood, short
+
+    a.app.router.max_pending = 2
+    try:
+        flood, short = asyncio.run(go())
+    finally:
+        a.app.router.max_pending = 256
+    refused = {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT}
+    assert set(flood) <= refused and grpc.StatusCode.INVALID_ARGUMENT in flood, flood
+    assert short is grpc.StatusCode.OK
+    assert 1 <= peak[0] <= 2, f"{peak[0]} texts tokenized at once past max_pending 2"
+    assert a.app.router.pending == 0
 
 
 def test_a_request_id_already_in_flight_is_refused(

@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -16,7 +16,7 @@ from redis import Redis
 
 from cluster.engine import LLMEngine
 from cluster.redis_server import EmbeddedRedis
-from cluster.types import SamplingParams
+from cluster.types import RequestId, SamplingParams
 from router.request import MAX_CHARS_PER_TOKEN
 from router.server import UNPARSABLE_LOG_EVERY_S
 from splitserve.client import Client
@@ -131,6 +131,18 @@ def _busy_worker(address: str, timeout_s: float = 20) -> str:
         raise AssertionError("no decode worker became busy")
 
     return asyncio.run(run())
+
+
+def _until(harness: RouterHarness, holds: Callable[[], bool], timeout_s: float = 60) -> None:
+    """Wait until `holds()` is true on the router's loop (where its state changes)."""
+
+    async def check() -> bool:
+        return holds()
+
+    deadline = time.monotonic() + timeout_s
+    while not harness.call(check()):
+        assert time.monotonic() < deadline, "timed out waiting on the router"
+        time.sleep(0.02)
 
 
 def _hold_worker_busy(address: str, **fields: Any) -> tuple[asyncio.AbstractEventLoop, Any]:
@@ -301,7 +313,7 @@ def test_past_max_pending_requests_are_refused_at_once(
     a.app.router.max_pending = 1
     try:
         loop, busy = _hold_worker_busy(a.address)
-        _busy_worker(a.address)
+        _until(a, lambda: a.app.router.pending == 1)  # the busy request holds the one slot
         started = time.monotonic()
         with pytest.raises(grpc.aio.AioRpcError) as err:
             ask(a.address, "Hello there", max_tokens=4)
@@ -373,7 +385,7 @@ def test_a_request_id_already_in_flight_is_refused(
     a = routers[0]
     loop, busy = _hold_worker_busy(a.address, request_id="twice")
     try:
-        _busy_worker(a.address)
+        _until(a, lambda: a.app.router.dispatcher.worker_id(RequestId("twice")) is not None)
         with pytest.raises(grpc.aio.AioRpcError) as err:
             ask(a.address, "Hello there", max_tokens=4, request_id="twice")
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

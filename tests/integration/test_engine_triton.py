@@ -5,10 +5,6 @@ On a CUDA device, decode runs as CUDA graphs and matches the CPU engine."""
 
 from __future__ import annotations
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run on the CPU
-
 from dataclasses import replace
 from pathlib import Path
 from typing import Any

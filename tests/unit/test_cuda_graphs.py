@@ -3,10 +3,6 @@ the static buffer, and that padding rows run through the kernels without touchin
 
 from __future__ import annotations
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run on the CPU
-
 import pytest
 import torch
 

@@ -5,10 +5,6 @@ nothing."""
 
 from __future__ import annotations
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run on the CPU
-
 import pytest
 import torch
 

@@ -154,9 +154,11 @@ def test_a_prefill_worker_that_dies_before_pushing_costs_a_recompute_not_the_req
     async def go() -> None:
         disp = Dispatcher()
         a = asyncio.create_task(collect(disp, busy, GREEDY, d, doomed, "busy"))
-        await until(lambda: _is(doomed.status.remote("busy"), RequestStatus.PREFILLING), "busy")
+        busy_id = await _worker_id(disp, "busy")
+        await until(lambda: _is(doomed.status.remote(busy_id), RequestStatus.PREFILLING), "busy")
         b = asyncio.create_task(collect(disp, queued, SEEDED, d, doomed, "queued"))
-        await until(lambda: _is(doomed.status.remote("queued"), RequestStatus.WAITING), "queued")
+        queued_id = await _worker_id(disp, "queued")
+        await until(lambda: _is(doomed.status.remote(queued_id), RequestStatus.WAITING), "queued")
         ray.kill(doomed)
         del workers.handles["prefill-serial"]
         split = await asyncio.gather(a, b)
@@ -179,7 +181,8 @@ def test_abort_while_waiting_for_decode_pages(workers: Any, prompts: list[list[i
         await until(lambda: _stat(d, "transferring", 1), "big reserved")
         b = asyncio.create_task(collect(disp, prompts[7], GREEDY, d, p, "starved"))
         await until(lambda: _stat(d, "admitting", 1), "starved waiting")
-        assert await d.abort.remote(RequestId("starved")) is RequestStatus.WAITING
+        starved = disp.worker_id(RequestId("starved"))
+        assert await d.abort.remote(starved) is RequestStatus.WAITING
         assert (await b).finish is FinishReason.ABORT
         assert (await a).finish is FinishReason.LENGTH
 
@@ -205,12 +208,14 @@ def test_abort_while_transferring_and_while_running(workers: Any, prompts: list[
         small = disp.generate(prompts[3], GREEDY, d, p, RequestId("small"))
         first = await anext(small)  # from the prefill worker, before the decode reads notices
         assert first.index == 0 and len(first.token_ids) == 1
-        assert await d.abort.remote(RequestId("small")) is RequestStatus.TRANSFERRING
+        assert (
+            await d.abort.remote(disp.worker_id(RequestId("small"))) is RequestStatus.TRANSFERRING
+        )
         rest = [x async for x in small]
         assert rest[-1].finish_reason is FinishReason.ABORT
         await hog_first
         await anext(hog)  # two tokens out: decoding
-        assert await d.abort.remote(RequestId("hog")) is RequestStatus.RUNNING
+        assert await d.abort.remote(disp.worker_id(RequestId("hog"))) is RequestStatus.RUNNING
         rest = [x async for x in hog]
         assert rest[-1].finish_reason is FinishReason.ABORT
 

@@ -11,6 +11,7 @@ import torch
 from cluster.config import EngineConfig
 from cluster.engine import LLMEngine
 from cluster.engine.checkpoint import bundled_model_path
+from cluster.engine.tokenizer import Tokenizer
 from tests.helpers import assert_no_leak
 
 # Eight varied prompts: chat turns, code, prose, a list, numbers, non-English, a long one.
@@ -31,9 +32,10 @@ CHAT_PROMPTS = [
 MAX_NEW = 24
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def engines() -> Iterator[dict[str, LLMEngine]]:
-    """Engines built on demand by name, shared across the session."""
+    """Engines built on demand by name, shared within a test module (each module its own:
+    held for the whole session they passed 10 GB in one process)."""
     built: dict[str, LLMEngine] = {}
     yield built
     built.clear()
@@ -70,9 +72,9 @@ def make_engine(engines: dict[str, LLMEngine]) -> Iterator[Any]:
 
 
 @pytest.fixture(scope="session")
-def prompts(engines: dict[str, LLMEngine]) -> list[list[int]]:
+def prompts() -> list[list[int]]:
     """Token ids of the eight raw prompts plus two chat-templated ones."""
-    tok = _build(engines, "default").tokenizer
+    tok = Tokenizer.load(bundled_model_path())
     chats = [tok.apply_chat_template([{"role": "user", "content": c}]) for c in CHAT_PROMPTS]
     return [tok.encode(p) for p in RAW_PROMPTS + chats]
 
@@ -109,8 +111,6 @@ def hf_greedy(hf_model: Any, prompts: list[list[int]]) -> list[list[int]]:
 def _save_tiny(root: Any, name: str, config: Any) -> Any:
     """A tiny random checkpoint saved by transformers, with the bundled tokenizer beside it."""
     from transformers import AutoModelForCausalLM
-
-    from cluster.engine.tokenizer import Tokenizer
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -196,7 +196,7 @@ class Simulation:
         for _ in range(cluster.decode.replicas):
             self._add("decode")
         self.requests: list[Request] = []
-        self._of_seq: dict[int, Request] = {}  # id(Sequence) -> its request
+        self._live: dict[RequestId, Request] = {}  # by the id both workers' sequences carry
         self._hints: dict[str, SessionHint] = {}
         self._turn = 0
         self._itl: list[np.ndarray] = []
@@ -271,7 +271,7 @@ class Simulation:
             len(r.prompt),
             SamplingParams(max_tokens=r.output_len, ignore_eos=True),
         )
-        self._of_seq[id(r.seq)] = r
+        self._live[r.seq.request_id] = r
         if r.prefill is None:
             d.sched.add(r.seq)
             self._poke(d, now)
@@ -295,7 +295,6 @@ class Simulation:
                 len(r.prompt),
                 SamplingParams(max_tokens=1, ignore_eos=True),
             )
-            self._of_seq[id(pseq)] = r
             p.sched.add(pseq)
             p.queued_tokens += len(r.prompt)
             self._poke(p, now)
@@ -305,9 +304,13 @@ class Simulation:
         r.last_token = now
         r.tokens = 1
 
-    def _finish(self, r: Request, now: float) -> None:
+    def _finish(self, d: _Worker, r: Request, now: float) -> None:
+        """r's last token came out of decode worker d at `now`."""
+        assert r.seq is not None
+        d.sched.finish(r.seq, FinishReason.LENGTH)
+        del self._live[r.seq.request_id]
         r.end = now + self.c.router_s
-        if r.prefill is None and r.seq is not None:
+        if r.prefill is None:
             r.cached_tokens = r.seq.num_cached
         self._finished_since_tick.append(r)
         if r.session:
@@ -405,28 +408,24 @@ class Simulation:
             self._itl_weight.append(np.full(k - 1, len(rows)))
         first = np.empty(len(rows))
         for i, seq in enumerate(rows):
-            r = self._of_seq[id(seq)]
+            r = self._live[seq.request_id]
             seq.token_ids.extend([TOKEN] * k)
             w.sched.commit(seq, k)
             first[i] = ends[0] - r.last_token
             r.last_token = float(ends[-1])
             r.tokens += k
             if r.tokens >= r.output_len:
-                w.sched.finish(seq, FinishReason.LENGTH)
-                del self._of_seq[id(seq)]
-                self._finish(r, float(ends[-1]))
+                self._finish(w, r, float(ends[-1]))
         self._itl.append(first)
         self._itl_weight.append(np.ones(len(rows), dtype=np.int64))
 
     def _prompt_done(self, w: _Worker, seq: Sequence, now: float) -> None:
-        r = self._of_seq.pop(id(seq)) if w.phase == "prefill" else self._of_seq[id(seq)]
+        r = self._live[seq.request_id]
         seq.token_ids.append(TOKEN)
         self._first_token(r, now)
         if w.phase == "decode":  # local prefill: decode goes on here
             if r.output_len == 1:
-                w.sched.finish(seq, FinishReason.LENGTH)
-                del self._of_seq[id(seq)]
-                self._finish(r, now)
+                self._finish(w, r, now)
             return
         w.sched.finish(seq, FinishReason.LENGTH)
         assert r.seq is not None
@@ -442,8 +441,7 @@ class Simulation:
         d.sched.activate(r.seq)
         r.seq.token_ids.append(TOKEN)
         if r.output_len == 1:
-            d.sched.finish(r.seq, FinishReason.LENGTH)
-            self._finish(r, now)
+            self._finish(d, r, now)
             return
         self._poke(d, now)
 

@@ -1,8 +1,15 @@
-"""Shared test helpers: the leak check every engine test ends with."""
+"""Shared test helpers: the leak check every engine test ends with, and the one way tests
+wait: polling an observable predicate until a deadline, never a sleep then an assert."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
 from cluster.engine import LLMEngine
+
+POLL_S = 0.02
 
 
 def assert_no_leak(engine: LLMEngine) -> None:
@@ -13,3 +20,19 @@ def assert_no_leak(engine: LLMEngine) -> None:
     assert engine.num_free_pages == engine.pool.num_pages, (
         f"{engine.pool.num_pages - engine.num_free_pages} pages still referenced"
     )
+
+
+def wait_until(ok: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    """Return once `ok()` is true; fail naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not ok():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(POLL_S)
+
+
+async def until(probe: Callable[[], Awaitable[bool]], what: str, timeout_s: float = 60.0) -> None:
+    """`wait_until` on an event loop: return once `await probe()` is true."""
+    deadline = time.monotonic() + timeout_s
+    while not await probe():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(POLL_S)

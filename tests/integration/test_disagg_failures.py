@@ -22,6 +22,7 @@ from cluster.types import (
     SamplingParams,
     TokenDelta,
 )
+from tests.helpers import until
 from tests.integration.disagg import collect, run
 from tests.integration.test_disagg import GREEDY, SEEDED, long_prompt
 
@@ -29,14 +30,6 @@ READER = "failure-tests"  # the outbox these tests read by hand
 SHORT_LEASE = {"lease_s": 0.6, "write_margin_s": 0.3, "local_prefill_tokens": 0}
 # One prompt at a time in small chunks: a second request stays queued for many steps.
 SERIAL = {"max_num_seqs": 1, "max_num_batched_tokens": 64}
-
-
-async def until(probe: Any, what: str, timeout_s: float = 60.0) -> None:
-    """Wait until `await probe()` is true."""
-    deadline = time.monotonic() + timeout_s
-    while not await probe():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
 
 
 def test_kv_that_misses_its_lease_is_recomputed_by_the_decode_worker(

@@ -10,7 +10,7 @@ import signal
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -20,6 +20,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from cluster.config import EngineConfig, PoolConfig, RouterConfig, ScalingConfig, ServeConfig
 from splitserve.client import Reply
+from tests.helpers import wait_until
 from tests.integration.router_harness import ClusterHarness, ask
 
 ENGINE = EngineConfig(kv_cache_gb=0.2, threads=1, max_num_batched_tokens=256)
@@ -29,13 +30,6 @@ NEVER = 1_000_000  # ticks: a scaler that never moves on its own
 def _prompt(seed: int, n: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(1000, 40000) for _ in range(n)]
-
-
-def _wait_for(ok: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not ok():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.2)
 
 
 class _Requests:
@@ -112,7 +106,7 @@ def test_a_burst_of_long_prompts_grows_the_prefill_pool_and_idleness_shrinks_it(
         requests = _Requests(h.address)
         for i in range(5):  # ~6,000 queued prompt tokens against a target of 1,024
             requests.send(_prompt(i, 1200), max_tokens=4, ignore_eos=True)
-        _wait_for(lambda: len(h.read(lambda: pool.serving)) == 2, 120, "prefill did not grow")
+        wait_until(lambda: len(h.read(lambda: pool.serving)) == 2, "prefill to grow", 120)
         for i in range(5, 7):  # the router's own counts send one of these to the new worker
             requests.send(_prompt(i, 1200), max_tokens=4, ignore_eos=True)
         requests.wait()
@@ -122,7 +116,7 @@ def test_a_burst_of_long_prompts_grows_the_prefill_pool_and_idleness_shrinks_it(
         assert {r.prefill_worker for r in requests.replies} == {"grow-prefill-0", "grow-prefill-1"}
 
         idle = lambda: h.read(lambda: pool.serving == ["grow-prefill-0"] and not pool.draining)
-        _wait_for(idle, 60, "the idle prefill pool did not shrink back to its minimum")
+        wait_until(idle, "the idle prefill pool to shrink back to its minimum", 60)
         text = _metrics(h)
         for line in (
             'splitserve_autoscaler_decisions_total{decision="up",phase="prefill"} 1.0',
@@ -156,14 +150,14 @@ def test_a_drained_decode_worker_finishes_its_streams_or_aborts_them_past_the_de
         for i in range(4):
             requests.send(f"Story number {i}:", max_tokens=32, ignore_eos=True)
         busy = lambda: h.read(lambda: registry.in_flight("drain-decode-1")) >= 1
-        _wait_for(busy, 30, "no request reached decode-1")
+        wait_until(busy, "a request on decode-1", 30)
         h.call(pool.drain(registry, "drain-decode-1"))
         requests.wait()
         assert not requests.errors, requests.errors
         assert [len(r.token_ids) for r in requests.replies] == [32] * 4
         assert {r.decode_worker for r in requests.replies} == {"drain-decode-0", "drain-decode-1"}
         assert h.read(lambda: registry.names("decode")) == ["drain-decode-0"]
-        _wait_for(lambda: _dead(drained), 30, "the drained worker's actor is still alive")
+        wait_until(lambda: _dead(drained), "the drained worker's actor to exit", 30)
         assert ask(h.address, "Hello", max_tokens=2).decode_worker == "drain-decode-0"
 
         # Past drain_timeout_s the stream still running there ends ABORTED, saying why.
@@ -172,7 +166,7 @@ def test_a_drained_decode_worker_finishes_its_streams_or_aborts_them_past_the_de
         for i in range(2):
             requests.send(f"Long story number {i}:", max_tokens=400, ignore_eos=True)
         busy = lambda: h.read(lambda: registry.in_flight("drain-decode-2")) >= 1
-        _wait_for(busy, 30, "no request reached decode-2")
+        wait_until(busy, "a request on decode-2", 30)
         started = time.monotonic()
         h.call(pool.drain(registry, "drain-decode-2"))
         assert 5 < time.monotonic() - started < 30
@@ -205,15 +199,15 @@ def test_a_decode_worker_killed_mid_stream_is_replaced(fixed: ClusterHarness) ->
     doomed = h.read(lambda: pool.serving[0])
     requests = _Requests(h.address)
     requests.send("Tell me a long story.", max_tokens=400, ignore_eos=True)
-    _wait_for(lambda: h.read(lambda: registry.in_flight(doomed)) >= 1, 30, "not streaming")
+    wait_until(lambda: h.read(lambda: registry.in_flight(doomed)) >= 1, "the request to stream", 30)
     time.sleep(0.5)
     _kill_9(h.read(lambda: pool.workers[doomed]))
     requests.wait(60)
     assert [e.code() for e in requests.errors] == [grpc.StatusCode.INTERNAL]
     gone = lambda: doomed not in h.read(lambda: registry.names("decode"))
-    _wait_for(gone, 2, "the router still routes to the dead worker")  # its next load poll
+    wait_until(gone, "the router to drop the dead worker", 2)  # its next load poll
     replaced = lambda: h.read(lambda: len(pool.serving) == 1 and doomed not in pool.serving)
-    _wait_for(replaced, 120, "the dead decode worker was not replaced")
+    wait_until(replaced, "the dead decode worker's replacement", 120)
     new = h.read(lambda: pool.serving[0])
     assert ask(h.address, "Hello", max_tokens=2).decode_worker == new
     h.assert_all_pages_free()
@@ -225,19 +219,21 @@ def test_a_prefill_worker_killed_mid_prefill_is_replaced_and_its_request_complet
     h = fixed
     pool, registry = h.cluster.pools["prefill"], h.cluster.app.workers
     full = lambda: h.read(lambda: len(registry.snapshot().decode) == 1 and len(pool.serving) == 1)
-    _wait_for(full, 120, "the pools are not back to one worker each")
+    wait_until(full, "the pools to be back to one worker each", 120)
     doomed = h.read(lambda: pool.serving[0])
     prompt = _prompt(42, 1500)  # several chunks of 256: it is still prefilling when killed
     requests = _Requests(h.address)
     requests.send(prompt, max_tokens=8)
-    _wait_for(lambda: h.read(lambda: registry.in_flight(doomed)) >= 1, 30, "not prefilling")
+    wait_until(
+        lambda: h.read(lambda: registry.in_flight(doomed)) >= 1, "the request to prefill", 30
+    )
     time.sleep(1.0)
     _kill_9(h.read(lambda: pool.workers[doomed]))
     requests.wait(120)
     assert not requests.errors, requests.errors  # the decode worker recomputed it
     [reply] = requests.replies
     replaced = lambda: h.read(lambda: len(pool.serving) == 1 and doomed not in pool.serving)
-    _wait_for(replaced, 120, "the dead prefill worker was not replaced")
+    wait_until(replaced, "the dead prefill worker's replacement", 120)
     new = h.read(lambda: pool.serving[0])
     again = ask(h.address, _prompt(43, 1500), max_tokens=2)
     assert again.prefill_worker == new

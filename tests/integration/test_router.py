@@ -20,6 +20,7 @@ from cluster.types import RequestId, SamplingParams
 from router.request import MAX_CHARS_PER_TOKEN
 from router.server import UNPARSABLE_LOG_EVERY_S
 from splitserve.client import Client
+from tests.helpers import wait_until
 from tests.integration.router_harness import RouterHarness, ask
 from tests.unit.test_unparsable import CORRUPT
 
@@ -139,10 +140,7 @@ def _until(harness: RouterHarness, holds: Callable[[], bool], timeout_s: float =
     async def check() -> bool:
         return holds()
 
-    deadline = time.monotonic() + timeout_s
-    while not harness.call(check()):
-        assert time.monotonic() < deadline, "timed out waiting on the router"
-        time.sleep(0.02)
+    wait_until(lambda: harness.call(check()), "the router", timeout_s)
 
 
 def _hold_worker_busy(address: str, **fields: Any) -> tuple[asyncio.AbstractEventLoop, Any]:

@@ -165,7 +165,7 @@ def server(config: str, log_dir: Path) -> Iterator[str]:
     path = log_dir / f"{config}.yaml"
     path.write_text(yaml.safe_dump(doc))
     log_path = log_dir / f"{config}.log"
-    cmd = [sys.executable, "-m", "cluster.cli", "serve", "--config", str(path)]
+    cmd = [sys.executable, "-m", "splitserve.cli", "serve", "--config", str(path)]
     with child(cmd, subprocess.PIPE) as proc:
         address: list[str] = []
         ready = threading.Event()

@@ -57,7 +57,6 @@ from cluster.config import EngineConfig, RouterConfig, TransferConfig
 from cluster.dispatch import Dispatcher
 from cluster.engine.checkpoint import bundled_model_path
 from cluster.engine.tokenizer import Tokenizer
-from cluster.redis_server import EmbeddedRedis
 from cluster.types import FinishReason, ModelInfo, RequestId, SamplingParams, TokenDelta
 from decode_worker.worker import DecodeStats
 from decode_worker.worker import spawn as spawn_decode
@@ -67,6 +66,7 @@ from router.app import RouterApp, start_router
 from router.placement import Placement, PlacementStore
 from router.request import Prepared, prepare
 from splitserve.client import Client, request
+from splitserve.redis_server import EmbeddedRedis
 from splitserve.v1 import splitserve_pb2 as pb
 
 RESULTS = Path(__file__).parent / "results"

@@ -156,7 +156,7 @@ POLICIES = ("round_robin", "least_loaded", "cache_aware")
 
 @dataclass(frozen=True)
 class ScalingConfig:
-    """One phase's autoscaler (cluster/autoscale.py has the decision it feeds)."""
+    """One phase's autoscaler (splitserve/autoscale.py has the decision it feeds)."""
 
     min_replicas: int = 1
     max_replicas: int = 1

@@ -62,7 +62,7 @@ class RouterMetrics:
             registry=r,
         )
         r.register(_WorkerLoads(workers))
-        # What the autoscaler reads each tick (cluster/scaler.py).
+        # What the autoscaler reads each tick (splitserve/scaler.py).
         self.recent_ttft = Window()
         self.recent_tpot = Window()
 

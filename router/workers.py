@@ -7,7 +7,7 @@ looked idlest at the last read. A worker whose call fails (its actor died) leave
 snapshot at once and is not routed to again; `on_change` hears when the set of live
 decode workers changes (the health service follows it).
 
-The pools (cluster/pool.py) change the set while serving: `add` a worker once it is
+The pools (splitserve/pool.py) change the set while serving: `add` a worker once it is
 ready, `cordon` one to stop routing to it while its requests finish, `remove` it last.
 """
 

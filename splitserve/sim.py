@@ -45,7 +45,6 @@ from typing import Any
 import numpy as np
 
 from bench.serve_workload import Conversation
-from cluster.autoscale import DecodeSignals, PrefillSignals, ScalerState, decide
 from cluster.config import EngineConfig, ScalingConfig
 from cluster.engine.page_pool import PagePool, pages_for
 from cluster.engine.scheduler import Scheduler, Step
@@ -60,6 +59,7 @@ from router.policy import (
     Snapshot,
     route,
 )
+from splitserve.autoscale import DecodeSignals, PrefillSignals, ScalerState, decide
 from splitserve.step_cost import StepCost
 
 TICK_S = 1.0  # how often KV use is sampled when no pool autoscales

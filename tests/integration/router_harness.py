@@ -12,9 +12,9 @@ from typing import Any, TypeVar
 import ray
 
 from cluster.config import RouterConfig, ServeConfig
-from cluster.launch import Cluster, start_cluster
 from router.app import RouterApp, start_router
 from splitserve.client import Client, Reply
+from splitserve.launch import Cluster, start_cluster
 
 T = TypeVar("T")
 

@@ -19,7 +19,7 @@ def test_bench_gpu_dry_run_reports_every_figure(tmp_path: Path) -> None:
     # Its own process: the dry run turns on Triton's interpreter before triton loads.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "bench", "gpu", "--dry-run", "--out", str(out)],
+        [sys.executable, "-m", "splitserve.cli", "bench", "gpu", "--dry-run", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=240,

@@ -13,7 +13,7 @@ from cluster.types import SamplingParams
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "splitserve.cli", *args], capture_output=True, text=True, timeout=300
     )
 
 
@@ -58,7 +58,7 @@ def test_plan_capacity_reads_a_model_file_and_measures_this_machine(tmp_path: Pa
     from cluster.engine.checkpoint import bundled_model_path
 
     done = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "plan", "capacity", "--model",
+        [sys.executable, "-m", "splitserve.cli", "plan", "capacity", "--model",
          str(bundled_model_path()), "--hardware", "this", "--measure", "--kv-cache-gb", "1",
          "--kv-dtype", "float32"],
         capture_output=True, text=True, timeout=300,

@@ -17,8 +17,8 @@ from typing import Any, TypeVar
 import pytest
 import redis
 
-from cluster.redis_server import EmbeddedRedis
 from router.placement import Placement, PlacementStore
+from splitserve.redis_server import EmbeddedRedis
 
 T = TypeVar("T")
 PREFIX = "splitserve:session:"

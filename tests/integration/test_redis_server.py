@@ -9,7 +9,7 @@ import signal
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from cluster.redis_server import EmbeddedRedis
+from splitserve.redis_server import EmbeddedRedis
 from tests.helpers import until
 
 

@@ -15,11 +15,11 @@ import pytest
 from redis import Redis
 
 from cluster.engine import LLMEngine
-from cluster.redis_server import EmbeddedRedis
 from cluster.types import RequestId, SamplingParams
 from router.request import MAX_CHARS_PER_TOKEN
 from router.server import UNPARSABLE_LOG_EVERY_S
 from splitserve.client import Client
+from splitserve.redis_server import EmbeddedRedis
 from tests.helpers import wait_until
 from tests.integration.router_harness import RouterHarness, ask
 from tests.unit.test_unparsable import CORRUPT

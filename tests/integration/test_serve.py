@@ -21,7 +21,7 @@ prefill: {resources: {prefill_node: 1}}  # the local Ray plays both node types
 decode: {resources: {decode_node: 1}}
 router: {port: 0, grace_s: 30, metrics_port: 0, http_port: 0}
 """
-SPLITSERVE = [sys.executable, "-m", "cluster.cli"]
+SPLITSERVE = [sys.executable, "-m", "splitserve.cli"]
 
 
 def _descendants(pid: int) -> set[int]:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.autoscale import (
+from cluster.config import ConfigError, ScalingConfig
+from splitserve.autoscale import (
     DecodeSignals,
     PrefillSignals,
     ScalerState,
     decide,
     pressure,
 )
-from cluster.config import ConfigError, ScalingConfig
 
 CFG = ScalingConfig(min_replicas=1, max_replicas=3, up_ticks=2, down_ticks=3, cooldown_s=10)
 

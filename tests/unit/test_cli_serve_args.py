@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from cluster.cli import build_parser, serve_config
 from cluster.config import ServeConfig
+from splitserve.cli import build_parser, serve_config
 
 
 def test_serve_with_no_arguments_runs_the_defaults() -> None:

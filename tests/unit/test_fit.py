@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-import cluster.launch
-from cluster.cli import main
+import splitserve.launch
+from splitserve.cli import main
 
 
 @pytest.fixture
@@ -20,7 +20,7 @@ def started(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     async def _serve(config: Any) -> None:
         calls.append(config)
 
-    monkeypatch.setattr(cluster.launch, "_serve", _serve)
+    monkeypatch.setattr(splitserve.launch, "_serve", _serve)
     return calls
 
 

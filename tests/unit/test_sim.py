@@ -187,7 +187,7 @@ def test_a_prompts_last_chunk_of_one_token_is_its_prefill_not_a_decode(prefill: 
 def test_plan_cluster_from_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
     """A sweep on a named GPU: one prefill worker cannot keep up with long prompts at this
     rate, two can, and the table says so and recommends the smallest cluster that does."""
-    from cluster.cli import main
+    from splitserve.cli import main
 
     args = ["plan", "cluster", "--model", "llama-3-8b", "--hardware", "H100"]
     args += ["--workload", "long-prompt", "--rate", "30", "--requests", "300"]

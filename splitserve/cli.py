@@ -116,7 +116,7 @@ async def _chat_loop(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from cluster.launch import serve
+    from splitserve.launch import serve
 
     return serve(serve_config(args))
 

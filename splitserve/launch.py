@@ -22,11 +22,11 @@ from dataclasses import dataclass
 import ray
 
 from cluster.config import ServeConfig
-from cluster.pool import WorkerPool
-from cluster.redis_server import EmbeddedRedis
-from cluster.scaler import PhaseScaler, ScalerMetrics
 from router.app import RouterApp, start_router
 from splitserve.fit import check_fit
+from splitserve.pool import WorkerPool
+from splitserve.redis_server import EmbeddedRedis
+from splitserve.scaler import PhaseScaler, ScalerMetrics
 
 log = logging.getLogger("splitserve")
 

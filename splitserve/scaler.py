@@ -1,5 +1,5 @@
 """The autoscaler's adapter: every tick, one phase's observations in, `decide`
-(cluster/autoscale.py), the pool resized.
+(splitserve/autoscale.py), the pool resized.
 
 Observations: the loads the router last read from the phase's workers (queued prompt
 tokens per prefill worker; KV usage and waiting requests per decode worker) and the p90
@@ -23,10 +23,10 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from cluster.autoscale import Decision, DecodeSignals, PrefillSignals, ScalerState, decide
-from cluster.pool import WorkerPool
 from router.metrics import Window
 from router.workers import WorkerRegistry
+from splitserve.autoscale import Decision, DecodeSignals, PrefillSignals, ScalerState, decide
+from splitserve.pool import WorkerPool
 
 log = logging.getLogger(__name__)
 

@@ -5,8 +5,9 @@
   cluster its autoscaler adds such a node if none has room); once it answers, the router
   routes to it.
 - `drain`: the router stops routing to a worker; once neither the router nor the worker
-  has a request in flight, the worker is killed. Past `drain_timeout_s` its requests are
-  aborted with a status that says why (a prefill worker's: their decode workers recompute
+  has a request in flight, the worker is killed. Past `drain_timeout_s` a decode worker
+  evicts its requests (their routers continue each on another decode worker, as after a
+  worker's death) and a prefill worker aborts its own (their decode workers recompute
   them), so a drain always ends.
 - `reap`: a worker the router found dead (a call to it failed: Ray reports the actor's
   death) leaves the pool; the scaler then restores the pool's minimum.
@@ -67,8 +68,8 @@ class WorkerPool:
         return name
 
     async def drain(self, registry: WorkerRegistry, name: str) -> None:
-        """Stop routing to `name`, let its requests finish (or abort them past the drain
-        deadline), then kill it."""
+        """Stop routing to `name`, let its requests finish (or move them off it past the
+        drain deadline), then kill it."""
         handle = self.workers[name]
         self.draining.add(name)
         registry.cordon(name)
@@ -80,10 +81,10 @@ class WorkerPool:
                     f"still running after drain_timeout_s={timeout_s:g}"
                 )
                 if self.phase == "decode":
-                    aborted = await handle.abort_all.remote(why)
+                    moved = await handle.evict_all.remote(why)
                 else:
-                    aborted = await handle.abort_all.remote()
-                log.warning("%s: drain deadline passed; aborted %d requests", name, aborted)
+                    moved = await handle.abort_all.remote()
+                log.warning("%s: drain deadline passed; moved %d requests off it", name, moved)
                 await self._idle(registry, name, handle, ABORT_WAIT_S)
         except RayActorError as e:
             log.warning("%s died while draining: %s", name, e)

@@ -51,12 +51,9 @@ import json
 import math
 import os
 import platform
-import re
 import shlex
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -65,11 +62,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
 from bench import vllm_peer
 from bench.arrivals import send_offsets
-from bench.process import DidNotStart, child
+from bench.process import splitserve
 from bench.serve import goodput, parse_args, sweep
 from bench.serve_backend import Backend, connect
 from bench.serve_metrics import (
@@ -161,29 +157,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
 @contextmanager
 def server(config: str, log_dir: Path) -> Iterator[str]:
     """`splitserve serve` with this configuration; yields its gRPC address."""
-    doc = {**CONFIGS[config], "router": {"port": 0, "metrics_port": None, "http_port": None}}
-    path = log_dir / f"{config}.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    log_path = log_dir / f"{config}.log"
-    cmd = [sys.executable, "-m", "splitserve.cli", "serve", "--config", str(path)]
-    with child(cmd, subprocess.PIPE) as proc:
-        address: list[str] = []
-        ready = threading.Event()
-
-        def drain() -> None:  # keep its log, and the pipe from filling
-            assert proc.stdout is not None
-            with log_path.open("w") as log:
-                for line in proc.stdout:
-                    log.write(line)
-                    if m := re.search(r"serving on (\S+);", line):
-                        address.append(m.group(1))
-                        ready.set()
-            ready.set()
-
-        threading.Thread(target=drain, daemon=True).start()
-        if not ready.wait(300) or not address:
-            raise DidNotStart(config, log_path)
-        yield address[0]
+    with splitserve(config, CONFIGS[config], log_dir) as served:
+        yield served.address
 
 
 @contextmanager

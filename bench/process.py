@@ -1,15 +1,22 @@
 """A server under test as a child process: started in a session of its own, stopped with
-it (SIGINT, then SIGKILL to the whole group, so no worker it spawned outlives it)."""
+it (SIGINT, then SIGKILL to the whole group, so no worker it spawned outlives it);
+`splitserve serve` on a config of the caller's, until it says where it serves."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
+import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
+
+import yaml
 
 GRACE_S = 120.0
 
@@ -42,3 +49,43 @@ def child(
         with suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+@dataclass(frozen=True)
+class Served:
+    """A running `splitserve serve`: its gRPC address and its process id (Ray's workers
+    and the embedded valkey-server are among that process's descendants)."""
+
+    address: str
+    pid: int
+
+
+@contextmanager
+def splitserve(name: str, doc: dict[str, Any], log_dir: Path) -> Iterator[Served]:
+    """`splitserve serve` on the config `doc` (written to log_dir/name.yaml, its log to
+    log_dir/name.log), once it serves; stopped as `child` stops it. Ports the config
+    leaves unset are any free port; the metrics and HTTP front doors are off."""
+    router = {"port": 0, "metrics_port": None, "http_port": None, **doc.get("router", {})}
+    path = log_dir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({**doc, "router": router}))
+    log_path = log_dir / f"{name}.log"
+    cmd = [sys.executable, "-m", "cluster.cli", "serve", "--config", str(path)]
+    with child(cmd, subprocess.PIPE) as proc:
+        address: list[str] = []
+        ready = threading.Event()
+
+        def drain() -> None:  # keep its log, and the pipe from filling
+            assert proc.stdout is not None
+            with log_path.open("w") as log:
+                for line in proc.stdout:
+                    log.write(line)
+                    log.flush()
+                    if m := re.search(r"serving on (\S+);", line):
+                        address.append(m.group(1))
+                        ready.set()
+            ready.set()
+
+        threading.Thread(target=drain, daemon=True).start()
+        if not ready.wait(300) or not address:
+            raise DidNotStart(name, log_path)
+        yield Served(address[0], proc.pid)

@@ -69,7 +69,7 @@ def splitserve(name: str, doc: dict[str, Any], log_dir: Path) -> Iterator[Served
     path = log_dir / f"{name}.yaml"
     path.write_text(yaml.safe_dump({**doc, "router": router}))
     log_path = log_dir / f"{name}.log"
-    cmd = [sys.executable, "-m", "cluster.cli", "serve", "--config", str(path)]
+    cmd = [sys.executable, "-m", "splitserve.cli", "serve", "--config", str(path)]
     with child(cmd, subprocess.PIPE) as proc:
         address: list[str] = []
         ready = threading.Event()

@@ -78,7 +78,7 @@ from bench.serve_metrics import (
 )
 from bench.serve_workload import VOCAB_SIZE, Conversation, load_workload, make_conversations
 from bench.workload import random_prompt
-from cluster.engine.checkpoint import bundled_model_path
+from cluster.engine.model_files import bundled_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -252,7 +252,7 @@ def transformers_service(conversations: list[Conversation]) -> list[list[float]]
     import torch
     from transformers import AutoModelForCausalLM
 
-    from cluster.engine.checkpoint import bundled_model_path
+    from cluster.engine.model_files import bundled_model_path
 
     torch.set_num_threads(2)
     path = bundled_model_path()

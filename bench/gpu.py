@@ -237,7 +237,7 @@ def step_budget(rig: Rig, batch: int, context: int) -> dict[str, Any]:
 def greedy_agreement(device: torch.device, tokens: int) -> dict[str, Any]:
     """The bundled model in float32, GPU engine against CPU engine, greedy."""
     from cluster.config import EngineConfig
-    from cluster.engine import LLMEngine
+    from cluster.engine.engine import LLMEngine
     from cluster.types import SamplingParams
 
     prompts = ["The capital of France is", "def fibonacci(n):\n    "]
@@ -260,8 +260,9 @@ def greedy_agreement(device: torch.device, tokens: int) -> dict[str, Any]:
 def transfer(device: torch.device, tokens: int) -> float:
     """NIXL WRITE GB/s of a prompt's KV (bundled layout) into another process's cache."""
     from bench.transfer import PAGE_SIZE, kv_bandwidth
-    from cluster.engine.checkpoint import bundled_model_path, read_spec
+    from cluster.engine.checkpoint import read_spec
     from cluster.engine.kv_cache import KVLayout
+    from cluster.engine.model_files import bundled_model_path
     from cluster.transfer.wire import compat_hash
 
     spec = read_spec(bundled_model_path())

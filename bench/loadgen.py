@@ -34,7 +34,7 @@ from typing import Any
 from bench.serve import RESULTS, parse_args, sweep
 from bench.serve_metrics import Slo, summarize
 from bench.serve_workload import UniformDist, WorkloadSpec
-from cluster.engine.checkpoint import bundled_model_path
+from cluster.engine.model_files import bundled_model_path
 from cluster.engine.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -19,8 +19,8 @@ import torch
 from bench import baselines, decode_cost, workload
 from bench.decode_cost import DecodeEfficiency, timed
 from cluster.config import EngineConfig
-from cluster.engine import LLMEngine
-from cluster.engine.checkpoint import bundled_model_path
+from cluster.engine.engine import LLMEngine
+from cluster.engine.model_files import bundled_model_path
 from cluster.types import SamplingParams
 
 MODES = (

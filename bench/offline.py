@@ -34,8 +34,9 @@ from bench.kv_waste import KVWaste, kv_waste
 from bench.report import Results
 from bench.workload import LengthDist, Request
 from cluster.config import DTYPES, QUANTIZATIONS, EngineConfig
-from cluster.engine import LLMEngine
-from cluster.engine.checkpoint import bundled_model_path, read_spec
+from cluster.engine.checkpoint import read_spec
+from cluster.engine.engine import LLMEngine
+from cluster.engine.model_files import bundled_model_path
 from cluster.types import SamplingParams
 
 FULL: dict[str, Any] = {

@@ -55,10 +55,10 @@ import ray
 
 from cluster.config import EngineConfig, RouterConfig, TransferConfig
 from cluster.dispatch import Dispatcher
-from cluster.engine.checkpoint import bundled_model_path
+from cluster.engine.model_files import bundled_model_path
 from cluster.engine.tokenizer import Tokenizer
+from cluster.protocol import DecodeStats
 from cluster.types import FinishReason, ModelInfo, RequestId, SamplingParams, TokenDelta
-from decode_worker.worker import DecodeStats
 from decode_worker.worker import spawn as spawn_decode
 from prefill_worker.worker import spawn as spawn_prefill
 from router import policy as routing

@@ -58,7 +58,7 @@ from bench.serve_workload import (
     load_workload,
     make_conversations,
 )
-from cluster.engine.checkpoint import bundled_model_path
+from cluster.engine.model_files import bundled_model_path
 from cluster.engine.tokenizer import Tokenizer
 
 RESULTS = Path(__file__).parent / "results"

@@ -32,9 +32,10 @@ from typing import Any
 import torch
 
 from cluster.config import EngineConfig
-from cluster.engine import LLMEngine
-from cluster.engine.checkpoint import bundled_model_path, load_checkpoint
+from cluster.engine.checkpoint import load_checkpoint
+from cluster.engine.engine import LLMEngine
 from cluster.engine.kv_cache import KVCache, KVLayout
+from cluster.engine.model_files import bundled_model_path
 from cluster.transfer.endpoint import KVEndpoint
 from cluster.transfer.wire import Notice, NoticeKind, compat_hash
 from cluster.types import KVTarget, PageId, RequestId, SamplingParams

@@ -29,7 +29,8 @@ from typing import Any
 import ray
 
 from cluster.config import EngineConfig, TransferConfig
-from cluster.engine import LLMEngine
+from cluster.engine.engine import LLMEngine
+from cluster.protocol import DecodeStats
 from cluster.transfer.endpoint import KVEndpoint
 from cluster.transfer.wire import Notice, NoticeKind, compat_hash
 from cluster.types import (
@@ -66,28 +67,6 @@ class _Admitting:
     prompt_ids: list[int]
     sampling: SamplingParams
     done: asyncio.Future[KVTarget | None]
-
-
-@dataclass(frozen=True)
-class DecodeStats:
-    epoch: str  # new each time the worker starts: its prefix cache is gone with the old one
-    free_pages: int
-    num_pages: int
-    running: int
-    waiting: int
-    transferring: int
-    admitting: int
-    queued_tokens: int  # prompt tokens of waiting requests, not yet computed
-    prefix_queries: int  # prompt tokens looked up in the prefix cache, since the start
-    prefix_hits: int  # ... and found there
-    pages_received: int
-    bytes_received: int
-    transfer_failures: int  # transfers that ended without their KV (then recomputed or failed)
-
-    @property
-    def in_flight(self) -> int:
-        """Requests here in any state: a drained worker waits for this to reach 0."""
-        return self.running + self.waiting + self.transferring + self.admitting
 
 
 class DecodeWorker:

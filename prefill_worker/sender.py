@@ -21,6 +21,7 @@ import torch
 
 from cluster.engine.page_pool import PagePool, pages_for
 from cluster.engine.scheduler import Step
+from cluster.protocol import SendStats
 from cluster.transfer.endpoint import KVEndpoint, Peer, TransferError, Write
 from cluster.transfer.layer_ready import LayerReady
 from cluster.transfer.wire import Notice, NoticeKind
@@ -50,15 +51,6 @@ class _Push:
     first: tuple[int, float] | None = None  # the first token, for DONE once all is posted
     stopped: bool = False  # no further WRITE; CANCEL once the in-flight ones finish
     done: bool = False  # DONE sent
-
-
-@dataclass
-class SendStats:
-    writes: int = 0
-    pages: int = 0  # distinct pages sent (all their layers)
-    bytes: int = 0
-    lease_misses: int = 0
-    post_s: float = 0.0  # time spent posting WRITEs (on one host, cma copies while posting)
 
 
 class KVSender:

@@ -19,13 +19,13 @@ import asyncio
 import dataclasses
 import logging
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 import ray
 
 from cluster.config import EngineConfig, TransferConfig
-from cluster.engine import LLMEngine
+from cluster.engine.engine import LLMEngine
+from cluster.protocol import PrefillStats
 from cluster.transfer.endpoint import KVEndpoint
 from cluster.transfer.wire import compat_hash
 from cluster.types import (
@@ -38,25 +38,9 @@ from cluster.types import (
     SamplingParams,
 )
 from cluster.worker_loop import WorkerLoop
-from prefill_worker.sender import KVSender, SendStats
+from prefill_worker.sender import KVSender
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PrefillStats:
-    epoch: str  # new each time the worker starts: its prefix cache is gone with the old one
-    free_pages: int
-    num_pages: int
-    queued_requests: int
-    queued_tokens: int  # prompt tokens queued or prefilling, not yet computed
-    transferring: int  # requests whose KV is still being pushed
-    sent: SendStats
-
-    @property
-    def in_flight(self) -> int:
-        """Requests here in any state: a drained worker waits for this to reach 0."""
-        return self.queued_requests + self.transferring
 
 
 class PrefillWorker:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.config import RouterConfig
-from cluster.engine.checkpoint import bundled_model_path
+from cluster.engine.model_files import bundled_model_path
 from cluster.engine.tokenizer import Tokenizer
 from cluster.types import ModelInfo
 from router.metrics import RouterMetrics

@@ -18,9 +18,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from cluster.protocol import DecodeStats, PrefillStats
 from cluster.types import TokenDelta
-from decode_worker.worker import DecodeStats
-from prefill_worker.worker import PrefillStats
 from router.router import Final
 from router.workers import WorkerRegistry
 

@@ -19,8 +19,8 @@ from grpc_reflection.v1alpha import reflection
 
 from cluster.config import RouterConfig
 from cluster.engine.tokenizer import Tokenizer
+from cluster.protocol import DecodeStats
 from cluster.types import FinishReason, InvalidRequestError, ModelInfo, TokenDelta
-from decode_worker.worker import DecodeStats
 from router.metrics import RouterMetrics
 from router.request import prepare_off_loop
 from router.router import Final, Overloaded, RequestFailed, Router, Unavailable

@@ -20,8 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from decode_worker.worker import DecodeStats
-from prefill_worker.worker import PrefillStats
+from cluster.protocol import DecodeStats, PrefillStats
 from router.policy import DecodeLoad, PrefillLoad, Snapshot
 
 log = logging.getLogger(__name__)

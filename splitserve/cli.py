@@ -25,7 +25,7 @@ from cluster.config import (
     load_engine_config,
     load_serve_config,
 )
-from cluster.engine.checkpoint import ModelLoadError
+from cluster.engine.model_files import ModelLoadError
 from cluster.types import InvalidRequestError, SamplingParams
 
 
@@ -37,7 +37,7 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
 def _generate(args: argparse.Namespace) -> int:
     if args.server:
         return asyncio.run(_generate_remote(args))
-    from cluster.engine import LLMEngine
+    from cluster.engine.engine import LLMEngine
 
     sampling = SamplingParams(**_sampling(args))
     base = load_engine_config(args.config) if args.config else EngineConfig()

@@ -16,9 +16,10 @@ from pathlib import Path
 import torch
 
 from cluster.config import ConfigError, EngineConfig, ServeConfig
-from cluster.engine.checkpoint import ModelSpec, bundled_model_path, read_spec
+from cluster.engine.checkpoint import ModelSpec, read_spec
 from cluster.engine.engine import pick_device
 from cluster.engine.memory import device_memory, fits
+from cluster.engine.model_files import bundled_model_path
 from splitserve.capacity import BITS, weight_bytes
 
 

@@ -7,7 +7,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
-from cluster.engine import LLMEngine
+from cluster.engine.engine import LLMEngine
 
 POLL_S = 0.02
 

@@ -1,5 +1,5 @@
-"""The inference engine: model, paged KV cache, scheduler, sampler. The only engine code."""
+"""The inference engine: model, paged KV cache, scheduler, sampler. The only engine code.
 
-from cluster.engine.engine import LLMEngine
-
-__all__ = ["LLMEngine"]
+Import its modules by name (`cluster.engine.engine.LLMEngine`): this package imports
+nothing itself, so the router can load `cluster.engine.tokenizer` without torch.
+"""

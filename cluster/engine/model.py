@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from cluster.engine.attention import AttentionBackend
-from cluster.engine.checkpoint import ModelLoadError, ModelSpec, Weights
+from cluster.engine.checkpoint import ModelSpec, Weights
 from cluster.engine.kv_cache import KVCache
+from cluster.engine.model_files import ModelLoadError
 from cluster.engine.quantization import (
     DenseLinear,
     Embedding,

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from cluster.config import EngineConfig
-from cluster.engine import LLMEngine
-from cluster.engine.checkpoint import bundled_model_path
+from cluster.engine.engine import LLMEngine
+from cluster.engine.model_files import bundled_model_path
 from cluster.engine.tokenizer import Tokenizer
 from tests.helpers import assert_no_leak
 

@@ -7,7 +7,7 @@ import copy
 
 from tokenizers.processors import TemplateProcessing
 
-from cluster.engine.checkpoint import bundled_model_path
+from cluster.engine.model_files import bundled_model_path
 from cluster.engine.tokenizer import Tokenizer
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]

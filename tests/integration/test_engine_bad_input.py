@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from cluster.config import ConfigError, EngineConfig
-from cluster.engine import LLMEngine
-from cluster.engine.checkpoint import ModelLoadError, bundled_model_path, load_checkpoint
+from cluster.engine.checkpoint import load_checkpoint
+from cluster.engine.engine import LLMEngine
+from cluster.engine.model_files import ModelLoadError, bundled_model_path
 from cluster.types import InvalidRequestError, SamplingParams
 
 

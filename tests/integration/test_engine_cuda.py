@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cluster.config import EngineConfig
-from cluster.engine import LLMEngine
+from cluster.engine.engine import LLMEngine
 from cluster.types import SamplingParams
 from tests.helpers import assert_no_leak
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from cluster.engine import LLMEngine
+from cluster.engine.engine import LLMEngine
 from cluster.engine.scheduler import Step
 from cluster.types import FinishReason, RequestId, RequestStatus, SamplingParams
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from cluster.engine import LLMEngine
+from cluster.engine.engine import LLMEngine
 from cluster.engine.page_pool import pages_for
 from cluster.engine.scheduler import Step
 from cluster.engine.sequence import Sequence

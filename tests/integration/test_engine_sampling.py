@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from cluster.engine import LLMEngine
+from cluster.engine.engine import LLMEngine
 from cluster.types import FinishReason, SamplingParams
 
 

@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 
 from bench.step_budget import counting
 from cluster.config import ConfigError, EngineConfig
-from cluster.engine import LLMEngine
+from cluster.engine.engine import LLMEngine
 from cluster.types import SamplingParams
 from tests.helpers import assert_no_leak
 

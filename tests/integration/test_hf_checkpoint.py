@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cluster.config import EngineConfig
-from cluster.engine import LLMEngine
+from cluster.engine.engine import LLMEngine
 from cluster.engine.page_pool import pages_for
 from cluster.engine.scheduler import Step
 from cluster.engine.sequence import Sequence

@@ -14,7 +14,7 @@ import openai
 import pytest
 import ray
 
-from cluster.engine import LLMEngine
+from cluster.engine.engine import LLMEngine
 from cluster.types import SamplingParams
 from tests.helpers import wait_until
 from tests.integration.router_harness import RouterHarness, ask

@@ -14,7 +14,7 @@ import grpc
 import pytest
 from redis import Redis
 
-from cluster.engine import LLMEngine
+from cluster.engine.engine import LLMEngine
 from cluster.types import RequestId, SamplingParams
 from router.request import MAX_CHARS_PER_TOKEN
 from router.server import UNPARSABLE_LOG_EVERY_S

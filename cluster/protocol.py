@@ -1,0 +1,62 @@
+"""What the roles report to each other across processes: each worker's stats.
+
+The workers build these (decode_worker, prefill_worker) and the router and the control
+plane read them, so they live on the floor all of them stand on: reading a worker's
+load imports neither its actor nor the engine. The per-request values that cross
+processes (KVTarget, FirstToken, TokenDelta, ModelInfo) are in cluster/types.py.
+Plain frozen dataclasses, carried by Ray's own serialization.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DecodeStats:
+    epoch: str  # new each time the worker starts: its prefix cache is gone with the old one
+    free_pages: int
+    num_pages: int
+    running: int
+    waiting: int
+    transferring: int
+    admitting: int
+    queued_tokens: int  # prompt tokens of waiting requests, not yet computed
+    prefix_queries: int  # prompt tokens looked up in the prefix cache, since the start
+    prefix_hits: int  # ... and found there
+    pages_received: int
+    bytes_received: int
+    transfer_failures: int  # transfers that ended without their KV (then recomputed or failed)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests here in any state: a drained worker waits for this to reach 0."""
+        return self.running + self.waiting + self.transferring + self.admitting
+
+
+@dataclass
+class SendStats:
+    """A prefill worker's KV pushes since it started; its sender counts into one of these
+    and `PrefillStats` carries a copy."""
+
+    writes: int = 0
+    pages: int = 0  # distinct pages sent (all their layers)
+    bytes: int = 0
+    lease_misses: int = 0
+    post_s: float = 0.0  # time spent posting WRITEs (on one host, cma copies while posting)
+
+
+@dataclass(frozen=True)
+class PrefillStats:
+    epoch: str  # new each time the worker starts: its prefix cache is gone with the old one
+    free_pages: int
+    num_pages: int
+    queued_requests: int
+    queued_tokens: int  # prompt tokens queued or prefilling, not yet computed
+    transferring: int  # requests whose KV is still being pushed
+    sent: SendStats
+
+    @property
+    def in_flight(self) -> int:
+        """Requests here in any state: a drained worker waits for this to reach 0."""
+        return self.queued_requests + self.transferring

@@ -221,6 +221,10 @@ def _bench(args: argparse.Namespace) -> int:
         from bench.gpu import main as gpu_main
 
         return gpu_main(args.bench_args)
+    if args.kind == "chaos":
+        from bench.chaos import main as chaos_main
+
+        return chaos_main(args.bench_args)
     from bench.offline import main as offline_main
 
     return offline_main(args.bench_args)
@@ -318,7 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(func=_plan)
 
     bench = sub.add_parser("bench", help="benchmarks (bench/)")
-    bench.add_argument("kind", choices=["offline", "transfer", "router", "serve", "compare", "gpu"])
+    bench.add_argument(
+        "kind", choices=["offline", "transfer", "router", "serve", "compare", "gpu", "chaos"]
+    )
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)
     return parser

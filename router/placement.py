@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import cast
 
@@ -93,7 +93,8 @@ class PlacementStore:
     returns False (fail open) -- no exception ever reaches the caller.
 
     After a failure Redis counts as down and is left alone for `retry_s`; the next call
-    after that tries it again. Stores sharing one Redis see each other's placements.
+    after that tries it again (on `clock`, seconds). Stores sharing one Redis see each
+    other's placements.
     """
 
     def __init__(
@@ -103,6 +104,7 @@ class PlacementStore:
         timeout_s: float = 0.05,
         retry_s: float = 1.0,
         prefix: str = "splitserve:session:",
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._redis = aioredis.Redis.from_url(
             url,
@@ -115,9 +117,10 @@ class PlacementStore:
         self._ttl_ms = max(1, round(ttl_s * 1000))
         self._retry_s = retry_s
         self._prefix = prefix
+        self._clock = clock
         self._failures = 0
         self._available = True
-        self._retry_at = 0.0  # time.monotonic() before which a down Redis is not tried
+        self._retry_at = 0.0  # the clock's time before which a down Redis is not tried
 
     @property
     def failures(self) -> int:
@@ -166,11 +169,11 @@ class PlacementStore:
         await self._redis.aclose()
 
     def _resting(self) -> bool:
-        return not self._available and time.monotonic() < self._retry_at
+        return not self._available and self._clock() < self._retry_at
 
     def _down(self, error: Exception) -> None:
         self._failures += 1
-        self._retry_at = time.monotonic() + self._retry_s
+        self._retry_at = self._clock() + self._retry_s
         if self._available:
             self._available = False
             log.warning(

@@ -188,11 +188,11 @@ class Workers:
             self.handles[name] = spawn(name, config, TransferConfig(**transfer), num_cpus=0)
         return self.handles[name]
 
-    def release(self, keep: tuple[str, ...]) -> None:
-        """Kill every actor but those named in `keep`."""
+    def release(self) -> None:
+        """Kill every actor spawned so far."""
         import ray
 
-        for name in [n for n in self.handles if n not in keep]:
+        for name in list(self.handles):
             ray.kill(self.handles.pop(name))
 
     def assert_all_pages_free(self, timeout_s: float = 10.0) -> None:
@@ -217,9 +217,9 @@ class Workers:
         assert not busy, f"pages still held: {busy}"
 
 
-# Every actor holds its own copy of the model: those a module spawns for itself go when
-# the module ends, or a whole run would not fit in this machine's 24 GB.
-SHARED_WORKERS = ("prefill", "decode", "colocated")
+# The workers a module spawns go when it ends: no module sees another's prefix caches
+# (or its leftovers), and every actor holds its own copy of the model, so keeping them
+# would not fit a whole run in this machine's 24 GB.
 _session_workers: list[Workers] = []
 
 
@@ -239,7 +239,7 @@ def ray_workers() -> Iterator[Workers]:
 def release_module_workers() -> Iterator[None]:
     yield
     for workers in _session_workers:
-        workers.release(keep=SHARED_WORKERS)
+        workers.release()
 
 
 @pytest.fixture

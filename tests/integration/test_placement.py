@@ -19,6 +19,7 @@ import redis
 
 from router.placement import Placement, PlacementStore
 from splitserve.redis_server import EmbeddedRedis
+from tests.helpers import until
 
 T = TypeVar("T")
 PREFIX = "splitserve:session:"
@@ -96,8 +97,11 @@ def test_placement_expires_after_its_ttl(redis_url: str) -> None:
             with redis.Redis.from_url(redis_url) as client:
                 assert 0 < client.pttl(PREFIX + "short-lived") <= 200
             assert await store.get("short-lived") == PLACEMENT
-            await asyncio.sleep(0.3)
-            assert await store.get("short-lived") is None
+
+            async def expired() -> bool:
+                return await store.get("short-lived") is None
+
+            await until(expired, "Redis to expire the placement", 5)
 
     asyncio.run(go())
 
@@ -160,9 +164,10 @@ def test_redis_down_fails_open_with_one_warning_then_recovers_on_restart(
 ) -> None:
     caplog.set_level(logging.INFO, logger="router.placement")
     retry_s = 1.0
+    now = [0.0]  # the store's clock: retry_s passes when the test says so
 
     async def go(server: EmbeddedRedis) -> None:
-        async with opened(server.url, retry_s=retry_s) as store:
+        async with opened(server.url, retry_s=retry_s, clock=lambda: now[0]) as store:
             assert await store.put("outage", PLACEMENT)  # leaves a pooled connection behind
             server.stop()
             for _ in range(3):
@@ -175,7 +180,9 @@ def test_redis_down_fails_open_with_one_warning_then_recovers_on_restart(
 
             url = server.url
             assert server.start() == url  # the same port
-            await asyncio.sleep(retry_s)
+            now[0] = retry_s / 2
+            assert await store.get("outage") is None and not store.available  # still resting
+            now[0] = retry_s
             assert await store.get("outage") is None  # no persistence: the restart lost it
             assert store.available
             assert await store.put("outage", PLACEMENT)

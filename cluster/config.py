@@ -270,6 +270,11 @@ class RouterConfig:
     grace_s: float = 10.0  # on shutdown, how long in-flight requests may run on
     metrics_port: int | None = 9464  # Prometheus /metrics on host:port; 0: any; null: off
     http_port: int | None = 8000  # the OpenAI-compatible HTTP API on host:port; null: off
+    # A stream whose decode worker dies or is drained moves to another (router/router.py):
+    # at most this many times per request (0: never; the stream then fails UNAVAILABLE),
+    max_migrations: int = 3
+    # ... waiting at most this long for a live decode worker (a pool replacing the dead one).
+    migration_wait_s: float = 30.0
 
     def __post_init__(self) -> None:
         _check(isinstance(self.host, str) and bool(self.host), "host", "must be a host name")
@@ -286,8 +291,15 @@ class RouterConfig:
                 f"must be an integer in [0, 65535] or null, got {value!r}",
             )
         _check(self.policy in POLICIES, "policy", f"must be one of {POLICIES}, got {self.policy!r}")
-        for name in ("affinity_slack_tokens", "max_pending", "max_tokens", "max_message_bytes"):
-            value, least = getattr(self, name), 0 if name == "affinity_slack_tokens" else 1
+        for name in (
+            "affinity_slack_tokens",
+            "max_migrations",
+            "max_pending",
+            "max_tokens",
+            "max_message_bytes",
+        ):
+            value = getattr(self, name)
+            least = 0 if name in ("affinity_slack_tokens", "max_migrations") else 1
             _check(
                 _is_int(value) and value >= least,
                 name,
@@ -296,6 +308,11 @@ class RouterConfig:
         for name in ("session_ttl_s", "redis_timeout_s", "stats_interval_s", "grace_s"):
             value = getattr(self, name)
             _check(_is_number(value) and value > 0, name, f"must be a number > 0, got {value!r}")
+        _check(
+            _is_number(self.migration_wait_s) and self.migration_wait_s >= 0,
+            "migration_wait_s",
+            f"must be a number >= 0, got {self.migration_wait_s!r}",
+        )
 
 
 @dataclass(frozen=True)

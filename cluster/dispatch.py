@@ -10,7 +10,10 @@ for it, stream its tokens back, abort it.
 4. A failed prefill worker (dead, incompatible, transport error) is reported to the
    decode worker, which recomputes or fails the request per its policy.
 5. The stream ends with a delta that has a finish reason; leaving the stream early
-   aborts the request on both workers.
+   aborts the request on both workers. If the decode worker dies or gives the request
+   up (drained), the stream raises WorkerLost instead: the caller may continue the
+   request on other workers from what it delivered (`Delivered`), and the continued
+   stream picks up after the last token and character the caller got.
 
 The workers know each accepted request by an id of its own, the caller's id plus a
 random suffix, never by the caller's id alone: a client may reuse its id the moment
@@ -20,17 +23,19 @@ it cancels, and the first use's late abort and ABORT delta must not reach the se
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import random
 import time
 import uuid
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from ray.exceptions import RayActorError
+
 from cluster.types import (
-    FinishReason,
     FirstToken,
     InvalidRequestError,
     RequestId,
@@ -53,11 +58,28 @@ class Trace:
 
 
 @dataclass
+class Delivered:
+    """What a request's stream has handed its caller so far, over all its attempts."""
+
+    token_ids: list[int] = field(default_factory=list)
+    chars: int = 0  # characters of output text
+
+
+class WorkerLost(Exception):
+    """The decode worker running the request died (`dead`) or gave it up (drained)."""
+
+    def __init__(self, why: str, dead: bool) -> None:
+        super().__init__(why)
+        self.dead = dead
+
+
+@dataclass
 class _Stream:
-    queue: asyncio.Queue[TokenDelta]
+    queue: asyncio.Queue[TokenDelta | str]  # a str: the decode worker is gone, and why
     decode: Any
     prefill: Any | None
     trace: Trace
+    stops: bool  # the request has stop strings
 
 
 class Dispatcher:
@@ -80,49 +102,57 @@ class Dispatcher:
         prefill: Any | None = None,
         request_id: RequestId | None = None,
         trace: Trace | None = None,
+        delivered: Delivered | None = None,
     ) -> AsyncGenerator[TokenDelta, None]:
         """Deltas of one request in order; the last one has a finish reason. `trace`, if
         given, is filled in as the request passes each point. Deltas carry `request_id`
-        (a random one when not given); the workers know the request by `worker_id`."""
+        (a random one when not given); the workers know the request by `worker_id`.
+
+        `delivered` (updated as deltas go out): with tokens in it, the request continues
+        after them (a migration): the workers get them as the prompt's end, the stream's
+        first delta follows them. A sampled request must then keep its seed."""
         caller = request_id or RequestId(uuid.uuid4().hex)
         if caller in self._in_flight:
             raise InvalidRequestError(f"request_id: {caller!r} is already in flight")
         rid = RequestId(f"{caller}.{uuid.uuid4().hex[:12]}")
-        if not sampling.greedy and sampling.seed is None:  # both workers must draw alike
-            sampling = dataclasses.replace(sampling, seed=random.getrandbits(63))
+        sampling = seeded(sampling)
+        done = delivered or Delivered()
+        resumed = len(done.token_ids)
+        assert resumed < sampling.max_tokens, "a request that has all its tokens is finished"
+        prompt = prompt_ids + done.token_ids
+        sampling = dataclasses.replace(sampling, max_tokens=sampling.max_tokens - resumed)
         trace = trace or Trace()
-        stream = _Stream(asyncio.Queue(), decode, prefill, trace)
+        stream = _Stream(asyncio.Queue(), decode, prefill, trace, sampling.stop != ())
         self._streams[rid], self._in_flight[caller] = stream, rid
         self._poll(decode)
         finished = False  # or refused: then there is nothing to abort
         try:
             try:
                 target = await decode.submit.remote(
-                    rid, prompt_ids, sampling, prefill is not None, self.reader
+                    rid, prompt, sampling, prefill is not None, self.reader, resumed
                 )
+            except RayActorError as e:
+                finished = True
+                raise WorkerLost(f"decode worker failed: {e}", dead=True) from None
             except Exception:
                 finished = True
                 raise
-            trace.admitted_at = time.monotonic()
-            trace.remote_prefill = target is not None
+            if trace.admitted_at is None:
+                trace.admitted_at = time.monotonic()
+                trace.remote_prefill = target is not None
             if target is not None:
                 assert prefill is not None
-                self._spawn(self._prefill(rid, prompt_ids, sampling, target, stream))
-            sent = 0
+                self._spawn(self._prefill(rid, prompt, sampling, target, resumed, stream))
             while not finished:
-                delta = await stream.queue.get()
-                skip = max(0, sent - delta.index)  # the first token, seen twice
-                if skip >= len(delta.token_ids) and delta.finish_reason is None:
+                got = await stream.queue.get()
+                if isinstance(got, str):
+                    raise WorkerLost(got, dead=True)
+                if got.evicted:
+                    finished = True  # the worker has let it go: nothing to abort
+                    raise WorkerLost(got.error or "evicted", dead=False)
+                delta = _unseen(got, caller, done)
+                if delta is None:
                     continue
-                delta = dataclasses.replace(
-                    delta,
-                    request_id=caller,
-                    index=delta.index + skip,
-                    token_ids=delta.token_ids[skip:],
-                    logprobs=delta.logprobs[skip:],
-                    text=delta.text if skip == 0 else "",
-                )
-                sent = delta.index + len(delta.token_ids)
                 finished = delta.finish_reason is not None
                 if trace.first_token_at is None and delta.token_ids:
                     trace.first_token_at = time.monotonic()
@@ -151,9 +181,13 @@ class Dispatcher:
             await self._abort(rid, self._streams[rid])
 
     async def _abort(self, rid: RequestId, stream: _Stream) -> None:
-        if stream.prefill is not None:
-            await stream.prefill.abort.remote(rid)
-        await stream.decode.abort.remote(rid)
+        """Abort on both workers; one that is gone has nothing left to abort."""
+        for worker in (stream.prefill, stream.decode):
+            if worker is not None:
+                try:
+                    await worker.abort.remote(rid)
+                except RayActorError as e:
+                    log.debug("request %s: abort on a dead worker: %s", rid, e)
 
     async def _prefill(
         self,
@@ -161,21 +195,29 @@ class Dispatcher:
         prompt_ids: list[int],
         sampling: SamplingParams,
         target: Any,
+        resumed: int,
         stream: _Stream,
     ) -> None:
         assert stream.prefill is not None
         try:
             first: FirstToken | None = await stream.prefill.prefill.remote(
-                rid, prompt_ids, sampling, target
+                rid, prompt_ids, sampling, target, resumed
             )
         except Exception as e:
             log.warning("request %s: prefill failed: %s", rid, e)
-            await stream.decode.transfer_failed.remote(rid, f"prefill worker failed: {e}")
+            with contextlib.suppress(RayActorError):  # if gone too, its reader ends the stream
+                await stream.decode.transfer_failed.remote(rid, f"prefill worker failed: {e}")
             return
         if first is not None:
-            stream.trace.num_cached_tokens = first.num_cached_tokens
+            if not resumed:
+                stream.trace.num_cached_tokens = first.num_cached_tokens
             lps = () if first.logprob is None else (first.logprob,)
-            stream.queue.put_nowait(TokenDelta(rid, 0, (first.token_id,), first.text, lps))
+            # With stop strings the prefill worker's text could end in a stop string's
+            # start, which it cannot hold back (its part ends here): the decode worker's
+            # deltas carry the text instead.
+            text = "" if stream.stops else first.text
+            delta = TokenDelta(rid, resumed, (first.token_id,), text, lps)
+            stream.queue.put_nowait(dataclasses.replace(delta, text_offset=first.text_offset))
 
     def _poll(self, decode: Any) -> None:
         key = decode._actor_id.hex()
@@ -188,13 +230,12 @@ class Dispatcher:
         while True:
             try:
                 cursor, deltas = await decode.outputs.remote(self.reader, cursor, self.poll_s)
-            except Exception as e:  # the worker is gone: end its requests' streams
+            except Exception as e:  # the worker is gone: its requests' streams end
                 lost = [(r, s) for r, s in self._streams.items() if s.decode is decode]
                 # None lost: it was drained and removed, nothing to report.
                 log.log(logging.ERROR if lost else logging.DEBUG, "decode worker gone: %s", e)
-                for rid, stream in lost:
-                    why = f"decode worker failed: {e}"
-                    stream.queue.put_nowait(TokenDelta(rid, 0, (), "", (), FinishReason.ERROR, why))
+                for _, stream in lost:
+                    stream.queue.put_nowait(f"decode worker failed: {e}")
                 return
             for delta in deltas:
                 to = self._streams.get(delta.request_id)
@@ -210,3 +251,33 @@ class Dispatcher:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def seeded(sampling: SamplingParams) -> SamplingParams:
+    """A sampled request with a seed (a random one if it has none): every worker that
+    takes part in it, in any attempt, must draw alike."""
+    if sampling.greedy or sampling.seed is not None:
+        return sampling
+    return dataclasses.replace(sampling, seed=random.getrandbits(63))
+
+
+def _unseen(delta: TokenDelta, caller: RequestId, done: Delivered) -> TokenDelta | None:
+    """The part of a worker's delta the caller has not had, under the caller's id, with
+    `done` updated; None when nothing is new. Tokens and text may come twice: the first
+    token from both workers, a continued request's text again from its new worker."""
+    skip = max(0, len(done.token_ids) - delta.index)
+    cut = max(0, done.chars - delta.text_offset)
+    if skip >= len(delta.token_ids) and cut >= len(delta.text) and delta.finish_reason is None:
+        return None
+    fresh = dataclasses.replace(
+        delta,
+        request_id=caller,
+        index=delta.index + skip,
+        token_ids=delta.token_ids[skip:],
+        logprobs=delta.logprobs[skip:],
+        text=delta.text[cut:],
+        text_offset=delta.text_offset + cut,
+    )
+    done.token_ids.extend(fresh.token_ids)
+    done.chars = max(done.chars, delta.text_offset + len(delta.text))
+    return fresh

@@ -93,6 +93,7 @@ class RequestOutput:
     new_logprobs: list[float] = field(default_factory=list)
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    text_offset: int = 0  # characters of the request's output text before new_text
 
     @property
     def finished(self) -> bool:
@@ -135,11 +136,15 @@ class FirstToken:
     logprob: float | None
     text: str
     num_cached_tokens: int = 0  # prompt tokens the prefill found in its prefix cache
+    text_offset: int = 0  # characters of the request's output text before `text`
 
 
 @dataclass(frozen=True)
 class TokenDelta:
-    """New tokens of one request, as a worker emits them; `index` counts output tokens."""
+    """New tokens of one request, as a worker emits them; `index` counts output tokens and
+    `text_offset` the characters of output text before `text`: a reader that got some of
+    them from another worker (the first token, or the part before a migration) skips those.
+    `evicted`: the worker gave the request up unfinished (drained): continue it elsewhere."""
 
     request_id: RequestId
     index: int
@@ -149,6 +154,8 @@ class TokenDelta:
     finish_reason: FinishReason | None = None
     error: str | None = None  # set when finish_reason is ERROR: what went wrong
     num_cached_tokens: int = 0  # prompt tokens this worker found in its prefix cache
+    text_offset: int = 0
+    evicted: bool = False
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,7 @@ class _Admitting:
     request_id: RequestId
     prompt_ids: list[int]
     sampling: SamplingParams
+    resumed: int
     done: asyncio.Future[KVTarget | None]
 
 
@@ -100,24 +101,28 @@ class DecodeWorker:
         sampling: SamplingParams,
         remote: bool,
         reader: str,
+        resumed: int = 0,
     ) -> KVTarget | None:
         """Admit a request: a leased KVTarget to prefill into elsewhere, or None if it
         prefills here (colocated, short uncached part, or aborted while waiting). Its
-        deltas go to `reader`'s outbox (see `outputs`)."""
+        deltas go to `reader`'s outbox (see `outputs`). `resumed`: the prompt ends with
+        that many tokens of the request's own output (a migrated request, see
+        LLMEngine.add_request); its deltas are numbered after them."""
         done: asyncio.Future[KVTarget | None] = asyncio.get_running_loop().create_future()
 
         def admit() -> None:
             if request_id in self._emitted:
                 raise InvalidRequestError(f"request_id: {request_id!r} is already in flight")
-            self._emitted[request_id] = 0
+            self._emitted[request_id] = resumed
             self._outboxes.claim(request_id, reader)
             try:
                 uncached = len(prompt_ids) - self.engine.cached_prefix_tokens(prompt_ids)
                 if not remote or uncached <= self.transfer.local_prefill_tokens:
-                    self.engine.add_request(prompt_ids, sampling, request_id)
+                    self.engine.add_request(prompt_ids, sampling, request_id, resumed)
                     _settle(done, None)
                     return
-                self._admitting.append(_Admitting(request_id, prompt_ids, sampling, done))
+                admitting = _Admitting(request_id, prompt_ids, sampling, resumed, done)
+                self._admitting.append(admitting)
                 self._admit()
             except Exception:
                 del self._emitted[request_id]
@@ -136,13 +141,15 @@ class DecodeWorker:
         """Abort in any state; returns the state it was in (None: not here)."""
         return await self._loop.call(lambda: self._abort(request_id))
 
-    async def abort_all(self, why: str) -> int:
-        """Abort every request here, each ending ABORT with `why`; how many there were."""
+    async def evict_all(self, why: str) -> int:
+        """Give up every request here (a drain past its deadline): each ends with an
+        `evicted` delta saying `why`, and its router continues it on another worker. How
+        many there were."""
 
         def run() -> int:
             rids = list(self._emitted)
             for rid in rids:
-                self._abort(rid, why)
+                self._abort(rid, why, evicted=True)
             return len(rids)
 
         return await self._loop.call(run)
@@ -208,7 +215,7 @@ class DecodeWorker:
         while self._admitting:
             a = self._admitting[0]
             try:
-                reservation = self.engine.reserve(a.prompt_ids, a.sampling, a.request_id)
+                reservation = self.engine.reserve(a.prompt_ids, a.sampling, a.request_id, a.resumed)
             except Exception as e:
                 self._admitting.popleft()
                 del self._emitted[a.request_id]
@@ -269,12 +276,14 @@ class DecodeWorker:
             self.engine.abort_request(rid, FinishReason.ERROR)
             self._publish(self._final(rid, FinishReason.ERROR, why))
 
-    def _abort(self, rid: RequestId, why: str | None = None) -> RequestStatus | None:
+    def _abort(
+        self, rid: RequestId, why: str | None = None, evicted: bool = False
+    ) -> RequestStatus | None:
         for a in self._admitting:
             if a.request_id == rid:
                 self._admitting.remove(a)
                 _settle(a.done, None)
-                self._publish(self._final(rid, FinishReason.ABORT, why))
+                self._publish(self._final(rid, FinishReason.ABORT, why, evicted))
                 return RequestStatus.WAITING
         inbound = self._inbound.get(rid)
         status = self.engine.status(rid)
@@ -282,7 +291,7 @@ class DecodeWorker:
             inbound.aborted = True  # the pages wait until no WRITE can land
         elif not self.engine.abort_request(rid):
             return None
-        self._publish(self._final(rid, FinishReason.ABORT, why))
+        self._publish(self._final(rid, FinishReason.ABORT, why, evicted))
         return status
 
     def _delta(self, out: RequestOutput) -> TokenDelta:
@@ -300,10 +309,14 @@ class DecodeWorker:
             tuple(out.new_logprobs),
             out.finish_reason,
             num_cached_tokens=out.num_cached_tokens,
+            text_offset=out.text_offset,
         )
 
-    def _final(self, rid: RequestId, reason: FinishReason, error: str | None) -> TokenDelta:
-        return TokenDelta(rid, self._emitted.pop(rid, 0), (), "", (), reason, error)
+    def _final(
+        self, rid: RequestId, reason: FinishReason, error: str | None, evicted: bool = False
+    ) -> TokenDelta:
+        index = self._emitted.pop(rid, 0)
+        return TokenDelta(rid, index, (), "", (), reason, error, evicted=evicted)
 
     def _publish(self, *deltas: TokenDelta) -> None:
         self._outboxes.publish(list(deltas))

@@ -72,8 +72,11 @@ class PrefillWorker:
         prompt_ids: list[int],
         sampling: SamplingParams,
         target: KVTarget,
+        resumed: int = 0,
     ) -> FirstToken | None:
-        """Prefill the prompt into the target's pages; the first token, or None if aborted."""
+        """Prefill the prompt into the target's pages; the first token, or None if aborted.
+        `resumed`: the prompt ends with that many tokens of the request's own output (a
+        migrated request, see LLMEngine.add_request)."""
         done: asyncio.Future[FirstToken | None] = asyncio.get_running_loop().create_future()
 
         def admit() -> None:
@@ -82,7 +85,7 @@ class PrefillWorker:
             self.sender.start(request_id, target)
             try:
                 self.engine.add_request(
-                    prompt_ids, dataclasses.replace(sampling, max_tokens=1), request_id
+                    prompt_ids, dataclasses.replace(sampling, max_tokens=1), request_id, resumed
                 )
             except Exception:
                 self.sender.stop(request_id)
@@ -152,7 +155,11 @@ class PrefillWorker:
                     lp = out.new_logprobs[0] if out.new_logprobs else None
                     self.sender.first_token(out.request_id, out.new_token_ids[0], lp or 0.0)
                     first = FirstToken(
-                        out.new_token_ids[0], lp, out.new_text, out.num_cached_tokens
+                        out.new_token_ids[0],
+                        lp,
+                        out.new_text,
+                        out.num_cached_tokens,
+                        out.text_offset,
                     )
                     self._settle(out.request_id, first)
         pending = self.sender.poll()

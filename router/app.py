@@ -75,7 +75,14 @@ async def start_router(
     policy = PolicyConfig(
         PolicyName(config.policy), local_prefill_tokens, config.affinity_slack_tokens
     )
-    router = Router(policy, workers, placements, config.max_pending)
+    router = Router(
+        policy,
+        workers,
+        placements,
+        config.max_pending,
+        max_migrations=config.max_migrations,
+        migration_wait_s=config.migration_wait_s,
+    )
     metrics = RouterMetrics(workers)
     servicer = GenerationServicer(router, tokenizer, info, config, metrics)
     server = RouterServer(servicer, config)

@@ -60,6 +60,11 @@ class RouterMetrics:
             buckets=LATENCY_S,
             registry=r,
         )
+        self.migrations = Counter(
+            "splitserve_request_migrations",
+            "Moves of finished requests to another decode worker (their worker died or drained)",
+            registry=r,
+        )
         r.register(_WorkerLoads(workers))
         # What the autoscaler reads each tick (splitserve/scaler.py).
         self.recent_ttft = Window()
@@ -73,6 +78,7 @@ class RouterMetrics:
             for _ in delta.token_ids:
                 self.itl.observe(gap)
         if final is not None:
+            self.migrations.inc(final.migrations)
             t, n = final.timing, final.usage.completion_tokens
             self.ttft.observe(t.first_token_ms / 1e3)
             self.recent_ttft.add(t.first_token_ms / 1e3)

@@ -8,7 +8,13 @@ Life of a request here:
 3. The policy picks a decode worker and maybe a prefill worker from the last loads.
 4. The Dispatcher runs it on them and streams its deltas; the trace records when it
    was admitted, when its first token came and when its KV was ready for decode.
-5. On a normal finish the session's placement is written back (in the background),
+5. If its decode worker dies or is drained past its deadline mid-stream, the request
+   moves: it is routed again as its prompt plus the tokens already streamed and goes
+   on from there on another decode worker (after waiting up to `migration_wait_s` for
+   one), the client seeing no gap and no duplicate. Greedy and seeded requests yield
+   exactly the tokens they would have. Past `max_migrations` moves, or with no decode
+   worker, it ends Unavailable saying why.
+6. On a normal finish the session's placement is written back (in the background),
    and the last delta goes out with usage and timing. A failed or aborted request
    raises RequestFailed instead: it never ends as if it had finished.
 """
@@ -17,19 +23,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ray.exceptions import RayActorError
-
-from cluster.dispatch import Dispatcher, Trace
-from cluster.types import FinishReason, TokenDelta
+from cluster.dispatch import Delivered, Dispatcher, Trace, WorkerLost, seeded
+from cluster.types import FinishReason, SamplingParams, TokenDelta
 from router.placement import Placement, PlacementStore
-from router.policy import NoWorkerError, PolicyConfig, Route, RouteRequest, SessionHint, route
+from router.policy import (
+    NoWorkerError,
+    PolicyConfig,
+    Route,
+    RouteRequest,
+    SessionHint,
+    Snapshot,
+    route,
+)
 from router.request import Prepared
 from router.workers import WorkerRegistry
+
+log = logging.getLogger(__name__)
 
 
 class Overloaded(Exception):
@@ -72,7 +87,8 @@ class Final:
 
     usage: Usage
     timing: Timing
-    route: Route
+    route: Route  # the last one, after any migration
+    migrations: int = 0  # times the request moved to another decode worker
 
 
 class Router:
@@ -83,11 +99,15 @@ class Router:
         placements: PlacementStore | None,
         max_pending: int,
         dispatcher: Dispatcher | None = None,
+        max_migrations: int = 3,
+        migration_wait_s: float = 30.0,
     ) -> None:
         self.policy = policy
         self.workers = workers
         self.placements = placements
         self.max_pending = max_pending
+        self.max_migrations = max_migrations
+        self.migration_wait_s = migration_wait_s
         self.dispatcher = dispatcher or Dispatcher()
         self.pending = 0
         self._turn = 0
@@ -117,33 +137,89 @@ class Router:
         self, p: Prepared, arrived: float
     ) -> AsyncIterator[tuple[TokenDelta, Final | None]]:
         hint = await self._session(p.session_id)
+        sampling = seeded(p.sampling)  # a moved request draws on from the same seed
+        delivered, trace = Delivered(), Trace()
+        moves = 0
+        while True:
+            snapshot, chosen = await self._route(p, hint, delivered, moves)
+            try:
+                async for delta, usage in self._attempt(
+                    p, sampling, snapshot, chosen, hint, delivered, trace
+                ):
+                    if usage is None:
+                        yield delta, None
+                    else:
+                        yield delta, Final(usage, _timing(trace, arrived), chosen, moves)
+                return
+            except WorkerLost as e:
+                if e.dead:
+                    self.workers.mark_dead(chosen.decode, str(e))
+                moves += 1
+                if moves > self.max_migrations:
+                    raise Unavailable(
+                        f"{e}; the request already moved {moves - 1} times "
+                        f"(max_migrations={self.max_migrations})"
+                    ) from None
+                log.warning(
+                    "request %s: %s after %d tokens; moving it to another decode worker",
+                    p.request_id,
+                    e,
+                    len(delivered.token_ids),
+                )
+                hint = None
+
+    async def _route(
+        self, p: Prepared, hint: SessionHint | None, delivered: Delivered, moves: int
+    ) -> tuple[Snapshot, Route]:
+        """Where the request (or what is left of it) goes. A moving request waits up to
+        `migration_wait_s` for a decode worker (a pool replacing a dead one); a new one
+        is refused at once."""
         self._turn += 1
-        snapshot = self.workers.snapshot()
-        request = RouteRequest(len(p.prompt_ids), p.sampling.max_tokens, hint, self._turn)
-        try:
-            chosen = route(self.policy, snapshot, request)
-        except NoWorkerError as e:
-            raise Unavailable(str(e)) from None
+        done = len(delivered.token_ids)
+        request = RouteRequest(
+            len(p.prompt_ids) + done, p.sampling.max_tokens - done, hint, self._turn
+        )
+        deadline = time.monotonic() + (self.migration_wait_s if moves else 0.0)
+        while True:
+            snapshot = self.workers.snapshot()
+            try:
+                return snapshot, route(self.policy, snapshot, request)
+            except NoWorkerError as e:
+                if time.monotonic() >= deadline:
+                    waited = f" within migration_wait_s={self.migration_wait_s:g}" if moves else ""
+                    raise Unavailable(f"{e}{waited}") from None
+            await asyncio.sleep(self.workers.interval_s)
+
+    async def _attempt(
+        self,
+        p: Prepared,
+        sampling: SamplingParams,
+        snapshot: Snapshot,
+        chosen: Route,
+        hint: SessionHint | None,
+        delivered: Delivered,
+        trace: Trace,
+    ) -> AsyncIterator[tuple[TokenDelta, Usage | None]]:
+        """The request's deltas from the workers `chosen`; the last one with its usage."""
         decode = self.workers.handle(chosen.decode)
         prefill = None if chosen.prefill is None else self.workers.handle(chosen.prefill)
-        trace = Trace()
-        completion = 0
+        prompt_tokens = len(p.prompt_ids) + len(delivered.token_ids)
         stream = self.dispatcher.generate(
-            p.prompt_ids, p.sampling, decode, prefill, p.request_id, trace
+            p.prompt_ids, sampling, decode, prefill, p.request_id, trace, delivered
         )
         prefilling = chosen.prefill
-        self.workers.routed(chosen.decode, prefilling, len(p.prompt_ids))
+        self.workers.routed(chosen.decode, prefilling, prompt_tokens)
         try:
             async for delta in stream:
                 if delta.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
                     raise RequestFailed(delta.finish_reason, delta.error or "aborted")
                 if prefilling is not None and delta.token_ids:
-                    self.workers.prefilled(prefilling, len(p.prompt_ids))
+                    self.workers.prefilled(prefilling, prompt_tokens)
                     prefilling = None
-                completion += len(delta.token_ids)
                 if delta.finish_reason is None:
                     yield delta, None
                     continue
+                completion = len(delivered.token_ids)
                 if p.session_id is not None:
                     epoch = next(w.epoch for w in snapshot.decode if w.worker == chosen.decode)
                     # A local prefill leaves the session's prefix where it was prefilled before.
@@ -152,15 +228,11 @@ class Router:
                     cached = len(p.prompt_ids) + completion - 1
                     placement = Placement(chosen.decode, epoch, prefill_worker, cached, time.time())
                     self._remember(p.session_id, placement)
-                usage = Usage(len(p.prompt_ids), trace.num_cached_tokens, completion)
-                yield delta, Final(usage, _timing(trace, arrived), chosen)
-        except RayActorError as e:  # the decode worker died before taking the request
-            self.workers.mark_dead(chosen.decode, str(e))
-            raise Unavailable(f"decode worker {chosen.decode} failed: {e}") from None
+                yield delta, Usage(len(p.prompt_ids), trace.num_cached_tokens, completion)
         finally:
             await stream.aclose()
             if prefilling is not None:
-                self.workers.prefilled(prefilling, len(p.prompt_ids))
+                self.workers.prefilled(prefilling, prompt_tokens)
             self.workers.finished(chosen.decode)
 
     async def _session(self, session_id: str | None) -> SessionHint | None:

@@ -27,7 +27,7 @@ from cluster.engine.model_files import bundled_model_path
 from cluster.engine.page_pool import PagePool, pages_for
 from cluster.engine.quantization import QuantizationError
 from cluster.engine.runner import build_runner
-from cluster.engine.sampler import sample
+from cluster.engine.sampler import sample, skip_draws
 from cluster.engine.scheduler import Scheduler, Step
 from cluster.engine.sequence import Sequence
 from cluster.engine.tokenizer import TextStream, Tokenizer
@@ -142,9 +142,17 @@ class LLMEngine:
         prompt: str | list[int],
         sampling: SamplingParams,
         request_id: RequestId | None = None,
+        resumed: int = 0,
     ) -> RequestId:
-        """Queue a request; InvalidRequestError (naming the field) leaves the engine untouched."""
-        live = self._new(prompt, sampling, request_id)
+        """Queue a request; InvalidRequestError (naming the field) leaves the engine untouched.
+
+        `resumed`: the prompt's last `resumed` tokens are the request's own output so far,
+        generated elsewhere (a migrated request). Its text and seeded draws continue after
+        them, so it yields the tokens it would have yielded in one place; `max_tokens`
+        counts the tokens after them. Text offsets (RequestOutput.text_offset) count their
+        text too.
+        """
+        live = self._new(prompt, sampling, request_id, resumed)
         self.scheduler.add(live.seq)
         return live.seq.request_id
 
@@ -154,7 +162,11 @@ class LLMEngine:
         return self.scheduler.cached_prefix(seq)
 
     def reserve(
-        self, prompt_ids: list[int], sampling: SamplingParams, request_id: RequestId
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        request_id: RequestId,
+        resumed: int = 0,
     ) -> Reservation | None:
         """Hold pages for a request whose prompt KV another worker will write into them.
 
@@ -163,7 +175,7 @@ class LLMEngine:
         with `start_decode` (the KV landed), `recompute` or `abort_request`; the caller
         must not end it while a WRITE can still land. None: too few pages, nothing held.
         """
-        live = self._new(prompt_ids, sampling, request_id)
+        live = self._new(prompt_ids, sampling, request_id, resumed)
         if not self.scheduler.reserve(live.seq):
             del self._live[request_id]
             return None
@@ -173,9 +185,7 @@ class LLMEngine:
         """The prompt's KV has landed and another worker sampled its first token: decode on."""
         live = self._live[request_id]
         if live.generator is not None:  # that worker drew the first token from this seed
-            torch.empty(self.spec.vocab_size, device=self.device).exponential_(
-                generator=live.generator
-            )
+            skip_draws(live.generator, self.spec.vocab_size, 1)
         self.scheduler.activate(live.seq)
         return self._append(live, token, logprob if live.seq.sampling.logprobs else None)
 
@@ -277,12 +287,20 @@ class LLMEngine:
     # --- internals ---------------------------------------------------------------------------
 
     def _new(
-        self, prompt: str | list[int], sampling: SamplingParams, request_id: RequestId | None
+        self,
+        prompt: str | list[int],
+        sampling: SamplingParams,
+        request_id: RequestId | None,
+        resumed: int,
     ) -> _Live:
         rid = request_id or RequestId(f"req-{next(self._ids)}")
         if rid in self._live:
             raise InvalidRequestError(f"request_id: {rid!r} is already in flight")
         ids = self._prompt_ids(prompt)
+        if not 0 <= resumed < len(ids):
+            raise InvalidRequestError(
+                f"resumed: must be in [0, {len(ids)}) for a {len(ids)}-token prompt, got {resumed}"
+            )
         if len(ids) + sampling.max_tokens > self.max_model_len:
             raise InvalidRequestError(
                 f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({sampling.max_tokens}) "
@@ -297,13 +315,15 @@ class LLMEngine:
         generator = None
         if not sampling.greedy and sampling.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
+            skip_draws(generator, self.spec.vocab_size, resumed)
         stop_ids = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:
             stop_ids.update(self.spec.eos_token_ids)
         seq = Sequence(rid, list(ids), len(ids), sampling)
-        self._live[rid] = _Live(
-            seq, TextStream(self.tokenizer, ids, sampling.stop), generator, frozenset(stop_ids)
-        )
+        text = TextStream(self.tokenizer, ids[: len(ids) - resumed], sampling.stop)
+        for token in ids[len(ids) - resumed :]:
+            text.add(token)  # no stop string in them: the request would have ended there
+        self._live[rid] = _Live(seq, text, generator, frozenset(stop_ids))
         return self._live[rid]
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
@@ -341,9 +361,11 @@ class LLMEngine:
         if reason is not None:
             self.scheduler.finish(seq, reason)
             del self._live[seq.request_id]
+        text_offset = live.text.emitted
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=[token],
+            text_offset=text_offset,
             new_text=live.text.take(final=reason is not None),
             finish_reason=reason,
             new_logprobs=[logprob] if logprob is not None else [],

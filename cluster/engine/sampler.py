@@ -44,6 +44,15 @@ def sample(
     return [int(t) for t in ids], logprobs
 
 
+def skip_draws(generator: torch.Generator, vocab_size: int, n: int) -> None:
+    """Advance a seeded request's generator past `n` tokens' draws, as `sample` draws them:
+    a request continued on another worker (its first token sampled by a prefill worker, or
+    migrated after some tokens) then draws what it would have drawn in one place."""
+    noise = torch.empty(vocab_size, device=generator.device)
+    for _ in range(n):
+        noise.exponential_(generator=generator)
+
+
 def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     device = logits.device
     temps = torch.tensor([p.temperature for p in params], device=device)

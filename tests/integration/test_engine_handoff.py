@@ -11,7 +11,13 @@ import pytest
 
 from cluster.engine.engine import LLMEngine
 from cluster.engine.scheduler import Step
-from cluster.types import FinishReason, RequestId, RequestStatus, SamplingParams
+from cluster.types import (
+    FinishReason,
+    InvalidRequestError,
+    RequestId,
+    RequestStatus,
+    SamplingParams,
+)
 
 
 def handoff(prefill: LLMEngine, decode: LLMEngine, ids: list[int], sp: SamplingParams) -> list[int]:
@@ -82,3 +88,82 @@ def test_a_reservation_fails_cleanly_when_pages_are_short(
     assert decode.reserve(prompts[0], SamplingParams(max_tokens=4), RequestId("b")) is None
     assert decode.status(RequestId("b")) is None
     assert decode.abort_request(RequestId("a"), FinishReason.ERROR)
+
+
+def outputs(engine: LLMEngine, ids: list[int], sp: SamplingParams, resumed: int = 0) -> list[Any]:
+    rid = engine.add_request(ids, sp, resumed=resumed)
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.request_id == rid]
+    return outs
+
+
+def joined(text: str, outs: list[Any]) -> str:
+    """`text` followed by the outputs' text, each from its offset on (what a reader keeps)."""
+    for o in outs:
+        text += o.new_text[max(0, len(text) - o.text_offset) :]
+    return text
+
+
+@pytest.mark.parametrize(
+    "sp",
+    [
+        SamplingParams(max_tokens=24, ignore_eos=True),
+        SamplingParams(max_tokens=24, temperature=0.9, seed=7, ignore_eos=True),
+        SamplingParams(max_tokens=24, temperature=0.9, seed=7, ignore_eos=True, logprobs=True),
+    ],
+    ids=["greedy", "seeded", "seeded-logprobs"],
+)
+def test_a_request_resumed_after_k_tokens_goes_on_as_if_never_moved(
+    make_engine: Any, prompts: list[list[int]], sp: SamplingParams
+) -> None:
+    """A migrated request: the prompt plus its first k tokens, `resumed=k`, yields the
+    rest of the tokens, logprobs and text it would have yielded in one place."""
+    engine = make_engine("resume", kv_cache_gb=0.05)
+    whole = outputs(engine, prompts[3], sp)
+    tokens = [o.new_token_ids[0] for o in whole]
+    text = joined("", whole)
+    assert len(tokens) == 24 and text
+    for k in (1, 9, 23):
+        rest = outputs(
+            engine,
+            prompts[3] + tokens[:k],
+            dataclasses.replace(sp, max_tokens=sp.max_tokens - k),
+            resumed=k,
+        )
+        assert tokens[:k] + [o.new_token_ids[0] for o in rest] == tokens
+        # The continuation's first logprob comes from a prefill, not a decode step: equal
+        # to float32 rounding.
+        expected = [lp for o in whole[k:] for lp in o.new_logprobs]
+        assert [lp for o in rest for lp in o.new_logprobs] == pytest.approx(expected, abs=1e-4)
+        assert joined(joined("", whole[:k]), rest) == text
+
+
+def test_a_stop_string_across_the_move_still_stops_the_request(
+    make_engine: Any, prompts: list[list[int]]
+) -> None:
+    engine = make_engine("resume", kv_cache_gb=0.05)
+    free = outputs(engine, prompts[3], SamplingParams(max_tokens=24, ignore_eos=True))
+    text = joined("", free)
+    # A stop string that starts in token 9's text and ends in a later token's.
+    start = len(joined("", free[:9])) - 1
+    stop = text[start : start + 4]
+    sp = SamplingParams(max_tokens=24, ignore_eos=True, stop=(stop,))
+    whole = outputs(engine, prompts[3], sp)
+    tokens = [o.new_token_ids[0] for o in whole]
+    assert whole[-1].finish_reason is FinishReason.STOP and len(tokens) < 24
+    assert joined("", whole) == text[: text.index(stop)]
+    k = 9
+    rest = outputs(
+        engine, prompts[3] + tokens[:k], dataclasses.replace(sp, max_tokens=24 - k), resumed=k
+    )
+    assert tokens[:k] + [o.new_token_ids[0] for o in rest] == tokens
+    assert rest[-1].finish_reason is FinishReason.STOP
+    assert joined(joined("", whole[:k]), rest) == joined("", whole)
+
+
+def test_resumed_must_leave_a_prompt(make_engine: Any, prompts: list[list[int]]) -> None:
+    engine = make_engine("resume", kv_cache_gb=0.05)
+    with pytest.raises(InvalidRequestError, match="resumed: must be in"):
+        engine.add_request(prompts[3][:4], SamplingParams(max_tokens=4), resumed=4)
+    assert not engine.has_unfinished()

@@ -1,0 +1,117 @@
+"""Mid-stream migration at the Dispatcher, on real Ray and NIXL: a stream whose decode
+worker dies raises WorkerLost holding what it delivered; continued on another decode
+worker from there (prefilled remotely or locally), it yields the tokens and text of a
+run that never moved, with no gap and no duplicate, greedy or seeded. Every page on
+every surviving worker comes back (the `workers` fixture checks), including those of a
+prefill worker that was pushing KV to the dead one."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import ray
+
+from cluster.dispatch import Delivered, Dispatcher, WorkerLost
+from cluster.types import SamplingParams
+from tests.helpers import until
+from tests.integration.disagg import Result, collect, run
+from tests.integration.test_disagg import long_prompt
+
+GREEDY = SamplingParams(max_tokens=48, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=48, temperature=0.9, top_p=0.95, seed=99, ignore_eos=True)
+# A stop string that never comes: the workers hold back its length of text at each step.
+STOPS = SamplingParams(max_tokens=48, ignore_eos=True, stop=("zzqx",))
+
+
+async def kill_then_continue(
+    workers: Any,
+    ids: list[int],
+    sp: SamplingParams,
+    doomed: str,
+    prefill: Any,
+    then: Any,
+    after_tokens: int,
+) -> Result:
+    """Stream on worker `doomed`, kill it once `after_tokens` tokens came, go on on `then`."""
+    disp, delivered, out = Dispatcher(), Delivered(), Result()
+    victim = workers.handles[doomed]
+
+    def take(delta: Any) -> None:
+        assert delta.index == len(out.tokens), "no gap, no duplicate"
+        out.tokens += delta.token_ids
+        out.text += delta.text
+        out.finish = delta.finish_reason
+
+    with pytest.raises(WorkerLost) as lost:
+        async for delta in disp.generate(ids, sp, victim, prefill, None, None, delivered):
+            take(delta)
+            if len(out.tokens) >= after_tokens and doomed in workers.handles:
+                ray.kill(workers.handles.pop(doomed))
+    assert lost.value.dead
+    assert delivered.token_ids == out.tokens and delivered.chars == len(out.text)
+    async for delta in disp.generate(ids, sp, then, prefill, None, None, delivered):
+        take(delta)
+    await disp.close()
+    return out
+
+
+@pytest.mark.parametrize("sp", [GREEDY, SEEDED, STOPS], ids=["greedy", "seeded", "stops"])
+def test_a_stream_moved_off_a_dead_decode_worker_goes_on_as_if_never_moved(
+    workers: Any, prompts: list[list[int]], sp: SamplingParams
+) -> None:
+    p, d, c = workers.trio()
+    doomed = f"doomed-{sp.temperature}-{len(sp.stop)}"
+    workers.decode(doomed, local_prefill_tokens=0)
+
+    async def go() -> None:
+        alone = await collect(Dispatcher(), prompts[5], sp, c)
+        # The continuation prefills remotely (d never prefills locally), then locally (c).
+        for then in (d, c):
+            if doomed not in workers.handles:
+                workers.decode(doomed, local_prefill_tokens=0)
+            moved = await kill_then_continue(workers, prompts[5], sp, doomed, p, then, 6)
+            assert len(moved.tokens) == 48
+            assert (moved.tokens, moved.text, moved.finish) == (
+                alone.tokens,
+                alone.text,
+                alone.finish,
+            )
+
+    run(go())
+
+
+def test_a_decode_worker_killed_while_its_kv_is_pushed_frees_the_senders_pages(
+    workers: Any, prompts: list[list[int]]
+) -> None:
+    serial = workers.prefill("prefill-serial", engine={"max_num_batched_tokens": 64})
+    doomed = workers.decode("doomed-transferring", local_prefill_tokens=0)
+    c = workers.decode("colocated")
+    ids = long_prompt(prompts[6] + prompts[8], 700)  # many chunks of 64: seconds of pushing
+
+    async def go() -> None:
+        disp, delivered = Dispatcher(), Delivered()
+        stream = disp.generate(ids, GREEDY, doomed, serial, None, None, delivered)
+        first = asyncio.ensure_future(anext(stream))  # submit, prefill, wait
+        await until(
+            lambda: _pushing(serial), "the prefill worker to push KV to the doomed worker", 60
+        )
+        ray.kill(workers.handles.pop("doomed-transferring"))
+        with pytest.raises(WorkerLost):
+            await first
+        assert delivered.token_ids == []
+        tokens = [
+            t
+            async for d in disp.generate(ids, GREEDY, c, None, None, None, delivered)
+            for t in d.token_ids
+        ]
+        assert tokens == (await collect(Dispatcher(), ids, GREEDY, c)).tokens
+        await disp.close()
+
+    run(go())
+
+
+async def _pushing(worker: Any) -> bool:
+    stats = await worker.stats.remote()
+    return bool(stats.transferring == 1 and stats.sent.writes > 0)

@@ -1,0 +1,38 @@
+"""`splitserve bench chaos` in its smallest form: a real `splitserve serve` with one prefill
+and one decode worker, 4 streams of short requests, one kill -9 of the prefill worker.
+A dead prefill worker loses nothing (its decode workers recompute), so every request
+completes with the idle run's tokens, the pool replaces the worker and no page is held."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench.chaos import main
+
+TINY = [
+    "--prefill", "1", "--decode", "1", "--kv-cache-gb", "0.1",
+    "--mix", "6", "--prompt-median", "40", "--prompt-max", "80",
+    "--output-min", "8", "--output-median", "12", "--output-max", "16",
+    "--concurrency", "4", "--interval-s", "1",
+]  # fmt: skip
+
+
+def test_one_prefill_kill_loses_no_request_and_leaks_no_page(tmp_path: Path) -> None:
+    out = tmp_path / "chaos.json"
+    argv = [*TINY, "--kills", "1", "--kill-phase", "prefill", "--no-redis-kill"]
+    assert main([*argv, "--json", str(out), "--log-dir", str(tmp_path)]) == 0
+    result = json.loads(out.read_text())
+    s = result["summary"]
+    assert s["sent"] == s["completed"] + s["failed"] == len(result["requests"])
+    assert s["sent"] >= 6  # every request of the mix at least once
+    assert (s["failed"], s["wrong_tokens"], s["failed_after_wrong_tokens"]) == (0, 0, 0)
+    [fault] = result["faults"]
+    assert (fault["target"], fault["gone"], fault["replacement"]) == (
+        "prefill",
+        "prefill-0",
+        "prefill-1",
+    )
+    assert fault["recovered_s"] > 0
+    assert s["pages_all_free"] is True
+    assert {p["worker"] for p in s["pages"]} == {"decode-0", "prefill-1"}

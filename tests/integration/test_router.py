@@ -20,7 +20,7 @@ from router.request import MAX_CHARS_PER_TOKEN
 from router.server import UNPARSABLE_LOG_EVERY_S
 from splitserve.client import Client
 from splitserve.redis_server import EmbeddedRedis
-from tests.helpers import wait_until
+from tests.helpers import until, wait_until
 from tests.integration.router_harness import RouterHarness, ask
 from tests.unit.test_unparsable import CORRUPT
 
@@ -48,7 +48,7 @@ def routers(ray_workers: Any, redis: EmbeddedRedis) -> Iterator[tuple[RouterHarn
 
 
 def _story(tag: str, words: int) -> str:
-    """A prompt no other test sends (the workers' prefix caches are shared)."""
+    """A prompt no other test sends (this module's tests share its workers' prefix caches)."""
     return f"[{tag}] " + " ".join(
         f"The {tag} river flows past hill number {i}." for i in range(words)
     )
@@ -121,15 +121,16 @@ def _busy_worker(address: str, timeout_s: float = 20) -> str:
     """The decode worker with a running sequence, once the router's loads show one."""
 
     async def run() -> str:
+        busy: list[str] = []
         async with Client(address) as client:
-            deadline = time.monotonic() + timeout_s
-            while time.monotonic() < deadline:
+
+            async def probe() -> bool:
                 info = await client.server_info()
-                busy = [w.id for w in info.workers if w.role == "decode" and w.running]
-                if busy:
-                    return busy[0]
-                await asyncio.sleep(0.05)
-        raise AssertionError("no decode worker became busy")
+                busy[:] = [w.id for w in info.workers if w.role == "decode" and w.running]
+                return bool(busy)
+
+            await until(probe, "a decode worker to be busy", timeout_s)
+        return busy[0]
 
     return asyncio.run(run())
 
@@ -165,8 +166,10 @@ def test_second_turn_lands_on_the_worker_holding_its_kv(
     turn1 = [{"role": "user", "content": _story("turns", 60)}]
     r1 = ask(a.address, turn1, session_id=session, max_tokens=16)
     assert r1.usage.prompt_tokens > 500
-    # Keep r1's worker busy, so a load-only choice would send turn two elsewhere.
-    time.sleep(0.3)
+    # Keep r1's worker busy, so a load-only choice would send turn two elsewhere; busy
+    # from now on, once the router's loads show r1 done.
+    idle = lambda: all(w.running == w.waiting == 0 for w in a.app.workers.snapshot().decode)
+    _until(a, idle)
     loop, busy = _hold_worker_busy(a.address)
     try:
         assert _busy_worker(a.address) == r1.decode_worker
@@ -433,7 +436,13 @@ def test_redis_outage_fails_open_and_affinity_resumes(
         assert a.app.placements is not None and a.app.placements.failures >= 1
     finally:
         redis.start()
-    time.sleep(1.2)  # the store retries Redis once retry_s has passed
+    store = a.app.placements
+
+    async def reachable() -> bool:
+        await store.get("probe")  # the store tries Redis again once retry_s has passed
+        return store.available
+
+    wait_until(lambda: a.call(reachable()), "the router's store to reach Redis again", 10)
     session = "back-" + uuid.uuid4().hex
     turn1 = [{"role": "user", "content": _story("back", 40)}]
     r1 = ask(a.address, turn1, session_id=session, max_tokens=8)

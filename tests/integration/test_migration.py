@@ -8,6 +8,7 @@ prefill worker that was pushing KV to the dead one."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 import pytest
@@ -15,8 +16,9 @@ import ray
 
 from cluster.dispatch import Delivered, Dispatcher, WorkerLost
 from cluster.types import SamplingParams
-from tests.helpers import until
+from tests.helpers import until, wait_until
 from tests.integration.disagg import Result, collect, run
+from tests.integration.router_harness import RouterHarness, ask
 from tests.integration.test_disagg import long_prompt
 
 GREEDY = SamplingParams(max_tokens=48, ignore_eos=True)
@@ -115,3 +117,33 @@ def test_a_decode_worker_killed_while_its_kv_is_pushed_frees_the_senders_pages(
 async def _pushing(worker: Any) -> bool:
     stats = await worker.stats.remote()
     return bool(stats.transferring == 1 and stats.sent.writes > 0)
+
+
+def test_through_the_router_a_killed_decode_workers_stream_ends_with_all_its_tokens(
+    workers: Any,
+) -> None:
+    """gRPC end to end: the client's one stream survives its decode worker's death."""
+    p = workers.prefill("prefill")
+    names = ("router-decode-a", "router-decode-b")
+    decode = {n: workers.decode(n, local_prefill_tokens=0) for n in names}
+    router = RouterHarness({"prefill": p}, decode, redis_url=None)
+    try:
+        story = {"max_tokens": 96, "ignore_eos": True}
+        replies: list[Any] = []
+        streaming = threading.Thread(
+            target=lambda: replies.append(ask(router.address, "Tell me a story.", **story))
+        )
+        streaming.start()
+        busy = lambda n: ray.get(decode[n].stats.remote()).running >= 1
+        wait_until(lambda: any(busy(n) for n in names), "the stream to be decoding", 30)
+        doomed = next(n for n in names if busy(n))
+        ray.kill(workers.handles.pop(doomed))
+        streaming.join(60)
+        assert not streaming.is_alive(), "the moved stream must end"
+        [moved] = replies
+        assert moved.decode_worker != doomed
+        alone = ask(router.address, "Tell me a story.", **story)
+        assert moved.token_ids == alone.token_ids and len(moved.token_ids) == 96
+        assert moved.text == alone.text
+    finally:
+        router.stop()

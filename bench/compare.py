@@ -124,10 +124,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "disaggregated": {
         "prefill": {"engine": {**_ENGINE, "threads": 1, "cpu_cores": [0]}},
         "decode": {"engine": {**_ENGINE, "threads": 1, "cpu_cores": [1]}},
-        # The lease runs from the reservation, so it must outlast the prefill queue: at
-        # 0.16 long prompts/s one core's queue passed 30 s (the default) and the decode
-        # worker recomputed those prompts itself.
-        "transfer": {"stream_layers": False, "lease_s": 120.0},
+        "transfer": {"stream_layers": False},
     },
     "colocated": {
         "prefill": {"replicas": 0, "engine": _ENGINE},  # none; same dtype, as serve checks

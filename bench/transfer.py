@@ -128,7 +128,9 @@ def _receiver(
     in_round, landed, expected = False, 0, None
     while True:
         for n in ep.notices():
-            if n.kind is NoticeKind.LAYERS:
+            if n.kind is NoticeKind.STARTED:  # a KVSender's claim: answer as a decode worker
+                ep.notify(ep.connect(n.handshake), Notice(NoticeKind.ACK, n.request_id))
+            elif n.kind is NoticeKind.LAYERS:
                 landed += 1
             elif n.kind is NoticeKind.DONE:
                 expected = n.num_writes
@@ -216,8 +218,7 @@ def exposure(
     receiver = Receiver(layout, max(tokens_list) // PAGE_SIZE + 1, compat, poll_s=0.001)
     ep = KVEndpoint("bench-prefill", engine.cache, compat, "lo")
     senders = {
-        s: KVSender(ep, engine.pool, layout.num_layers, s, 0.0, engine.device)
-        for s in (True, False)
+        s: KVSender(ep, engine.pool, layout.num_layers, s, engine.device) for s in (True, False)
     }
     out = []
     try:
@@ -233,7 +234,7 @@ def exposure(
                 alone.append(_prefill(engine, ids, None)[0])
                 for stream, sender in senders.items():
                     receiver.start_round()
-                    sender.start(RequestId("x"), KVTarget(receiver.handshake, pages, 0, 1e12))
+                    sender.start(RequestId("x"), KVTarget(receiver.handshake, pages, 0, 600.0))
                     took, started = _prefill(engine, ids, sender)
                     landed = receiver.landed_at(sender.poll)
                     pushed[stream].append(landed - started)

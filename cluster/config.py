@@ -115,8 +115,15 @@ class TransferConfig:
     ucx_transports: str = ""  # UCX transports (UCX_TLS), e.g. "rc,cuda_copy,gdr_copy"; "" all
     stream_layers: bool = True  # write each layer's KV as soon as it is computed
     progress_thread: bool = False  # a UCX progress thread per worker (off: workers poll)
-    lease_s: float = 30.0  # how long a decode worker holds reserved pages waiting for KV
-    write_margin_s: float = 1.0  # a sender posts no WRITE this close to the lease end
+    # A transfer's lease, a duration each side counts on its own clock: the prefill worker
+    # claims the reserved pages when it admits the request (STARTED) and renews the lease
+    # with every WRITE, or a RENEW while the request waits or computes; the decode worker
+    # revokes a claim that made no progress this long (and releases pages not claimed
+    # this long after their reservation); a stalled prefill worker stops posting.
+    lease_s: float = 30.0
+    # A REVOKE no answer came to (no CANCEL, and nobody reported the prefill worker dead):
+    # the pages are freed this long after it. Long, as a hung sender might still WRITE.
+    revoke_cap_s: float = 300.0
     on_timeout: str = "recompute"  # KV not landed in time: recompute it here, or fail
     local_prefill_tokens: int = 32  # uncached prompt tokens a decode worker prefills itself
 
@@ -131,13 +138,13 @@ class TransferConfig:
         for name in ("stream_layers", "progress_thread"):
             value = getattr(self, name)
             _check(isinstance(value, bool), name, f"must be true or false, got {value!r}")
-        for name in ("lease_s", "write_margin_s"):
+        for name in ("lease_s", "revoke_cap_s"):
             value = getattr(self, name)
             _check(_is_number(value) and value > 0, name, f"must be a number > 0, got {value!r}")
         _check(
-            self.write_margin_s < self.lease_s,
-            "write_margin_s",
-            f"must be below lease_s ({self.lease_s}), got {self.write_margin_s}",
+            self.revoke_cap_s >= self.lease_s,
+            "revoke_cap_s",
+            f"must be at least lease_s ({self.lease_s}), got {self.revoke_cap_s}",
         )
         _check(
             self.on_timeout in TIMEOUT_POLICIES,

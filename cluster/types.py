@@ -119,13 +119,16 @@ class KVTarget:
 
     `pages` is the decode worker's page table for the whole prompt; the first
     `num_cached_tokens` tokens are already there (its prefix cache) and are not sent.
-    No WRITE may be posted after `lease_expires_at` (unix time) minus the sender's margin.
+    `lease_s` is a duration, counted on each side's own clock: the decode worker revokes
+    the transfer when it has heard no progress (STARTED, RENEW, a WRITE, DONE) for that
+    long, and the prefill worker posts no WRITE once it has sent none for that long
+    (cluster/transfer/inbound.py and push.py).
     """
 
     handshake: bytes  # the decode worker's transfer Handshake
     pages: tuple[PageId, ...]
     num_cached_tokens: int
-    lease_expires_at: float
+    lease_s: float
 
 
 @dataclass(frozen=True)

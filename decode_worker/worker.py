@@ -1,26 +1,29 @@
 """DecodeWorker: a Ray actor that owns an engine in the decode role.
 
-Life of a request here:
+Life of a request here (the transfer's own states are cluster/transfer/inbound.py's):
 1. `submit` with a prefill worker chosen: unless the part of the prompt missing from
    this worker's prefix cache is at most `local_prefill_tokens` (then it prefills
    here, as colocated requests do), pages for the whole prompt are reserved before
-   any prefill compute is spent, and the caller gets a KVTarget leased for `lease_s`.
-   No pages: the submit waits its turn. TRANSFERRING.
-2. LAYERS notices count the WRITEs that landed; DONE brings the first token and the
-   WRITE count. Once all have landed the request joins the running batch. RUNNING.
-3. If the lease ends, the sender cancels, or the caller reports the sender gone first,
-   the request is prefilled here (`recompute`) or fails (`fail`), per `on_timeout`;
-   it never decodes from incomplete pages.
+   any prefill compute is spent, and the caller gets a KVTarget with the lease's
+   duration, `lease_s`. No pages: the submit waits its turn. TRANSFERRING.
+2. The prefill worker claims the pages when it admits the request (STARTED, answered
+   with ACK: only then may it WRITE); the lease runs from there on this worker's own
+   clock, renewed by every notice of progress (RENEW while it waits or computes, each
+   WRITE's LAYERS). DONE brings the first token and the WRITE count. Once all have
+   landed the request joins the running batch. RUNNING.
+3. If the lease ends (or nobody claims the pages within `lease_s`), the sender cancels,
+   or the caller reports the sender gone, the request is prefilled here (`recompute`)
+   or fails (`fail`), per `on_timeout`; it never decodes from incomplete pages.
 4. Each step's new tokens for all requests leave together, numbered, through `outputs`.
-5. Finish or abort frees the pages once. An abort during TRANSFERRING keeps them until
-   no WRITE can land any more: all landed, CANCEL, or the lease end.
+5. Finish or abort frees the pages once. A lease that ends or an abort during
+   TRANSFERRING sends REVOKE and keeps the pages until no WRITE can land any more: all
+   landed, the sender's CANCEL, its reported death, or `revoke_cap_s` after the REVOKE.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from collections import deque
 from dataclasses import dataclass
@@ -31,14 +34,14 @@ import ray
 from cluster.config import EngineConfig, TransferConfig
 from cluster.engine.engine import LLMEngine
 from cluster.protocol import DecodeStats
+from cluster.transfer import inbound
 from cluster.transfer.endpoint import KVEndpoint
-from cluster.transfer.wire import Notice, NoticeKind, compat_hash
+from cluster.transfer.wire import compat_hash
 from cluster.types import (
     FinishReason,
     InvalidRequestError,
     KVTarget,
     ModelInfo,
-    PageId,
     RequestId,
     RequestOutput,
     RequestStatus,
@@ -47,18 +50,9 @@ from cluster.types import (
 )
 from cluster.worker_loop import WorkerLoop
 from decode_worker.outbox import Outboxes
+from decode_worker.receiver import KVReceiver, Release
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Inbound:
-    target: KVTarget
-    pages: frozenset[PageId]  # target.pages, for checking each notice
-    landed: int = 0
-    expected: int | None = None  # WRITEs the DONE notice announced
-    first: tuple[int, float] = (-1, 0.0)
-    aborted: bool = False
 
 
 @dataclass
@@ -84,11 +78,13 @@ class DecodeWorker:
             transfer.ucx_transports,
             transfer.progress_thread,
         )
-        self._handshake = self.endpoint.handshake()
-        self._inbound: dict[RequestId, _Inbound] = {}
+        terms = inbound.Terms(
+            transfer.lease_s, transfer.revoke_cap_s, transfer.on_timeout == "recompute"
+        )
+        self.receiver = KVReceiver(self.endpoint, terms, self.engine.spec.num_layers)
         self._admitting: deque[_Admitting] = deque()
         self._emitted: dict[RequestId, int] = {}  # output tokens sent so far, per request
-        self._pages_received = self._bytes_received = self._transfer_failures = 0
+        self._transfer_failures = 0
         self._outboxes = Outboxes()
         self._loop = WorkerLoop(self._tick, name=f"{name}-engine")
 
@@ -135,7 +131,7 @@ class DecodeWorker:
     async def transfer_failed(self, request_id: RequestId, why: str) -> None:
         """The caller knows no WRITE for this request can land any more (its sender died
         or refused): recompute or fail it now, per policy."""
-        await self._loop.call(lambda: self._end_transfer(request_id, landed=False, why=why))
+        await self._loop.call(lambda: self._release(self.receiver.sender_gone(request_id, why)))
 
     async def abort(self, request_id: RequestId) -> RequestStatus | None:
         """Abort in any state; returns the state it was in (None: not here)."""
@@ -174,13 +170,13 @@ class DecodeWorker:
                 self.engine.pool.num_pages,
                 len(sched.running),
                 len(sched.waiting),
-                len(self._inbound),
+                len(self.receiver),
                 len(self._admitting),
                 sum(seq.num_uncomputed for seq in sched.waiting),
                 self.engine.pool.prefix_queries,
                 self.engine.pool.prefix_hits,
-                self._pages_received,
-                self._bytes_received,
+                self.receiver.pages_received,
+                self.receiver.bytes_received,
                 self._transfer_failures,
             )
 
@@ -189,22 +185,16 @@ class DecodeWorker:
     # --- the engine thread ---------------------------------------------------------------
 
     def _tick(self) -> float:
-        for notice in self.endpoint.notices():
-            self._on_notice(notice)
-        now = time.time()
-        for rid, inbound in list(self._inbound.items()):
-            if now > inbound.target.lease_expires_at:
-                why = f"KV transfer did not complete within lease_s={self.transfer.lease_s}"
-                self._end_transfer(rid, landed=False, why=why)
+        self._release(self.receiver.poll())
         self._admit()
         if not self.engine.scheduler.has_work:
-            return 0.001 if self._inbound else 0.05
+            return 0.001 if len(self.receiver) else 0.05
         try:
             outputs = self.engine.step()
         except Exception as e:
             log.exception("decode step failed; failing its requests")
             for rid in list(self._emitted):
-                if rid not in self._inbound and self.engine.abort_request(rid, FinishReason.ERROR):
+                if rid not in self.receiver and self.engine.abort_request(rid, FinishReason.ERROR):
                     self._publish(self._final(rid, FinishReason.ERROR, f"engine step failed: {e}"))
             return 0.0
         self._publish(*(self._delta(out) for out in outputs))
@@ -225,56 +215,26 @@ class DecodeWorker:
             if reservation is None:
                 return
             self._admitting.popleft()
-            target = KVTarget(
-                self._handshake,
-                tuple(reservation.pages),
-                reservation.num_cached_tokens,
-                time.time() + self.transfer.lease_s,
-            )
-            self._inbound[a.request_id] = _Inbound(target, frozenset(target.pages))
+            pages = tuple(reservation.pages)
+            target = self.receiver.expect(a.request_id, pages, reservation.num_cached_tokens)
             _settle(a.done, target)
 
-    def _on_notice(self, notice: Notice) -> None:
-        rid = notice.request_id
-        inbound = self._inbound.get(rid)
-        if inbound is None:
-            log.debug("notice for %s, which is not transferring: dropped", rid)
-            return
-        if notice.kind is NoticeKind.LAYERS:
-            if not inbound.pages.issuperset(notice.pages):
-                log.error("request %s: a peer wrote pages outside its reservation", rid)
-            inbound.landed += 1
-            self._bytes_received += notice.num_bytes
-            if notice.layer_end == self.engine.spec.num_layers:
-                self._pages_received += len(notice.pages)
-        elif notice.kind is NoticeKind.DONE:
-            inbound.expected = notice.num_writes
-            inbound.first = (notice.first_token, notice.first_logprob)
-        else:
-            why = "the prefill worker stopped the transfer (abort, lease end or transport error)"
-            self._end_transfer(rid, landed=False, why=why)
-            return
-        if inbound.expected is not None and inbound.landed >= inbound.expected:
-            self._end_transfer(rid, landed=True, why="")
-
-    def _end_transfer(self, rid: RequestId, landed: bool, why: str) -> None:
-        """No WRITE for rid can land any more: decode, recompute, fail or free it."""
-        inbound = self._inbound.pop(rid, None)
-        if inbound is None:
-            return
-        if inbound.aborted:
-            self.engine.abort_request(rid)
-            return
-        if landed:
-            self._publish(self._delta(self.engine.start_decode(rid, *inbound.first)))
-            return
-        self._transfer_failures += 1
-        if self.transfer.on_timeout == "recompute":
-            log.warning("request %s: %s; recomputing its prefill here", rid, why)
-            self.engine.recompute(rid)
-        else:
-            self.engine.abort_request(rid, FinishReason.ERROR)
-            self._publish(self._final(rid, FinishReason.ERROR, why))
+    def _release(self, released: list[tuple[RequestId, Release]]) -> None:
+        """Transfers no WRITE can land in any more: decode, recompute, fail or free each."""
+        for rid, release in released:
+            match release:
+                case inbound.StartDecode(token, logprob):
+                    self._publish(self._delta(self.engine.start_decode(rid, token, logprob)))
+                case inbound.Recompute(why):
+                    self._transfer_failures += 1
+                    log.warning("request %s: %s; recomputing its prefill here", rid, why)
+                    self.engine.recompute(rid)
+                case inbound.Fail(why):
+                    self._transfer_failures += 1
+                    self.engine.abort_request(rid, FinishReason.ERROR)
+                    self._publish(self._final(rid, FinishReason.ERROR, why))
+                case inbound.FreePages():
+                    self.engine.abort_request(rid)
 
     def _abort(
         self, rid: RequestId, why: str | None = None, evicted: bool = False
@@ -285,10 +245,9 @@ class DecodeWorker:
                 _settle(a.done, None)
                 self._publish(self._final(rid, FinishReason.ABORT, why, evicted))
                 return RequestStatus.WAITING
-        inbound = self._inbound.get(rid)
         status = self.engine.status(rid)
-        if inbound is not None:
-            inbound.aborted = True  # the pages wait until no WRITE can land
+        if rid in self.receiver:
+            self._release(self.receiver.abort(rid))  # or later, once no WRITE can land
         elif not self.engine.abort_request(rid):
             return None
         self._publish(self._final(rid, FinishReason.ABORT, why, evicted))

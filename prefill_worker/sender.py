@@ -1,20 +1,26 @@
-"""Pushes prompt KV from the prefill engine's pages into a decode worker's reserved pages.
+"""Pushes prompt KV from the prefill engine's pages into a decode worker's reserved pages:
+the adapter between the pure push state machine (cluster/transfer/push.py, which owns
+the protocol) and the NIXL endpoint.
 
-One push per request. With streaming, every engine step WRITEs each layer's new pages
-as soon as that layer is computed, so the transfer hides behind the rest of the
-prefill; without it, one WRITE per request carries all layers once its prompt is done.
-A layer's WRITE is planned when the engine has queued the layer (marked by a
-LayerReady) and posted once the device has passed that mark, polled here: the compute
-stream never waits for the network. Each planned WRITE holds a reference on its source
-pages until it completes or is dropped. After the last WRITE is posted, a DONE notice
-carries the first token and the WRITE count; a push that stops early (abort, lease end,
-transport error) sends CANCEL once nothing is in flight.
+One push per request. `start` (the request was admitted to prefill) sends STARTED with
+this worker's handshake; WRITEs are planned meanwhile but posted only after the
+receiver's ACK. With streaming, every engine step WRITEs each layer's new pages as soon
+as that layer is computed, so the transfer hides behind the rest of the prefill;
+without it, one WRITE per request carries all layers once its prompt is done. A layer's
+WRITE is planned when the engine has queued the layer (marked by a LayerReady) and
+posted once the device has passed that mark, polled here: the compute stream never
+waits for the network. Each planned WRITE holds a reference on its source pages until
+it completes or is dropped. RENEW keeps the receiver's lease while the request waits or
+computes; DONE carries the first token and the WRITE count; a push that stops (abort,
+REVOKE, a stall past the lease, transport error) posts nothing more and sends CANCEL
+once no WRITE is in flight.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -22,8 +28,10 @@ import torch
 from cluster.engine.page_pool import PagePool, pages_for
 from cluster.engine.scheduler import Step
 from cluster.protocol import SendStats
+from cluster.transfer import push as machine
 from cluster.transfer.endpoint import KVEndpoint, Peer, TransferError, Write
 from cluster.transfer.layer_ready import LayerReady
+from cluster.transfer.push import PushStatus, StopCause
 from cluster.transfer.wire import Notice, NoticeKind
 from cluster.types import KVTarget, PageId, RequestId
 
@@ -44,13 +52,10 @@ class _Planned:
 class _Push:
     peer: Peer
     target: KVTarget
+    state: machine.Push
     sent_upto: int  # leading prompt tokens whose KV (all layers) is planned
     planned: list[_Planned] = field(default_factory=list)  # in stream order
     writes: list[tuple[Write, list[PageId]]] = field(default_factory=list)
-    num_writes: int = 0
-    first: tuple[int, float] | None = None  # the first token, for DONE once all is posted
-    stopped: bool = False  # no further WRITE; CANCEL once the in-flight ones finish
-    done: bool = False  # DONE sent
 
 
 class KVSender:
@@ -60,16 +65,18 @@ class KVSender:
         pool: PagePool,
         num_layers: int,
         stream_layers: bool,
-        write_margin_s: float,
         device: torch.device,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`clock`: this worker's own monotonic clock; leases are durations on it."""
         self.endpoint = endpoint
         self.pool = pool
         self.num_layers = num_layers
         self.stream_layers = stream_layers
-        self.write_margin_s = write_margin_s
         self.device = device  # where the engine computes the KV
+        self.clock = clock
         self.stats = SendStats()
+        self._handshake = endpoint.handshake()  # sent with STARTED, for REVOKE and ACK
         self._pushes: dict[RequestId, _Push] = {}
         self._notified = False  # a notice went out since the last poll
 
@@ -79,12 +86,20 @@ class KVSender:
         return len(self._pushes)
 
     def start(self, request_id: RequestId, target: KVTarget) -> None:
-        """Connect to the target's worker (refusing an incompatible one) and track the push."""
+        """The request was admitted to prefill: connect to the target's worker (refusing an
+        incompatible one), claim its pages with STARTED and track the push."""
         peer = self.endpoint.connect(target.handshake)
-        self._pushes[request_id] = _Push(peer, target, target.num_cached_tokens)
+        state = machine.start(target.lease_s, self.clock())
+        self._pushes[request_id] = _Push(peer, target, state, target.num_cached_tokens)
+        started = Notice(NoticeKind.STARTED, request_id, handshake=self._handshake)
+        if not self._notify(request_id, started):
+            self._on(request_id, machine.Unreachable())
 
     def on_layer(self, step: Step, layer: int) -> None:
         """Engine hook: layer `layer` of `step` is queued; plan its WRITEs, post the ready."""
+        if any(p.state.status is PushStatus.CLAIMING for p in self._pushes.values()):
+            self._read_notices()  # an ACK that comes mid-step lets this step's WRITEs go
+        self._tick()  # renewed mid-step too: a long step is no stall
         if not self.stream_layers and layer != self.num_layers - 1:
             return
         layers = range(layer, layer + 1) if self.stream_layers else range(self.num_layers)
@@ -92,7 +107,7 @@ class KVSender:
         ps = self.pool.page_size
         for seq, n in [*step.prefills, *((s, 1) for s in step.decodes)]:
             push = self._pushes.get(seq.request_id)
-            if push is None or push.stopped:
+            if push is None or push.state.status not in _OPEN:
                 continue
             end = seq.num_computed + n
             if not self.stream_layers and end < seq.num_prompt:
@@ -102,97 +117,134 @@ class KVSender:
                 src, dst = seq.pages[first:last], list(push.target.pages[first:last])
                 self.pool.retain(src)
                 push.planned.append(_Planned(ready, layers, src, dst))
+                self._on(seq.request_id, machine.Planned())
             if layer == self.num_layers - 1:
                 push.sent_upto = max(push.sent_upto, end)
-            self._post_ready(seq.request_id, push)
+            self._post_ready(seq.request_id)
 
     def first_token(self, request_id: RequestId, token: int, logprob: float) -> None:
         """The prompt is done: DONE tells the receiver the token and how many WRITEs to
         expect, once every planned WRITE is posted (at once unless the device lags)."""
-        push = self._pushes.get(request_id)
-        if push is None or push.stopped:
-            return
-        push.first = (token, logprob)
-        self._post_ready(request_id, push)
-        self._send_done(request_id, push)
+        self._post_ready(request_id)
+        self._on(request_id, machine.FirstToken(token, logprob))
 
     def stop(self, request_id: RequestId) -> None:
         """Post nothing more for this request (abort); CANCEL follows when nothing is in flight."""
-        push = self._pushes.get(request_id)
-        if push is not None and not push.done:
-            push.stopped = True
+        self._on(request_id, machine.Abort())
 
     def poll(self) -> bool:
-        """Drive the transport, post WRITEs whose layers are computed, and settle finished
-        ones (releasing their pages); True while any push is open or a notice just went
-        out (it needs another progress call soon)."""
-        self.endpoint.progress()
-        for rid, push in list(self._pushes.items()):
-            self._post_ready(rid, push)
-            self._send_done(rid, push)
-            still = []
-            for write, pages in push.writes:
-                try:
-                    finished = self.endpoint.finished(write)
-                except TransferError as e:
-                    log.warning("request %s: %s", rid, e)
-                    push.stopped, finished = not push.done, True
-                if finished:
-                    self.pool.free(pages)
-                else:
-                    still.append((write, pages))
-            push.writes = still
-            if push.writes or push.planned:
-                continue
-            if push.stopped:
-                try:
-                    self.endpoint.notify(push.peer, Notice(NoticeKind.CANCEL, rid))
-                    self._notified = True
-                except TransferError as e:  # the receiver's lease covers a lost CANCEL
-                    log.warning("request %s: %s", rid, e)
-                del self._pushes[rid]
-            elif push.done:
-                del self._pushes[rid]
+        """Drive the transport, read the receivers' ACKs and REVOKEs, post WRITEs whose layers
+        are computed, settle finished ones (releasing their pages) and renew leases; True
+        while any push is open or a notice just went out (it needs another poll soon)."""
+        self._read_notices()
+        for rid in list(self._pushes):
+            self._post_ready(rid)
+            self._settle(rid)
+        self._tick()
         notified, self._notified = self._notified, False
         return bool(self._pushes) or notified
 
-    def _post_ready(self, rid: RequestId, push: _Push) -> None:
-        """Post planned WRITEs, in order, whose layers the device has computed; a stopped
-        push drops its planned WRITEs instead. Never waits on the device."""
-        while push.planned and (push.stopped or push.planned[0].ready.done()):
-            planned = push.planned.pop(0)
-            if push.stopped:
-                self.pool.free(planned.src)
-            else:
-                self._post(rid, push, planned)
+    def _tick(self) -> None:
+        for rid in list(self._pushes):
+            self._on(rid, machine.Tick())
 
-    def _send_done(self, rid: RequestId, push: _Push) -> None:
-        if push.first is None or push.planned or push.stopped or push.done:
+    def _read_notices(self) -> None:
+        for notice in self.endpoint.notices():
+            rid, kind = notice.request_id, notice.kind
+            if rid not in self._pushes or kind not in (NoticeKind.ACK, NoticeKind.REVOKE):
+                log.debug("%s notice for %s, which is not being pushed: dropped", kind.name, rid)
+                continue
+            self._on(rid, machine.Acked() if kind is NoticeKind.ACK else machine.Revoked())
+            self._post_ready(rid)
+
+    def _settle(self, rid: RequestId) -> None:
+        """Release the source pages of completed WRITEs."""
+        push = self._pushes.get(rid)
+        if push is None:
             return
-        token, logprob = push.first
-        notice = Notice(
-            NoticeKind.DONE,
-            rid,
-            num_writes=push.num_writes,
-            first_token=token,
-            first_logprob=logprob,
-        )
+        still = []
+        for write, pages in push.writes:
+            try:
+                finished, ok = self.endpoint.finished(write), True
+            except TransferError as e:
+                log.warning("request %s: %s", rid, e)
+                finished, ok = True, False
+            if finished:
+                self.pool.free(pages)
+                self._on(rid, machine.WriteDone(ok))
+            else:
+                still.append((write, pages))
+        push.writes = still
+
+    def _post_ready(self, rid: RequestId) -> None:
+        """Post planned WRITEs, in order, whose layers the device has computed, while the
+        receiver's ACK holds. Never waits on the device."""
+        push = self._pushes.get(rid)
+        while (
+            push is not None
+            and push.planned
+            and push.state.status is PushStatus.PUSHING
+            and push.planned[0].ready.done()
+        ):
+            self._on(rid, machine.Ready())
+
+    def _on(self, rid: RequestId, event: machine.Event) -> None:
+        """Feed one event to the request's push and apply what it says to do."""
+        events: list[machine.Event] = [event]
+        while events and (push := self._pushes.get(rid)) is not None:
+            push.state, actions = machine.on_event(push.state, events.pop(0), self.clock())
+            for action in actions:
+                events += self._apply(rid, push, action)
+
+    def _apply(self, rid: RequestId, push: _Push, action: machine.Action) -> list[machine.Event]:
+        """Do one action; the events it caused (a failed post or notice)."""
+        match action:
+            case machine.Post():
+                return self._post(rid, push, push.planned.pop(0))
+            case machine.Drop():
+                for planned in push.planned:
+                    self.pool.free(planned.src)
+                push.planned.clear()
+            case machine.Stop(cause):
+                if cause in (StopCause.REVOKED, StopCause.LAPSED):
+                    self.stats.lease_misses += 1
+                log.log(
+                    logging.DEBUG if cause is StopCause.ABORT else logging.WARNING,
+                    "request %s: push stopped (%s)",
+                    rid,
+                    cause.value,
+                )
+            case machine.SendRenew():
+                return self._notice(rid, Notice(NoticeKind.RENEW, rid))
+            case machine.SendDone(num_writes, token, logprob):
+                done = Notice(
+                    NoticeKind.DONE,
+                    rid,
+                    num_writes=num_writes,
+                    first_token=token,
+                    first_logprob=logprob,
+                )
+                return self._notice(rid, done)
+            case machine.SendCancel():
+                self._notify(rid, Notice(NoticeKind.CANCEL, rid))  # lost: the receiver's cap
+            case machine.Close():
+                del self._pushes[rid]
+        return []
+
+    def _notice(self, rid: RequestId, notice: Notice) -> list[machine.Event]:
+        return [] if self._notify(rid, notice) else [machine.Unreachable()]
+
+    def _notify(self, rid: RequestId, notice: Notice) -> bool:
         try:
-            self.endpoint.notify(push.peer, notice)
+            self.endpoint.notify(self._pushes[rid].peer, notice)
         except TransferError as e:
             log.warning("request %s: %s", rid, e)
-            push.stopped = True
-            return
-        push.done = self._notified = True
+            return False
+        self._notified = True
+        return True
 
-    def _post(self, rid: RequestId, push: _Push, planned: _Planned) -> None:
+    def _post(self, rid: RequestId, push: _Push, planned: _Planned) -> list[machine.Event]:
         src, dst, layers = planned.src, planned.dst, planned.layers
-        if time.time() > push.target.lease_expires_at - self.write_margin_s:
-            log.warning("request %s: lease over, KV not sent", rid)
-            self.pool.free(src)
-            self.stats.lease_misses += 1
-            push.stopped = True
-            return
         nbytes = 2 * len(src) * len(layers) * self.endpoint.page_bytes
         notice = Notice(NoticeKind.LAYERS, rid, layers.start, layers.stop, tuple(dst), nbytes)
         started = time.perf_counter()
@@ -201,12 +253,14 @@ class KVSender:
         except TransferError as e:
             self.pool.free(src)
             log.warning("request %s: %s", rid, e)
-            push.stopped = True
-            return
+            return [machine.WriteDone(ok=False)]
         self.stats.post_s += time.perf_counter() - started
         push.writes.append((write, src))
-        push.num_writes += 1
         self.stats.writes += 1
         if layers.stop == self.num_layers:
             self.stats.pages += len(src)
         self.stats.bytes += write.num_bytes
+        return []
+
+
+_OPEN = (PushStatus.CLAIMING, PushStatus.PUSHING)

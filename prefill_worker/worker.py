@@ -1,16 +1,21 @@
 """PrefillWorker: a Ray actor that owns an engine in the prefill role.
 
-Life of a request here:
-1. `prefill` arrives with a KVTarget (pages a decode worker reserved and leased); the
-   worker connects to that decode worker, refusing an incompatible one, and queues
-   the prompt in its engine with max_tokens 1. WAITING.
+Life of a request here (the push's own states are cluster/transfer/push.py's):
+1. `prefill` arrives with a KVTarget (pages a decode worker reserved, and its lease as
+   a duration); the worker connects to that decode worker, refusing an incompatible
+   one, claims the pages with STARTED, which starts the lease there, and queues the
+   prompt in its engine with max_tokens 1. WAITING; RENEW notices keep the lease while
+   the request waits.
 2. The engine batches prompts under its token budget, long ones in chunks, reusing
-   cached prefix pages. PREFILLING. After each layer the sender WRITEs the layer's new
-   pages into the reserved pages (all layers at once when streaming is off).
+   cached prefix pages. PREFILLING. Once the decode worker's ACK is in, after each
+   layer the sender WRITEs the layer's new pages into the reserved pages (all layers
+   at once when streaming is off); each WRITE renews the lease.
 3. The last chunk samples the first token: `prefill` returns it at once, and a DONE
    notice tells the decode worker how many WRITEs to expect. TRANSFERRING.
 4. Each WRITE releases its source pages when it completes; they stay in the prefix
-   cache. An abort or a lease about to end stops the push and sends CANCEL instead.
+   cache. An abort, the decode worker's REVOKE (its lease ended there), or a stall of
+   this worker for a whole lease stops the push: nothing more is posted, and CANCEL
+   goes out once no WRITE is in flight.
 """
 
 from __future__ import annotations
@@ -60,7 +65,6 @@ class PrefillWorker:
             self.engine.pool,
             self.engine.spec.num_layers,
             transfer.stream_layers,
-            transfer.write_margin_s,
             self.engine.device,
         )
         self._waiting: dict[RequestId, asyncio.Future[FirstToken | None]] = {}

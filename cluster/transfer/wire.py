@@ -17,7 +17,7 @@ from cluster.engine.checkpoint import ModelSpec
 from cluster.types import PageId, RequestId
 
 MAGIC = b"SPKV"
-VERSION = 1
+VERSION = 2  # 2: STARTED, RENEW, ACK and REVOKE; a STARTED carries its sender's handshake
 LAYOUT = "layers,pages,page_size,kv_heads,head_dim;k,v"  # the KVCache tensor layout
 
 
@@ -148,14 +148,21 @@ class Handshake:
 
 
 class NoticeKind(enum.IntEnum):
+    """Sender to receiver: STARTED, RENEW, LAYERS, DONE, CANCEL; receiver to sender: ACK,
+    REVOKE (see cluster/transfer/inbound.py and push.py for the protocol)."""
+
     LAYERS = 1  # rides on a WRITE: these layers of these pages have landed
     DONE = 2  # the sender posted every WRITE of this request; carries the first token
     CANCEL = 3  # the sender stopped and has no WRITE left in flight
+    STARTED = 4  # admitted to prefill: claims the pages; carries the sender's handshake
+    RENEW = 5  # still queued or prefilling: the lease goes on
+    ACK = 6  # the claim holds: WRITEs may follow
+    REVOKE = 7  # post nothing more; CANCEL once nothing is in flight
 
 
 @dataclass(frozen=True)
 class Notice:
-    """A completion notice from a KV sender to a receiver, about one request."""
+    """A notice between a KV sender and its receiver, about one request."""
 
     kind: NoticeKind
     request_id: RequestId
@@ -166,6 +173,7 @@ class Notice:
     num_writes: int = 0  # DONE: how many LAYERS notices to expect
     first_token: int = -1  # DONE
     first_logprob: float = 0.0  # DONE
+    handshake: bytes = b""  # STARTED: the sender's Handshake, for the receiver's answers
 
     def encode(self) -> bytes:
         rid = self.request_id.encode()
@@ -183,6 +191,7 @@ class Notice:
                     self.first_logprob,
                 ),
                 _raw(struct.pack(f"<{len(self.pages)}I", *self.pages)),
+                _raw(self.handshake),
             )
         )
 
@@ -195,7 +204,7 @@ class Notice:
             raise WireError(f"notice: unknown kind {kind}")
         rid = r.text()
         start, end, nbytes, nwrites, tok, lp = r.take("<HHQIqd")
-        pages = r.raw()
+        pages, handshake = r.raw(), r.raw()
         r.end()
         if len(pages) % 4:
             raise WireError("notice: page list is not a whole number of u32")
@@ -209,4 +218,5 @@ class Notice:
             int(nwrites),
             int(tok),
             float(lp),
+            handshake,
         )

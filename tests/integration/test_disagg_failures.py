@@ -1,7 +1,7 @@
 """Failures in disaggregated serving, each ending in the right tokens or a clear status,
 never a hang, with every page free on every worker afterwards (the `workers` fixture
-checks): a missed lease, an unclaimed reservation, a dead prefill worker, aborts in
-every state, and mismatched peers."""
+checks): a missed lease (pages kept past it until the sender's CANCEL), an unclaimed
+reservation, a dead prefill worker, aborts in every state, and mismatched peers."""
 
 from __future__ import annotations
 
@@ -11,12 +11,16 @@ from typing import Any
 
 import pytest
 import ray
+import torch
 
 from cluster.dispatch import Dispatcher
-from cluster.transfer.wire import IncompatiblePeerError
+from cluster.engine.kv_cache import KVCache, KVLayout
+from cluster.transfer.endpoint import KVEndpoint
+from cluster.transfer.wire import Handshake, IncompatiblePeerError, Notice, NoticeKind
 from cluster.types import (
     FinishReason,
     InvalidRequestError,
+    KVTarget,
     RequestId,
     RequestStatus,
     SamplingParams,
@@ -27,47 +31,81 @@ from tests.integration.disagg import collect, run
 from tests.integration.test_disagg import GREEDY, SEEDED, long_prompt
 
 READER = "failure-tests"  # the outbox these tests read by hand
-SHORT_LEASE = {"lease_s": 0.6, "write_margin_s": 0.3, "local_prefill_tokens": 0}
+SHORT_LEASE = {"lease_s": 0.6, "local_prefill_tokens": 0}
 # One prompt at a time in small chunks: a second request stays queued for many steps.
 SERIAL = {"max_num_seqs": 1, "max_num_batched_tokens": 64}
+
+
+class StalledSender:
+    """A KV sender in this process that claims a decode worker's pages and then stalls:
+    it never WRITEs or renews, and cancels only when the test says."""
+
+    def __init__(self, name: str, target: KVTarget, rid: RequestId) -> None:
+        compat = Handshake.decode(target.handshake).compat
+        cache = KVCache(KVLayout(1, 1, 8, 16, torch.float32), 1, torch.device("cpu"))
+        self.endpoint = KVEndpoint(name, cache, compat, "lo")
+        self.peer, self.rid = self.endpoint.connect(target.handshake), rid
+        self.heard: list[NoticeKind] = []
+        started = Notice(NoticeKind.STARTED, rid, handshake=self.endpoint.handshake())
+        self.endpoint.notify(self.peer, started)
+
+    async def hears(self, kind: NoticeKind) -> bool:
+        self.heard += [n.kind for n in self.endpoint.notices() if n.request_id == self.rid]
+        return kind in self.heard
+
+    def cancel(self) -> None:
+        self.endpoint.notify(self.peer, Notice(NoticeKind.CANCEL, self.rid))
+
+
+async def _outputs(d: Any, rid: RequestId, timeout_s: float = 60) -> list[TokenDelta]:
+    """Every delta of rid from READER's outbox on d, up to the one that ends it."""
+    cursor, started = 0, time.monotonic()
+    mine: list[TokenDelta] = []
+    while not mine or mine[-1].finish_reason is None:
+        cursor, deltas = await d.outputs.remote(READER, cursor, 1.0)
+        mine += [x for x in deltas if x.request_id == rid]
+        assert time.monotonic() - started < timeout_s
+    return mine
+
+
+async def _stall_past_the_lease(d: Any, rid: RequestId, ids: list[int]) -> list[TokenDelta]:
+    """Claim, stall until the decode worker revokes, see it keep the pages, then cancel."""
+    target = await d.submit.remote(rid, ids, GREEDY, True, READER)
+    sender = StalledSender(f"stalled-{rid}", target, rid)
+    await until(lambda: sender.hears(NoticeKind.ACK), "the claim acknowledged")
+    await until(lambda: sender.hears(NoticeKind.REVOKE), "the lease revoked (its own clock)")
+    assert (await d.stats.remote()).transferring == 1  # pages kept: a WRITE could still land
+    sender.cancel()
+    return await _outputs(d, rid)
 
 
 def test_kv_that_misses_its_lease_is_recomputed_by_the_decode_worker(
     workers: Any, prompts: list[list[int]]
 ) -> None:
-    p = workers.prefill("prefill")
     d = workers.decode("decode-short-lease", **SHORT_LEASE)
     c = workers.decode("colocated")
-    # Seconds of prefill, far past the lease: a prompt no earlier test cached.
-    ids = long_prompt(prompts[9] + prompts[0], 500)
     failures = ray.get(d.stats.remote()).transfer_failures
-
-    async def go() -> None:
-        disp = Dispatcher()
-        split = await collect(disp, ids, SEEDED, d, p)
-        assert split.tokens == (await collect(disp, ids, SEEDED, c)).tokens
-
-    run(go())
+    deltas = run(_stall_past_the_lease(d, RequestId("stalled"), prompts[8]))
+    assert deltas[-1].finish_reason is not FinishReason.ERROR
+    reference = run(collect(Dispatcher(), prompts[8], GREEDY, c)).tokens
+    assert [t for x in deltas for t in x.token_ids] == reference
     assert ray.get(d.stats.remote()).transfer_failures == failures + 1
-    assert ray.get(p.stats.remote()).sent.lease_misses >= 1
 
 
 def test_with_policy_fail_a_missed_lease_fails_the_request_with_a_clear_status(
     workers: Any, prompts: list[list[int]]
 ) -> None:
-    p = workers.prefill("prefill")
     d = workers.decode("decode-short-lease-fail", on_timeout="fail", **SHORT_LEASE)
-    # A prompt no earlier test cached on the prefill worker: seconds of compute.
-    result = run(collect(Dispatcher(), long_prompt(prompts[6] + prompts[2], 500), GREEDY, d, p))
-    assert result.finish is FinishReason.ERROR
-    assert result.error is not None and "transfer" in result.error
-    assert result.tokens in ([], result.tokens[:1])  # at most the prefill's first token
+    deltas = run(_stall_past_the_lease(d, RequestId("stalled-fail"), prompts[6]))
+    assert deltas[-1].finish_reason is FinishReason.ERROR
+    assert deltas[-1].error is not None and "lease_s=0.6" in deltas[-1].error
+    assert [t for x in deltas for t in x.token_ids] == []
 
 
 def test_a_reservation_nobody_fills_is_released_when_its_lease_ends(
     workers: Any, prompts: list[list[int]]
 ) -> None:
-    """The prefill worker chosen for it never pushes (it died before it could)."""
+    """The prefill worker chosen for it never claims it (it died before it could)."""
     d = workers.decode("decode-short-lease", **SHORT_LEASE)
     c = workers.decode("colocated")
     rid = RequestId("unclaimed")
@@ -76,16 +114,10 @@ def test_a_reservation_nobody_fills_is_released_when_its_lease_ends(
         started = time.monotonic()
         target = await d.submit.remote(rid, prompts[8], GREEDY, True, READER)
         assert target is not None and len(target.pages) == -(-len(prompts[8]) // 16)
-        cursor, tokens, finished = 0, [], False
-        while not finished:
-            cursor, deltas = await d.outputs.remote(READER, cursor, 1.0)
-            mine: list[TokenDelta] = [x for x in deltas if x.request_id == rid]
-            for x in mine:
-                tokens += x.token_ids
-                finished = finished or x.finish_reason is not None
-            assert time.monotonic() - started < 60
+        assert target.lease_s == SHORT_LEASE["lease_s"]
+        deltas = await _outputs(d, rid)
         assert time.monotonic() - started >= SHORT_LEASE["lease_s"]
-        return tokens
+        return [t for x in deltas for t in x.token_ids]
 
     assert run(go()) == run(collect(Dispatcher(), prompts[8], GREEDY, c)).tokens
 

@@ -202,6 +202,10 @@ def test_pool_engines_override_the_shared_engine_field_by_field() -> None:
         ({"router": {"colour": "red"}}, "router.colour: unknown field"),
         ({"transfer": {"lease_s": -1}}, "transfer.lease_s: must be a number > 0"),
         (
+            {"transfer": {"lease_s": 60, "revoke_cap_s": 30}},
+            "transfer.revoke_cap_s: must be at least lease_s (60)",
+        ),
+        (
             {"transfer": {"ucx_devices": "lo, eth0"}},
             "transfer.ucx_devices: must be a comma-separated list of UCX names",
         ),

@@ -1,6 +1,7 @@
-"""KVSender over a fake endpoint: a layer's WRITE is posted only once the device has
-passed the layer's mark, in stream order, DONE follows the last WRITE, an abort drops
-planned WRITEs and releases their pages, and nothing on the WRITE path waits on a stream."""
+"""KVSender over a fake endpoint: STARTED claims the pages and no WRITE goes before the
+receiver's ACK, a layer's WRITE is posted only once the device has passed the layer's
+mark, in stream order, DONE follows the last WRITE, an abort or a REVOKE drops planned
+WRITEs and releases their pages, and nothing on the WRITE path waits on a stream."""
 
 from __future__ import annotations
 
@@ -39,24 +40,35 @@ class FakeEndpoint:
 
     page_bytes: int = 64
     writes: list[FakeWrite] = field(default_factory=list)
-    notices: list[Notice] = field(default_factory=list)
+    posted: list[Notice] = field(default_factory=list)  # sent
+    inbox: list[Notice] = field(default_factory=list)  # from the receiver, not yet read
+
+    def handshake(self) -> bytes:
+        return b"prefill-hs"
 
     def connect(self, handshake: bytes) -> str:
         return "peer"
 
     def write(self, peer: str, layers: range, src: Any, dst: Any, notice: Notice) -> FakeWrite:
         self.writes.append(FakeWrite(layers, list(src)))
-        self.notices.append(notice)
+        self.posted.append(notice)
         return self.writes[-1]
 
     def finished(self, write: FakeWrite) -> bool:
         return write.done
 
     def notify(self, peer: str, notice: Notice) -> None:
-        self.notices.append(notice)
+        self.posted.append(notice)
 
-    def progress(self) -> None:
-        pass
+    def notices(self) -> list[Notice]:
+        out, self.inbox = self.inbox, []
+        return out
+
+    def sent(self) -> list[NoticeKind]:
+        """The kinds of notice sent after STARTED."""
+        assert self.posted[0].kind is NoticeKind.STARTED
+        assert self.posted[0].handshake == self.handshake()
+        return [n.kind for n in self.posted[1:]]
 
 
 @dataclass
@@ -83,13 +95,15 @@ def marks(monkeypatch: pytest.MonkeyPatch) -> list[FakeMark]:
 
 
 def _prefill(
-    pool: PagePool, endpoint: FakeEndpoint, device: str = "cuda"
+    pool: PagePool, endpoint: FakeEndpoint, device: str = "cuda", acked: bool = True
 ) -> tuple[KVSender, Sequence, Step]:
-    sender = KVSender(endpoint, pool, LAYERS, True, 1.0, torch.device(device))  # type: ignore[arg-type]
+    sender = KVSender(endpoint, pool, LAYERS, True, torch.device(device))  # type: ignore[arg-type]
     seq = Sequence(RequestId("r"), list(range(40)), 40, SamplingParams())
     seq.pages = pool.allocate(3) or []
-    target = KVTarget(b"hs", tuple(PageId(p) for p in (7, 8, 9)), 0, time.time() + 60)
+    target = KVTarget(b"hs", tuple(PageId(p) for p in (7, 8, 9)), 0, 60.0)
     sender.start(seq.request_id, target)
+    if acked:
+        endpoint.inbox.append(Notice(NoticeKind.ACK, seq.request_id))
     return sender, seq, Step(prefills=[(seq, 40)])
 
 
@@ -99,16 +113,15 @@ def test_a_layers_write_is_posted_once_the_device_passes_its_mark(marks: list[Fa
     for layer in range(LAYERS):
         sender.on_layer(step, layer)
     sender.first_token(seq.request_id, 5, -0.5)
-    assert endpoint.writes == [] and endpoint.notices == []  # the device has run nothing
+    assert endpoint.writes == [] and endpoint.sent() == []  # the device has run nothing
     marks[0].passed = True
     assert sender.poll()
     assert [w.layers for w in endpoint.writes] == [range(0, 1)]
     marks[1].passed = marks[2].passed = True
     sender.poll()
     assert [w.layers for w in endpoint.writes] == [range(0, 1), range(1, 2), range(2, 3)]
-    kinds = [n.kind for n in endpoint.notices]
-    assert kinds == [NoticeKind.LAYERS] * 3 + [NoticeKind.DONE]
-    assert endpoint.notices[-1].num_writes == 3 and endpoint.notices[-1].first_token == 5
+    assert endpoint.sent() == [NoticeKind.LAYERS] * 3 + [NoticeKind.DONE]
+    assert endpoint.posted[-1].num_writes == 3 and endpoint.posted[-1].first_token == 5
     for w in endpoint.writes:
         w.done = True
     sender.poll()
@@ -136,7 +149,35 @@ def test_an_abort_drops_planned_writes_and_releases_their_pages(marks: list[Fake
     sender.stop(seq.request_id)
     sender.poll()
     assert sender.num_pushes == 0 and endpoint.writes == []
-    assert [n.kind for n in endpoint.notices] == [NoticeKind.CANCEL]
+    assert endpoint.sent() == [NoticeKind.CANCEL]
+    pool.free(seq.pages)
+    assert pool.num_free == 8
+
+
+def test_no_write_goes_before_the_ack_and_planned_ones_go_once_it_comes() -> None:
+    pool, endpoint = PagePool(8, PAGE), FakeEndpoint()
+    sender, seq, step = _prefill(pool, endpoint, "cpu", acked=False)
+    sender.on_layer(step, 0)
+    sender.on_layer(step, 1)
+    assert endpoint.writes == [] and endpoint.sent() == []
+    endpoint.inbox.append(Notice(NoticeKind.ACK, seq.request_id))
+    sender.poll()
+    assert [w.layers for w in endpoint.writes] == [range(0, 1), range(1, 2)]
+
+
+def test_a_revoke_posts_nothing_more_and_cancels_once_the_in_flight_write_completes() -> None:
+    pool, endpoint = PagePool(8, PAGE), FakeEndpoint()
+    sender, seq, step = _prefill(pool, endpoint, "cpu")
+    sender.on_layer(step, 0)  # posted: in flight
+    endpoint.inbox.append(Notice(NoticeKind.REVOKE, seq.request_id))
+    sender.poll()
+    sender.on_layer(step, 1)
+    sender.first_token(seq.request_id, 5, -0.5)
+    assert len(endpoint.writes) == 1 and endpoint.sent() == [NoticeKind.LAYERS]
+    endpoint.writes[0].done = True
+    sender.poll()
+    assert endpoint.sent() == [NoticeKind.LAYERS, NoticeKind.CANCEL]
+    assert sender.num_pushes == 0 and sender.stats.lease_misses == 1
     pool.free(seq.pages)
     assert pool.num_free == 8
 
@@ -167,6 +208,8 @@ def test_nothing_on_the_write_path_waits_on_a_stream_or_the_device() -> None:
         KVSender.first_token,
         KVSender.poll,
         KVSender._post_ready,
+        KVSender._on,
+        KVSender._apply,
         KVSender._post,
         LayerReady.done,
     ]

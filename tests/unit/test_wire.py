@@ -75,6 +75,8 @@ def test_a_peer_with_another_hash_is_refused_with_a_clear_error() -> None:
 def test_notices_round_trip(kind: NoticeKind) -> None:
     n = Notice(kind, RequestId("req-é"), 3, 9, (PageId(4), PageId(70000)), 123, 7, 42, -0.5)
     assert Notice.decode(n.encode()) == n
+    started = Notice(kind, RequestId("r"), handshake=handshake().encode())  # as STARTED has
+    assert Notice.decode(started.encode()) == started
 
 
 def test_truncated_bytes_are_refused() -> None:

@@ -1,0 +1,145 @@
+"""The decode worker's side of KV transfers: the adapter between the pure receiving state
+machine (cluster/transfer/inbound.py, which owns the protocol) and the NIXL endpoint.
+
+It turns the senders' notices, ticks, aborts and the router's reports into events,
+answers senders itself (ACK, REVOKE, over the endpoint, to the handshake each sender's
+STARTED carries), and hands back each transfer's one release (decode, recompute, fail,
+free) for the worker to apply to its engine. Only the engine touches the pages.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from cluster.transfer import inbound as machine
+from cluster.transfer.endpoint import KVEndpoint, Peer, TransferError
+from cluster.transfer.inbound import RELEASES, Terms
+from cluster.transfer.wire import Notice, NoticeKind
+from cluster.types import KVTarget, PageId, RequestId
+
+log = logging.getLogger(__name__)
+
+Release = machine.StartDecode | machine.Recompute | machine.Fail | machine.FreePages
+
+_EVENTS: dict[NoticeKind, machine.Event] = {
+    NoticeKind.STARTED: machine.Started(),
+    NoticeKind.RENEW: machine.Renew(),
+    NoticeKind.LAYERS: machine.Layers(),
+    NoticeKind.CANCEL: machine.Cancel(),
+}
+
+
+@dataclass
+class _Transfer:
+    state: machine.Inbound
+    pages: frozenset[PageId]  # the reservation, for checking each LAYERS notice
+    sender: Peer | None = None  # known from its STARTED
+
+
+class KVReceiver:
+    """Not thread-safe: the decode worker's engine thread drives it."""
+
+    def __init__(
+        self,
+        endpoint: KVEndpoint,
+        terms: Terms,
+        num_layers: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`clock`: this worker's own monotonic clock; leases are durations on it."""
+        self.endpoint = endpoint
+        self.terms = terms
+        self.num_layers = num_layers
+        self.clock = clock
+        self.pages_received = self.bytes_received = 0
+        self._handshake = endpoint.handshake()
+        self._transfers: dict[RequestId, _Transfer] = {}
+
+    def __len__(self) -> int:
+        return len(self._transfers)
+
+    def __contains__(self, rid: object) -> bool:
+        return rid in self._transfers
+
+    def expect(self, rid: RequestId, pages: tuple[PageId, ...], num_cached: int) -> KVTarget:
+        """Pages were reserved for rid: the KVTarget a prefill worker claims them with."""
+        state = machine.reserve(self.terms, self.clock())
+        self._transfers[rid] = _Transfer(state, frozenset(pages))
+        return KVTarget(self._handshake, pages, num_cached, self.terms.lease_s)
+
+    def poll(self) -> list[tuple[RequestId, Release]]:
+        """Read the senders' notices and check every lease: the transfers released."""
+        released: list[tuple[RequestId, Release]] = []
+        for notice in self.endpoint.notices():
+            released += self._on_notice(notice)
+        for rid in list(self._transfers):
+            released += self._on(rid, machine.Tick())
+        return released
+
+    def abort(self, rid: RequestId) -> list[tuple[RequestId, Release]]:
+        """The request was aborted; its pages wait until no WRITE can land."""
+        return self._on(rid, machine.Abort())
+
+    def sender_gone(self, rid: RequestId, why: str) -> list[tuple[RequestId, Release]]:
+        """The caller knows no WRITE for rid can land any more (its sender died or refused)."""
+        return self._on(rid, machine.SenderGone(why))
+
+    def _on_notice(self, notice: Notice) -> list[tuple[RequestId, Release]]:
+        rid, kind = notice.request_id, notice.kind
+        transfer = self._transfers.get(rid)
+        if kind is NoticeKind.STARTED:
+            sender = self._connect(notice)
+            if sender is None:
+                return []
+            if transfer is None:  # released before it was claimed: nothing may come
+                self._notify(sender, Notice(NoticeKind.REVOKE, rid))
+                return []
+            transfer.sender = sender
+        if transfer is None:
+            log.debug("%s notice for %s, which is not transferring: dropped", kind.name, rid)
+            return []
+        if kind is NoticeKind.LAYERS:
+            if not transfer.pages.issuperset(notice.pages):
+                log.error("request %s: a peer wrote pages outside its reservation", rid)
+            self.bytes_received += notice.num_bytes
+            if notice.layer_end == self.num_layers:
+                self.pages_received += len(notice.pages)
+        event = _EVENTS.get(kind)
+        if kind is NoticeKind.DONE:
+            event = machine.Done(notice.num_writes, notice.first_token, notice.first_logprob)
+        if event is None:
+            log.warning("request %s: a sender sent %s, a receiver's notice: dropped", rid, kind)
+            return []
+        return self._on(rid, event)
+
+    def _on(self, rid: RequestId, event: machine.Event) -> list[tuple[RequestId, Release]]:
+        transfer = self._transfers.get(rid)
+        if transfer is None:
+            return []
+        transfer.state, actions = machine.on_event(transfer.state, event, self.clock())
+        released: list[tuple[RequestId, Release]] = []
+        for action in actions:
+            if isinstance(action, RELEASES):
+                del self._transfers[rid]
+                released.append((rid, action))
+            elif transfer.sender is not None:  # Ack and Revoke follow a STARTED
+                kind = NoticeKind.ACK if isinstance(action, machine.Ack) else NoticeKind.REVOKE
+                self._notify(transfer.sender, Notice(kind, rid))
+        return released
+
+    def _connect(self, notice: Notice) -> Peer | None:
+        try:
+            return self.endpoint.connect(notice.handshake)
+        except Exception as e:  # a bad handshake, another model, or NIXL's own errors
+            rid = notice.request_id
+            log.warning("request %s: a STARTED from a sender we cannot answer: %s", rid, e)
+            return None
+
+    def _notify(self, peer: Peer, notice: Notice) -> None:
+        try:
+            self.endpoint.notify(peer, notice)
+        except TransferError as e:  # an ACK lost: the sender lapses; a REVOKE: the cap
+            log.warning("request %s: %s", notice.request_id, e)

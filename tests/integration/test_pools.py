@@ -199,9 +199,10 @@ def test_a_decode_worker_killed_mid_stream_is_replaced(fixed: ClusterHarness) ->
     doomed = h.read(lambda: pool.serving[0])
     requests = _Requests(h.address)
     requests.send("Tell me a long story.", max_tokens=400, ignore_eos=True)
-    wait_until(lambda: h.read(lambda: registry.in_flight(doomed)) >= 1, "the request to stream", 30)
-    time.sleep(0.5)
-    _kill_9(h.read(lambda: pool.workers[doomed]))
+    handle = h.read(lambda: pool.workers[doomed])
+    running = lambda: ray.get(handle.stats.remote()).running >= 1
+    wait_until(running, "the request to be decoding on its worker", 30)
+    _kill_9(handle)
     requests.wait(60)
     assert [e.code() for e in requests.errors] == [grpc.StatusCode.INTERNAL]
     gone = lambda: doomed not in h.read(lambda: registry.names("decode"))
@@ -224,11 +225,11 @@ def test_a_prefill_worker_killed_mid_prefill_is_replaced_and_its_request_complet
     prompt = _prompt(42, 1500)  # several chunks of 256: it is still prefilling when killed
     requests = _Requests(h.address)
     requests.send(prompt, max_tokens=8)
-    wait_until(
-        lambda: h.read(lambda: registry.in_flight(doomed)) >= 1, "the request to prefill", 30
-    )
-    time.sleep(1.0)
-    _kill_9(h.read(lambda: pool.workers[doomed]))
+    handle = h.read(lambda: pool.workers[doomed])
+    # Killed between its first computed chunk and its last.
+    midway = lambda: 0 < ray.get(handle.stats.remote()).queued_tokens < len(prompt)
+    wait_until(midway, "the prompt to be partly prefilled", 30)
+    _kill_9(handle)
     requests.wait(120)
     assert not requests.errors, requests.errors  # the decode worker recomputed it
     [reply] = requests.replies

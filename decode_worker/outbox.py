@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cluster.types import RequestId, TokenDelta
@@ -18,17 +19,18 @@ from cluster.types import RequestId, TokenDelta
 
 @dataclass
 class _Box:
+    last_read: float  # on the Outboxes' clock
     deltas: list[TokenDelta] = field(default_factory=list)  # not yet acknowledged
     base: int = 0  # the number of deltas[0]
     live: int = 0  # requests claimed and not finished
     fresh: bool = True  # not read yet: numbered from wherever its reader's cursor is
     wake: asyncio.Event = field(default_factory=asyncio.Event)
-    last_read: float = field(default_factory=time.monotonic)
 
 
 class Outboxes:
-    def __init__(self, idle_s: float = 300.0) -> None:
-        self.idle_s = idle_s
+    def __init__(self, idle_s: float = 300.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.idle_s = idle_s  # on `clock`, seconds
+        self._clock = clock
         self._boxes: dict[str, _Box] = {}
         self._owner: dict[RequestId, str] = {}
         self._lock = threading.Lock()
@@ -38,7 +40,7 @@ class Outboxes:
         """`reader` gets every delta of `request_id`, until one that finishes it."""
         with self._lock:
             self._owner[request_id] = reader
-            self._boxes.setdefault(reader, _Box()).live += 1
+            self._box(reader).live += 1
 
     def forget(self, request_id: RequestId) -> None:
         """Drop a claim that will get no delta (its request was refused)."""
@@ -72,7 +74,7 @@ class Outboxes:
         self._loop = asyncio.get_running_loop()
         with self._lock:
             self._sweep()
-            box = self._boxes.setdefault(reader, _Box())
+            box = self._box(reader)
             if box.fresh:  # also a box swept while its reader was away: carry on numbering
                 box.base, box.fresh = after, False
         while box.base + len(box.deltas) <= after:
@@ -82,14 +84,19 @@ class Outboxes:
             except TimeoutError:
                 break
         with self._lock:
-            box.last_read = time.monotonic()
+            box.last_read = self._clock()
             drop = min(max(0, after - box.base), len(box.deltas))
             del box.deltas[:drop]
             box.base += drop
             return box.base + len(box.deltas), list(box.deltas)
 
+    def _box(self, reader: str) -> _Box:
+        if reader not in self._boxes:
+            self._boxes[reader] = _Box(self._clock())
+        return self._boxes[reader]
+
     def _sweep(self) -> None:
-        idle = time.monotonic() - self.idle_s
+        idle = self._clock() - self.idle_s
         for reader, box in list(self._boxes.items()):
             if box.live == 0 and box.last_read < idle:
                 del self._boxes[reader]

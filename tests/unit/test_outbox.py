@@ -59,12 +59,13 @@ def test_a_read_waits_for_the_next_delta_published_from_another_thread() -> None
 
 def test_an_idle_reader_is_swept_and_coming_back_continues_its_numbering() -> None:
     async def go() -> None:
-        boxes = Outboxes(idle_s=0.0)
+        now = [0.0]
+        boxes = Outboxes(idle_s=60.0, clock=lambda: now[0])
         boxes.claim(RequestId("r"), "A")
         boxes.publish([_delta("r", 0), _delta("r", 1, done=True)])
         cursor, _ = await boxes.read("A", 0, 0.01)
         await boxes.read("A", cursor, 0.01)  # acknowledged; nothing live: sweepable
-        await asyncio.sleep(0.01)
+        now[0] = 61.0  # A has not read for longer than idle_s
         boxes.claim(RequestId("s"), "B")
         await boxes.read("B", 0, 0.01)  # sweeps A's empty box
         boxes.claim(RequestId("t"), "A")  # A comes back, its cursor still at 2

@@ -33,7 +33,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorUnavailableError, RayActorError
 
 from cluster.types import (
     FirstToken,
@@ -181,8 +181,11 @@ class Dispatcher:
             await self._abort(rid, self._streams[rid])
 
     async def _abort(self, rid: RequestId, stream: _Stream) -> None:
-        """Abort on both workers; one that is gone has nothing left to abort."""
-        for worker in (stream.prefill, stream.decode):
+        """Abort on both workers, the decode worker first: it revokes the transfer and
+        keeps its pages until the prefill worker's CANCEL (had the prefill worker's abort
+        come first, its CANCEL would make the decode worker start a recompute). One that
+        is gone has nothing left to abort."""
+        for worker in (stream.decode, stream.prefill):
             if worker is not None:
                 try:
                     await worker.abort.remote(rid)
@@ -203,7 +206,10 @@ class Dispatcher:
             first: FirstToken | None = await stream.prefill.prefill.remote(
                 rid, prompt_ids, sampling, target, resumed
             )
-        except Exception as e:
+        except ActorUnavailableError as e:  # unreachable, maybe alive: its lease decides
+            log.warning("request %s: prefill worker unreachable: %s", rid, e)
+            return
+        except Exception as e:  # dead, or refused the request: no WRITE can land any more
             log.warning("request %s: prefill failed: %s", rid, e)
             with contextlib.suppress(RayActorError):  # if gone too, its reader ends the stream
                 await stream.decode.transfer_failed.remote(rid, f"prefill worker failed: {e}")

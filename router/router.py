@@ -31,6 +31,7 @@ from typing import Any
 
 from cluster.dispatch import Delivered, Dispatcher, Trace, WorkerLost, seeded
 from cluster.types import FinishReason, SamplingParams, TokenDelta
+from router import lifecycle
 from router.placement import Placement, PlacementStore
 from router.policy import (
     NoWorkerError,
@@ -136,59 +137,66 @@ class Router:
     async def _generate(
         self, p: Prepared, arrived: float
     ) -> AsyncIterator[tuple[TokenDelta, Final | None]]:
+        """Adapter of router/lifecycle.py: routes, streams and moves the request as its
+        view's actions say, turning what routing and the stream report into events."""
         hint = await self._session(p.session_id)
         sampling = seeded(p.sampling)  # a moved request draws on from the same seed
         delivered, trace = Delivered(), Trace()
-        moves = 0
-        while True:
-            snapshot, chosen = await self._route(p, hint, delivered, moves)
-            try:
-                async for delta, usage in self._attempt(
-                    p, sampling, snapshot, chosen, hint, delivered, trace
-                ):
-                    if usage is None:
-                        yield delta, None
-                    else:
-                        yield delta, Final(usage, _timing(trace, arrived), chosen, moves)
-                return
-            except WorkerLost as e:
-                if e.dead:
-                    self.workers.mark_dead(chosen.decode, str(e))
-                moves += 1
-                if moves > self.max_migrations:
-                    raise Unavailable(
-                        f"{e}; the request already moved {moves - 1} times "
-                        f"(max_migrations={self.max_migrations})"
-                    ) from None
-                log.warning(
-                    "request %s: %s after %d tokens; moving it to another decode worker",
-                    p.request_id,
-                    e,
-                    len(delivered.token_ids),
-                )
-                hint = None
+        view = lifecycle.View(lifecycle.MovePolicy(self.max_migrations, self.migration_wait_s))
+        actions: list[lifecycle.Action] = [lifecycle.Route()]
+        while actions:
+            action = actions.pop(0)
+            event: lifecycle.Event | None = None
+            if isinstance(action, lifecycle.Route):
+                routed = self._route(p, hint, delivered)
+                if isinstance(routed, str):
+                    event = lifecycle.NoWorker(routed)
+                else:
+                    snapshot, chosen = routed
+                    event = lifecycle.Routed(chosen.decode)
+            elif isinstance(action, lifecycle.Wait):
+                await asyncio.sleep(self.workers.interval_s)
+                actions.append(lifecycle.Route())
+            elif isinstance(action, lifecycle.MarkDead):
+                self.workers.mark_dead(action.worker, action.why)
+            elif isinstance(action, lifecycle.Unavailable):
+                raise Unavailable(action.why)
+            else:
+                try:
+                    async for delta, usage in self._attempt(
+                        p, sampling, snapshot, chosen, hint, delivered, trace
+                    ):
+                        view, _ = lifecycle.on_event(
+                            view, lifecycle.Tokens(len(delta.token_ids)), time.monotonic()
+                        )
+                        if usage is None:
+                            yield delta, None
+                            continue
+                        view, _ = lifecycle.on_event(view, lifecycle.Finished(), time.monotonic())
+                        yield delta, Final(usage, _timing(trace, arrived), chosen, view.moves)
+                except WorkerLost as e:
+                    log.warning(
+                        "request %s: %s after %d tokens", p.request_id, e, len(delivered.token_ids)
+                    )
+                    event, hint = lifecycle.Lost(str(e), e.dead), None
+            if event is not None:
+                view, more = lifecycle.on_event(view, event, time.monotonic())
+                actions += more
 
-    async def _route(
-        self, p: Prepared, hint: SessionHint | None, delivered: Delivered, moves: int
-    ) -> tuple[Snapshot, Route]:
-        """Where the request (or what is left of it) goes. A moving request waits up to
-        `migration_wait_s` for a decode worker (a pool replacing a dead one); a new one
-        is refused at once."""
+    def _route(
+        self, p: Prepared, hint: SessionHint | None, delivered: Delivered
+    ) -> tuple[Snapshot, Route] | str:
+        """Where the request (or what is left of it) goes, or why nowhere."""
         self._turn += 1
         done = len(delivered.token_ids)
         request = RouteRequest(
             len(p.prompt_ids) + done, p.sampling.max_tokens - done, hint, self._turn
         )
-        deadline = time.monotonic() + (self.migration_wait_s if moves else 0.0)
-        while True:
-            snapshot = self.workers.snapshot()
-            try:
-                return snapshot, route(self.policy, snapshot, request)
-            except NoWorkerError as e:
-                if time.monotonic() >= deadline:
-                    waited = f" within migration_wait_s={self.migration_wait_s:g}" if moves else ""
-                    raise Unavailable(f"{e}{waited}") from None
-            await asyncio.sleep(self.workers.interval_s)
+        snapshot = self.workers.snapshot()
+        try:
+            return snapshot, route(self.policy, snapshot, request)
+        except NoWorkerError as e:
+            return str(e)
 
     async def _attempt(
         self,

@@ -9,7 +9,10 @@ Plain frozen dataclasses, carried by Ray's own serialization.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
+
+from cluster.types import BlockHash
 
 
 @dataclass(frozen=True)
@@ -60,3 +63,29 @@ class PrefillStats:
     def in_flight(self) -> int:
         """Requests here in any state: a drained worker waits for this to reach 0."""
         return self.queued_requests + self.transferring
+
+
+class KVEventKind(enum.Enum):
+    STORED = "stored"  # a full page of these tokens is now in the worker's prefix cache
+    REMOVED = "removed"  # ... and is no longer (its page was evicted for reuse)
+
+
+@dataclass(frozen=True)
+class KVEvent:
+    """A run of hashes with the same kind, in the order the pool changed them."""
+
+    kind: KVEventKind
+    hashes: tuple[BlockHash, ...]
+
+
+@dataclass(frozen=True)
+class KVEvents:
+    """A worker's prefix-cache changes for one reader (cluster/engine/kv_events.py): the
+    events since the reader's cursor, or, when `snapshot`, one STORED run of every hash
+    the worker holds, to replace all the reader had for it. Ask from `next_seq` next,
+    with this `epoch` (a new epoch: the worker restarted, its cache is another)."""
+
+    epoch: str
+    snapshot: bool
+    events: tuple[KVEvent, ...]
+    next_seq: int

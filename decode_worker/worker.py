@@ -33,7 +33,7 @@ import ray
 
 from cluster.config import EngineConfig, TransferConfig
 from cluster.engine.engine import LLMEngine
-from cluster.protocol import DecodeStats
+from cluster.protocol import DecodeStats, KVEvents
 from cluster.transfer import inbound
 from cluster.transfer.endpoint import KVEndpoint
 from cluster.transfer.wire import compat_hash
@@ -160,6 +160,11 @@ class DecodeWorker:
 
     async def info(self) -> ModelInfo:
         return self.engine.model_info
+
+    async def kv_events(self, epoch: str, after: int) -> KVEvents:
+        """The hashes this worker's prefix cache stored and evicted since a reader's cursor
+        (`epoch`, `after`), or a snapshot of all it holds (PagePool.kv_events)."""
+        return await self._loop.call(lambda: self.engine.pool.kv_events(self.epoch, epoch, after))
 
     async def stats(self) -> DecodeStats:
         def read() -> DecodeStats:

@@ -30,7 +30,7 @@ import ray
 
 from cluster.config import EngineConfig, TransferConfig
 from cluster.engine.engine import LLMEngine
-from cluster.protocol import PrefillStats
+from cluster.protocol import KVEvents, PrefillStats
 from cluster.transfer.endpoint import KVEndpoint
 from cluster.transfer.wire import compat_hash
 from cluster.types import (
@@ -125,6 +125,11 @@ class PrefillWorker:
 
     async def info(self) -> ModelInfo:
         return self.engine.model_info
+
+    async def kv_events(self, epoch: str, after: int) -> KVEvents:
+        """The hashes this worker's prefix cache stored and evicted since a reader's cursor
+        (`epoch`, `after`), or a snapshot of all it holds (PagePool.kv_events)."""
+        return await self._loop.call(lambda: self.engine.pool.kv_events(self.epoch, epoch, after))
 
     async def stats(self) -> PrefillStats:
         def read() -> PrefillStats:

@@ -5,6 +5,8 @@ with zero references is *free*; a free page may still hold a cached full page of
 tokens (its hash is registered) and is reused by a later request with the same
 prefix, or evicted, least recently freed first, when someone needs a page.
 Callers free exactly the pages they allocated or matched, once.
+Every hash registered or evicted is also an event in its change log
+(cluster/engine/kv_events.py), which routers read to know what each worker holds.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from cluster.engine.kv_events import KVEventLog
+from cluster.protocol import KVEvents
 from cluster.types import BlockHash, PageId
 
 
@@ -42,7 +46,13 @@ def hash_pages(
 class PagePool:
     """Reference-counted pages with an LRU of free pages and a hash -> page prefix index."""
 
-    def __init__(self, num_pages: int, page_size: int, prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        prefix_caching: bool = True,
+        event_capacity: int = 16384,  # events kept for readers (KVEventLog)
+    ) -> None:
         assert num_pages >= 1 and page_size >= 1
         self.num_pages = num_pages
         self.page_size = page_size
@@ -53,6 +63,7 @@ class PagePool:
         )
         self._page_of_hash: dict[BlockHash, PageId] = {}
         self._hash_of_page: dict[PageId, BlockHash] = {}
+        self._events = KVEventLog(event_capacity)
         self.prefix_queries = 0  # tokens looked up by admitted requests
         self.prefix_hits = 0  # of those, tokens found cached
 
@@ -107,6 +118,7 @@ class PagePool:
             cached = self._hash_of_page.pop(page, None)
             if cached is not None:
                 del self._page_of_hash[cached]
+                self._events.removed(cached)
             self._refs[page] = 1
             pages.append(page)
         return pages
@@ -118,6 +130,14 @@ class PagePool:
             return
         self._page_of_hash[h] = page
         self._hash_of_page[page] = h
+        self._events.stored(h)
+
+    def kv_events(self, epoch: str, reader_epoch: str, after: int) -> KVEvents:
+        """The hashes stored and evicted here from event `after` on, or a snapshot of all
+        held (KVEventLog.read). `epoch` names this pool's life; a reader that saw another
+        (`reader_epoch`: a new reader's is "") gets the snapshot."""
+        after = after if reader_epoch == epoch else -1
+        return self._events.read(epoch, after, self._page_of_hash.keys())
 
     def free(self, pages: Sequence[PageId]) -> None:
         """Drop one reference on each page; tail pages first so prefixes outlive suffixes."""

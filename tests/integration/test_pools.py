@@ -1,6 +1,7 @@
 """Elastic pools on a local Ray: the autoscaler grows and shrinks a pool under a real
-burst, a drained worker finishes (or, past its deadline, aborts) its streams, and a worker
-killed with SIGKILL mid-stream is replaced while the router stops sending it work."""
+burst, a drained worker finishes its streams (or, past its deadline, they move to another
+worker), and a worker killed with SIGKILL mid-stream is replaced while the router stops
+sending it work; its stream moves to the replacement."""
 
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ NEVER = 1_000_000  # ticks: a scaler that never moves on its own
 def _prompt(seed: int, n: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(1000, 40000) for _ in range(n)]
+
+
+LONG = {"max_tokens": 400, "ignore_eos": True}
 
 
 class _Requests:
@@ -131,7 +135,7 @@ def test_a_burst_of_long_prompts_grows_the_prefill_pool_and_idleness_shrinks_it(
         h.stop()
 
 
-def test_a_drained_decode_worker_finishes_its_streams_or_aborts_them_past_the_deadline(
+def test_a_drained_decode_worker_finishes_its_streams_or_moves_them_past_the_deadline(
     ray_workers: Any,
 ) -> None:
     scaling = ScalingConfig(
@@ -160,21 +164,23 @@ def test_a_drained_decode_worker_finishes_its_streams_or_aborts_them_past_the_de
         wait_until(lambda: _dead(drained), "the drained worker's actor to exit", 30)
         assert ask(h.address, "Hello", max_tokens=2).decode_worker == "drain-decode-0"
 
-        # Past drain_timeout_s the stream still running there ends ABORTED, saying why.
+        # Past drain_timeout_s the stream still running there moves to drain-decode-0 and
+        # ends there with the tokens it would have had.
         assert h.call(pool.grow(registry), 300) == "drain-decode-2"
         requests = _Requests(h.address)
         for i in range(2):
-            requests.send(f"Long story number {i}:", max_tokens=400, ignore_eos=True)
+            requests.send(f"Long story number {i}:", request_id=str(i), **LONG)
         busy = lambda: h.read(lambda: registry.in_flight("drain-decode-2")) >= 1
         wait_until(busy, "a request on decode-2", 30)
         started = time.monotonic()
         h.call(pool.drain(registry, "drain-decode-2"))
         assert 5 < time.monotonic() - started < 30
         requests.wait()
-        assert [e.code() for e in requests.errors] == [grpc.StatusCode.ABORTED]
-        assert "drain-decode-2 was drained" in (requests.errors[0].details() or "")
-        assert [r.decode_worker for r in requests.replies] == ["drain-decode-0"]
-        assert len(requests.replies[0].token_ids) == 400
+        assert not requests.errors, requests.errors
+        assert [r.decode_worker for r in requests.replies] == ["drain-decode-0"] * 2
+        for reply in requests.replies:
+            alone = ask(h.address, f"Long story number {reply.request_id}:", **LONG)
+            assert reply.token_ids == alone.token_ids and len(reply.token_ids) == 400
         h.assert_all_pages_free()
     finally:
         h.stop()
@@ -186,31 +192,36 @@ def fixed(ray_workers: Any) -> Iterator[ClusterHarness]:
     config = ServeConfig(
         prefill=PoolConfig(num_cpus=0, engine=ENGINE),
         decode=PoolConfig(num_cpus=0, engine=ENGINE),
-        router=RouterConfig(port=0, metrics_port=None, http_port=None),
+        # A moving stream waits for the replacement worker: a model load on a busy machine.
+        router=RouterConfig(port=0, metrics_port=None, http_port=None, migration_wait_s=180),
     )
     h = ClusterHarness(config, "kill-")
     yield h
     h.stop()
 
 
-def test_a_decode_worker_killed_mid_stream_is_replaced(fixed: ClusterHarness) -> None:
+def test_a_decode_worker_killed_mid_stream_is_replaced_and_its_stream_moves_there(
+    fixed: ClusterHarness,
+) -> None:
     h = fixed
     pool, registry = h.cluster.pools["decode"], h.cluster.app.workers
     doomed = h.read(lambda: pool.serving[0])
     requests = _Requests(h.address)
-    requests.send("Tell me a long story.", max_tokens=400, ignore_eos=True)
+    requests.send("Tell me a long story.", **LONG)
     handle = h.read(lambda: pool.workers[doomed])
     running = lambda: ray.get(handle.stats.remote()).running >= 1
     wait_until(running, "the request to be decoding on its worker", 30)
     _kill_9(handle)
-    requests.wait(60)
-    assert [e.code() for e in requests.errors] == [grpc.StatusCode.INTERNAL]
     gone = lambda: doomed not in h.read(lambda: registry.names("decode"))
     wait_until(gone, "the router to drop the dead worker", 2)  # its next load poll
-    replaced = lambda: h.read(lambda: len(pool.serving) == 1 and doomed not in pool.serving)
-    wait_until(replaced, "the dead decode worker's replacement", 120)
+    # The stream waits (migration_wait_s) for the pool to replace its worker, then goes on.
+    requests.wait(240)
+    assert not requests.errors, requests.errors
     new = h.read(lambda: pool.serving[0])
-    assert ask(h.address, "Hello", max_tokens=2).decode_worker == new
+    assert new != doomed
+    [moved] = requests.replies
+    assert moved.decode_worker == new
+    assert moved.token_ids == ask(h.address, "Tell me a long story.", **LONG).token_ids
     h.assert_all_pages_free()
 
 

@@ -57,7 +57,7 @@ from cluster.config import EngineConfig, RouterConfig, TransferConfig
 from cluster.dispatch import Dispatcher
 from cluster.engine.model_files import bundled_model_path
 from cluster.engine.tokenizer import Tokenizer
-from cluster.protocol import DecodeStats
+from cluster.protocol import DecodeStats, KVEvents
 from cluster.types import FinishReason, ModelInfo, RequestId, SamplingParams, TokenDelta
 from decode_worker.worker import spawn as spawn_decode
 from prefill_worker.worker import spawn as spawn_prefill
@@ -137,6 +137,7 @@ class StubDecode:
         stats = DecodeStats("e", 1000, 1000, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
         self.submit, self.outputs = Method(remote=self._submit), Method(remote=self._outputs)
         self.stats = Method(remote=lambda: _value(stats))
+        self.kv_events = Method(remote=lambda epoch, after: _value(KVEvents("e", True, (), 0)))
         self.info = Method(remote=lambda: _value(ModelInfo("stub", 2048, 49152, 16)))
         self.abort = Method(remote=lambda rid: _value(None))
 

@@ -7,6 +7,10 @@ looked idlest at the last read. A worker whose call fails (its actor died) leave
 snapshot at once and is not routed to again; `on_change` hears when the set of live
 decode workers changes (the health service follows it).
 
+Each read also brings the worker's KV events (what its prefix cache stored and evicted
+since the last read) into `index`, the prefix index: `cached_tokens` says how much of a
+prompt each worker holds. A worker that leaves the registry leaves the index.
+
 The pools (splitserve/pool.py) change the set while serving: `add` a worker once it is
 ready, `cordon` one to stop routing to it while its requests finish, `remove` it last.
 """
@@ -20,8 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.protocol import DecodeStats, PrefillStats
+from cluster.protocol import DecodeStats, KVEvents, PrefillStats
 from router.policy import DecodeLoad, PrefillLoad, Snapshot
+from router.prefix_index import PrefixIndex, prompt_hashes
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +51,7 @@ class WorkerRegistry:
         self._decode = {w: _Worker(h) for w, h in decode.items()}
         self._cordoned: set[str] = set()  # still polled, no longer routed to
         self._snapshot = Snapshot((), ())
+        self.index = PrefixIndex()
         self._sequences: Counter[str] = Counter()  # this router's requests per decode worker
         self._prompt_tokens: Counter[str] = Counter()  # ... and its tokens per prefill worker
         self._task: asyncio.Task[None] | None = None
@@ -81,6 +87,12 @@ class WorkerRegistry:
         """The live workers of a phase ("prefill" or "decode"), cordoned ones included."""
         return list(self._decode if phase == "decode" else self._prefill)
 
+    def cached_tokens(self, prompt_ids: list[int]) -> dict[str, int]:
+        """Leading prompt tokens each worker holds in its prefix cache, as of the last read
+        (workers holding none are left out)."""
+        chain = prompt_hashes(prompt_ids, self.page_size)
+        return {w: n * self.page_size for w, n in self.index.overlaps(chain).items()}
+
     def in_flight(self, worker: str) -> int:
         """This router's requests on the worker: streams (decode), prompt tokens (prefill)."""
         return self._sequences[worker] + self._prompt_tokens[worker]
@@ -101,6 +113,7 @@ class WorkerRegistry:
         self._decode.pop(worker, None)
         self._prefill.pop(worker, None)
         self._cordoned.discard(worker)
+        self.index.remove(worker)
         self._rebuild()
 
     def routed(self, decode: str, prefill: str | None, prompt_tokens: int) -> None:
@@ -125,19 +138,28 @@ class WorkerRegistry:
         for pool in (self._decode, self._prefill):
             if pool.pop(worker, None) is not None:
                 log.error("worker %s is gone (%s); no longer routing to it", worker, why)
+                self.index.remove(worker)
                 self._rebuild()
 
     async def refresh(self) -> None:
         workers = [*self._prefill.items(), *self._decode.items()]
         results = await asyncio.gather(
-            *(w.handle.stats.remote() for _, w in workers), return_exceptions=True
+            *(self._read(name, w) for name, w in workers), return_exceptions=True
         )
         for (name, w), result in zip(workers, results, strict=True):
             if isinstance(result, BaseException):
-                self.mark_dead(name, f"stats failed: {result}")
-            else:
-                w.stats = result
+                self.mark_dead(name, f"reading its stats failed: {result}")
+            elif self._prefill.get(name) is w or self._decode.get(name) is w:  # not removed since
+                w.stats, events = result
+                self.index.apply(name, events)
         self._rebuild()
+
+    async def _read(self, name: str, w: _Worker) -> tuple[DecodeStats | PrefillStats, KVEvents]:
+        """The worker's stats and its KV events since this registry's last read of them."""
+        stats, events = await asyncio.gather(
+            w.handle.stats.remote(), w.handle.kv_events.remote(*self.index.cursor(name))
+        )
+        return stats, events
 
     async def _run(self) -> None:
         while True:

@@ -1,0 +1,138 @@
+"""Which worker holds which prefix: a global index of block hashes, fed by KV events.
+
+Each worker's page pool logs the hashes of the full pages it stores and evicts
+(cluster/engine/kv_events.py); the WorkerRegistry reads each worker's log every poll and
+`apply`s the reply here. A worker that restarted (new epoch) or whose log dropped events
+this reader had not read answers with a snapshot, which replaces all the index had for
+it; a worker that is gone is `remove`d. The index is a function of the replies alone, so
+routers that read the same workers hold the same index, whenever each one started.
+
+`overlaps(chain)` answers, for a request's hash chain (`prompt_hashes`: its full pages,
+hashed as the engine hashes them), how many leading pages each worker holds: the prefix
+that worker would not recompute. A run stops at the first page a worker lacks, as the
+engine's own lookup does.
+
+Memory: one dict entry per distinct hash (the hash, and its holders as a bitmask over
+worker slots) plus one set entry per (worker, hash); bounded by what the workers hold,
+at most the sum of their pages. Measured with tracemalloc (16-byte hashes, the hash
+objects included): 125 MB per million blocks over 2 workers, 191 MB over 128 (wider
+masks); a block held by two workers costs 158 bytes, not 125.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from cluster.engine.page_pool import hash_pages
+from cluster.protocol import KVEventKind, KVEvents
+from cluster.types import BlockHash
+
+
+def prompt_hashes(prompt_ids: Sequence[int], page_size: int) -> list[BlockHash]:
+    """The chain of the prompt's pages a worker could reuse: its full pages but for the
+    last token, whose KV the engine always computes (Scheduler.cached_prefix)."""
+    return hash_pages(prompt_ids[: len(prompt_ids) - 1], page_size)
+
+
+@dataclass
+class _Held:
+    slot: int  # the worker's bit in the holder masks
+    epoch: str = ""  # "": nothing read yet
+    next_seq: int = -1
+    hashes: set[BlockHash] = field(default_factory=set)
+
+
+class PrefixIndex:
+    def __init__(self) -> None:
+        self._holders: dict[BlockHash, int] = {}  # hash -> mask of the slots holding it
+        self._held: dict[str, _Held] = {}
+        self._names: dict[int, str] = {}  # slot -> worker
+
+    def __len__(self) -> int:
+        """Distinct hashes held by any worker."""
+        return len(self._holders)
+
+    def cursor(self, worker: str) -> tuple[str, int]:
+        """(epoch, after) to ask the worker's kv_events with; a worker not read yet gets a
+        snapshot."""
+        held = self._held.get(worker)
+        return ("", -1) if held is None else (held.epoch, held.next_seq)
+
+    def held(self, worker: str) -> int:
+        """How many hashes the index has for the worker."""
+        held = self._held.get(worker)
+        return 0 if held is None else len(held.hashes)
+
+    def apply(self, worker: str, reply: KVEvents) -> None:
+        """The worker's answer to kv_events(*cursor(worker)): from now on the index holds
+        for it what the worker held when it answered."""
+        held = self._held.get(worker) or self._add(worker)
+        assert reply.snapshot or reply.epoch == held.epoch, (
+            f"{worker}: events of epoch {reply.epoch} applied over epoch {held.epoch!r}"
+        )
+        if reply.snapshot:
+            now = {h for event in reply.events for h in event.hashes}
+            self._drop(held, held.hashes - now)
+            self._store(held, now - held.hashes)
+        else:
+            for event in reply.events:
+                if event.kind is KVEventKind.STORED:
+                    self._store(held, event.hashes)
+                else:
+                    self._drop(held, event.hashes)
+        held.epoch, held.next_seq = reply.epoch, reply.next_seq
+
+    def remove(self, worker: str) -> None:
+        """Forget the worker and everything it held (it is gone)."""
+        held = self._held.pop(worker, None)
+        if held is not None:
+            self._drop(held, set(held.hashes))
+            del self._names[held.slot]
+
+    def overlaps(self, chain: Sequence[BlockHash]) -> dict[str, int]:
+        """Leading pages of `chain` each worker holds, for the workers that hold any."""
+        found: dict[str, int] = {}
+        holders = self._holders.get
+        alive = holders(chain[0], 0) if chain else 0
+        depth = 1
+        while alive and depth < len(chain):
+            still = alive & holders(chain[depth], 0)
+            if still != alive:
+                self._record(found, alive & ~still, depth)
+                alive = still
+            depth += 1
+        self._record(found, alive, depth)
+        return found
+
+    def _record(self, found: dict[str, int], slots: int, depth: int) -> None:
+        while slots:
+            low = slots & -slots
+            found[self._names[low.bit_length() - 1]] = depth
+            slots ^= low
+
+    def _add(self, worker: str) -> _Held:
+        slot = next(i for i in range(len(self._names) + 1) if i not in self._names)
+        self._names[slot] = worker
+        held = self._held[worker] = _Held(slot)
+        return held
+
+    def _store(self, held: _Held, hashes: Sequence[BlockHash] | set[BlockHash]) -> None:
+        bit = 1 << held.slot
+        holders = self._holders
+        for h in hashes:
+            if h not in held.hashes:
+                held.hashes.add(h)
+                holders[h] = holders.get(h, 0) | bit
+
+    def _drop(self, held: _Held, hashes: Sequence[BlockHash] | set[BlockHash]) -> None:
+        bit = 1 << held.slot
+        holders = self._holders
+        for h in hashes:
+            if h in held.hashes:
+                held.hashes.discard(h)
+                mask = holders[h] & ~bit
+                if mask:
+                    holders[h] = mask
+                else:
+                    del holders[h]

@@ -8,9 +8,9 @@ check every request against the same request on an idle server.
    greedy, ignore_eos, mixed output lengths) alone, one after another: the reference
    tokens and latencies.
 3. Loaded run: `--concurrency` streams over gRPC, each sending the mix's requests in turn
-   (every request at least once), while every `--interval-s` seconds a random worker
-   process of `--kill-phase` gets kill -9 (bench/chaos_faults.py says how they are found),
-   `--kills` times; the next kill waits until the pool has replaced the last victim, so
+   (every request at least once), while every `--interval-s` seconds a worker process gets
+   kill -9 (a random phase of `--kill-phase`, then a random process of that phase;
+   bench/chaos_faults.py says how they are found), `--kills` times; the next kill waits until the pool has replaced the last victim, so
    each recovery is measured alone. With `--redis-kill`, the embedded valkey-server is
    killed too, once, halfway. The streams stop once the kills are done.
 4. At the end, every worker's free KV pages (GetServerInfo, which reports the stats the
@@ -31,6 +31,7 @@ import itertools
 import json
 import random
 import shlex
+import subprocess
 import sys
 import tempfile
 import time
@@ -40,7 +41,7 @@ from typing import Any
 
 import grpc
 
-from bench.chaos_faults import kill_valkey, kill_worker, pages, workers
+from bench.chaos_faults import Victim, kill_valkey, kill_worker, pages, workers
 from bench.chaos_report import Fault, Outcome, WorkerPages, message_class, summarize, table
 from bench.process import Served, splitserve
 from bench.serve_workload import VOCAB_SIZE
@@ -108,11 +109,12 @@ async def inject(client: Client, args: argparse.Namespace, root: int, faults: li
             faults.append(fault)
             back = _seconds(fault.recovered_s)
             print(f"  kill -9 valkey-server: answering again after {back}", file=sys.stderr)
-        candidates = sorted(workers(root, phases), key=lambda v: (v.target, v.pid))
+        phase = rng.choice(phases)  # then one of its processes: each phase as often
+        candidates = sorted(v.pid for v in workers(root, (phase,)))
         if not candidates:
-            print("  no worker process left to kill; stopping the kills", file=sys.stderr)
+            print(f"  no {phase} worker process found; stopping the kills", file=sys.stderr)
             return
-        victim = rng.choice(candidates)
+        victim = Victim(phase, rng.choice(candidates))
         fault = await kill_worker(client, victim, replicas[victim.target], args.recovery_timeout_s)
         faults.append(fault)
         print(
@@ -192,6 +194,14 @@ def _record(o: Outcome, start: float) -> dict[str, Any]:
     }
 
 
+def _tree() -> dict[str, Any]:
+    """The code the server ran: the commit, and the files changed since (uncommitted)."""
+    git = ["git", "-C", str(Path(__file__).resolve().parents[1])]
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run([*git, "status", "--porcelain"], capture_output=True, text=True)
+    return {"commit": head.stdout.strip(), "uncommitted": dirty.stdout.splitlines()}
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="splitserve bench chaos", description=__doc__.split("\n")[0])
     p.add_argument("--prefill", type=int, default=2, help="prefill workers (the pool's size)")
@@ -216,7 +226,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="kill -9 the embedded valkey-server once, halfway through the kills",
     )
     p.add_argument("--recovery-timeout-s", type=float, default=300.0)
-    p.add_argument("--request-timeout-s", type=float, default=600.0)
+    p.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=180.0,
+        help="each request's gRPC deadline: one stuck past it counts as DEADLINE_EXCEEDED",
+    )
     p.add_argument("--settle-s", type=float, default=60.0, help="for pages to come back")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results here")
@@ -234,10 +249,12 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="splitserve-chaos-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"server config and log: {log_dir}", file=sys.stderr)
+    tree = _tree()  # as the server starts: the tree may change while it runs
     with splitserve("chaos", serve_doc(args), log_dir) as served:
         result = asyncio.run(run(args, served))
     result["command"] = shlex.join(["splitserve", "bench", "chaos", *argv])
     result["serve_config"] = serve_doc(args)
+    result["tree"] = tree
     print(table(f"chaos ({args.kills} kills, {args.concurrency} streams)", result["summary"]))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

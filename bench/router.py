@@ -54,7 +54,6 @@ import aiohttp
 import ray
 
 from cluster.config import EngineConfig, RouterConfig, TransferConfig
-from cluster.dispatch import Dispatcher
 from cluster.engine.model_files import bundled_model_path
 from cluster.engine.tokenizer import Tokenizer
 from cluster.protocol import DecodeStats, KVEvents
@@ -63,6 +62,7 @@ from decode_worker.worker import spawn as spawn_decode
 from prefill_worker.worker import spawn as spawn_prefill
 from router import policy as routing
 from router.app import RouterApp, start_router
+from router.dispatch import Dispatcher
 from router.placement import Placement, PlacementStore
 from router.request import Prepared, prepare
 from splitserve.client import Client, request

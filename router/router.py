@@ -29,9 +29,9 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.dispatch import Delivered, Dispatcher, Trace, WorkerLost, seeded
 from cluster.types import FinishReason, SamplingParams, TokenDelta
 from router import lifecycle
+from router.dispatch import Delivered, Dispatcher, Trace, WorkerLost, seeded
 from router.placement import Placement, PlacementStore
 from router.policy import (
     NoWorkerError,

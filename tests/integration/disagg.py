@@ -7,8 +7,8 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from cluster.dispatch import Dispatcher
 from cluster.types import FinishReason, RequestId, SamplingParams, TokenDelta
+from router.dispatch import Dispatcher
 
 T = TypeVar("T")
 

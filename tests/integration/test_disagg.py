@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import ray
 
-from cluster.dispatch import Dispatcher
 from cluster.types import FinishReason, SamplingParams
+from router.dispatch import Dispatcher
 from tests.integration.disagg import collect, run
 
 GREEDY = SamplingParams(max_tokens=16)

@@ -13,7 +13,6 @@ import pytest
 import ray
 import torch
 
-from cluster.dispatch import Dispatcher
 from cluster.engine.kv_cache import KVCache, KVLayout
 from cluster.transfer.endpoint import KVEndpoint
 from cluster.transfer.wire import Handshake, IncompatiblePeerError, Notice, NoticeKind
@@ -26,6 +25,7 @@ from cluster.types import (
     SamplingParams,
     TokenDelta,
 )
+from router.dispatch import Dispatcher
 from tests.helpers import until
 from tests.integration.disagg import collect, run
 from tests.integration.test_disagg import GREEDY, SEEDED, long_prompt

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from cluster.dispatch import Dispatcher
 from cluster.types import FinishReason, SamplingParams
+from router.dispatch import Dispatcher
 from tests.integration.disagg import collect, run
 from tests.integration.test_disagg import GREEDY, SEEDED, long_prompt
 

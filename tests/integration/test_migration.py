@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import ray
 
-from cluster.dispatch import Delivered, Dispatcher, WorkerLost
 from cluster.types import SamplingParams
+from router.dispatch import Delivered, Dispatcher, WorkerLost
 from tests.helpers import until, wait_until
 from tests.integration.disagg import Result, collect, run
 from tests.integration.router_harness import RouterHarness, ask

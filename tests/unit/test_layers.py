@@ -1,12 +1,12 @@
 """Imports point down a floor (DESIGN.md's layout), read from the source with `ast`.
 
 Floors, lowest first; a module may import its own floor and the floors below:
-1. cluster (types, config, protocol, engine, transfer, dispatch) and splitserve.v1, the
+1. cluster (types, config, protocol, engine, transfer) and splitserve.v1, the
    code generated from proto/ (it imports nothing of ours; it lives under splitserve/
    because its import path is the public API's proto package).
 2. decode_worker, prefill_worker: the two roles.
-3. router. It reaches the workers through Ray with cluster.protocol's types, so it
-   imports neither of them, and they do not import each other.
+3. router (dispatch included). It reaches the workers through Ray with cluster.protocol's
+   types, so it imports neither of them, and they do not import each other.
 4. splitserve: the control plane (launch, pools, scaler, autoscale, embedded Redis), the
    client and the capacity planner; with the workload model the planner shares with
    the benchmarks (bench.workload, serve_workload, arrivals, serve_metrics: pure).

@@ -1,4 +1,4 @@
-"""The Python API the router and the cluster call: run a request on the workers chosen
+"""The Python API the router and the benchmarks call: run a request on the workers chosen
 for it, stream its tokens back, abort it.
 
 1. `generate` submits to the decode worker, which reserves pages (or keeps the request

@@ -218,7 +218,7 @@ def exposure(
     receiver = Receiver(layout, max(tokens_list) // PAGE_SIZE + 1, compat, poll_s=0.001)
     ep = KVEndpoint("bench-prefill", engine.cache, compat, "lo")
     senders = {
-        s: KVSender(ep, engine.pool, layout.num_layers, s, engine.device) for s in (True, False)
+        s: KVSender(ep, engine.holds, layout.page_size, layout.num_layers, s) for s in (True, False)
     }
     out = []
     try:
@@ -266,9 +266,7 @@ def _prefill(engine: LLMEngine, ids: list[int], sender: KVSender | None) -> tupl
     started = time.monotonic()
     engine.add_request(ids, SamplingParams(max_tokens=1), rid)
     while engine.has_unfinished():
-        for out in engine.step(None if sender is None else sender.on_layer):
-            if sender is not None and out.finished:
-                sender.first_token(rid, out.new_token_ids[0], 0.0)
+        engine.step(sender)
     return time.monotonic() - started, started
 
 

@@ -1,36 +1,34 @@
 """Pushes prompt KV from the prefill engine's pages into a decode worker's reserved pages:
-the adapter between the pure push state machine (cluster/transfer/push.py, which owns
-the protocol) and the NIXL endpoint.
+the engine's KV sink (cluster/engine/kv_sink.py), and the adapter between the pure push
+state machine (cluster/transfer/push.py, which owns the protocol) and the NIXL endpoint.
 
 One push per request. `start` (the request was admitted to prefill) sends STARTED with
 this worker's handshake; WRITEs are planned meanwhile but posted only after the
 receiver's ACK. With streaming, every engine step WRITEs each layer's new pages as soon
 as that layer is computed, so the transfer hides behind the rest of the prefill;
 without it, one WRITE per request carries all layers once its prompt is done. A layer's
-WRITE is planned when the engine has queued the layer (marked by a LayerReady) and
-posted once the device has passed that mark, polled here: the compute stream never
-waits for the network. Each planned WRITE holds a reference on its source pages until
-it completes or is dropped. RENEW keeps the receiver's lease while the request waits or
-computes; DONE carries the first token and the WRITE count; a push that stops (abort,
-REVOKE, a stall past the lease, transport error) posts nothing more and sends CANCEL
-once no WRITE is in flight.
+WRITE is planned from the engine's KVStored events (the layer is queued) and posted once
+the device has passed the event's mark, polled here: the compute stream never waits for
+the network. Each planned WRITE holds its source pages through the engine's PageHolds
+until it completes or is dropped; this module never sees the engine's page pool or
+sequences. RENEW keeps the receiver's lease while the request waits or computes; DONE
+carries the first token and the WRITE count; a push that stops (abort, REVOKE, a stall
+past the lease, transport error) posts nothing more and sends CANCEL once no WRITE is in
+flight.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import torch
-
-from cluster.engine.page_pool import PagePool, pages_for
-from cluster.engine.scheduler import Step
+from cluster.engine.kv_sink import KVStored, PageHolds, PromptDone
+from cluster.engine.layer_ready import LayerReady
 from cluster.protocol import SendStats
 from cluster.transfer import push as machine
 from cluster.transfer.endpoint import KVEndpoint, Peer, TransferError, Write
-from cluster.transfer.layer_ready import LayerReady
 from cluster.transfer.push import PushStatus, StopCause
 from cluster.transfer.wire import Notice, NoticeKind
 from cluster.types import KVTarget, PageId, RequestId
@@ -44,7 +42,7 @@ class _Planned:
 
     ready: LayerReady
     layers: range
-    src: list[PageId]  # retained until the WRITE completes or is dropped
+    src: list[PageId]  # held until the WRITE completes or is dropped
     dst: list[PageId]
 
 
@@ -62,18 +60,19 @@ class KVSender:
     def __init__(
         self,
         endpoint: KVEndpoint,
-        pool: PagePool,
+        holds: PageHolds,
+        page_size: int,
         num_layers: int,
         stream_layers: bool,
-        device: torch.device,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """`clock`: this worker's own monotonic clock; leases are durations on it."""
+        """`holds`: the engine's, to keep a WRITE's source pages while it is in flight;
+        `clock`: this worker's own monotonic clock; leases are durations on it."""
         self.endpoint = endpoint
-        self.pool = pool
+        self.holds = holds
+        self.page_size = page_size
         self.num_layers = num_layers
         self.stream_layers = stream_layers
-        self.device = device  # where the engine computes the KV
         self.clock = clock
         self.stats = SendStats()
         self._handshake = endpoint.handshake()  # sent with STARTED, for REVOKE and ACK
@@ -95,38 +94,40 @@ class KVSender:
         if not self._notify(request_id, started):
             self._on(request_id, machine.Unreachable())
 
-    def on_layer(self, step: Step, layer: int) -> None:
-        """Engine hook: layer `layer` of `step` is queued; plan its WRITEs, post the ready."""
+    def stored(self, events: Sequence[KVStored]) -> None:
+        """A layer of an engine step is queued: plan the WRITEs of the pushed requests' new
+        pages (holding them), post those whose mark has passed."""
         if any(p.state.status is PushStatus.CLAIMING for p in self._pushes.values()):
             self._read_notices()  # an ACK that comes mid-step lets this step's WRITEs go
         self._tick()  # renewed mid-step too: a long step is no stall
-        if not self.stream_layers and layer != self.num_layers - 1:
-            return
-        layers = range(layer, layer + 1) if self.stream_layers else range(self.num_layers)
-        ready = LayerReady(self.device)
-        ps = self.pool.page_size
-        for seq, n in [*step.prefills, *((s, 1) for s in step.decodes)]:
-            push = self._pushes.get(seq.request_id)
-            if push is None or push.state.status not in _OPEN:
-                continue
-            end = seq.num_computed + n
-            if not self.stream_layers and end < seq.num_prompt:
-                continue  # unstreamed: one WRITE once the whole prompt is computed
-            first, last = push.sent_upto // ps, pages_for(end, ps)
-            if first < last:
-                src, dst = seq.pages[first:last], list(push.target.pages[first:last])
-                self.pool.retain(src)
-                push.planned.append(_Planned(ready, layers, src, dst))
-                self._on(seq.request_id, machine.Planned())
-            if layer == self.num_layers - 1:
-                push.sent_upto = max(push.sent_upto, end)
-            self._post_ready(seq.request_id)
+        for event in events:
+            push = self._pushes.get(event.request_id)
+            if push is not None and push.state.status in _OPEN:
+                self._plan(push, event)
+                self._post_ready(event.request_id)
 
-    def first_token(self, request_id: RequestId, token: int, logprob: float) -> None:
-        """The prompt is done: DONE tells the receiver the token and how many WRITEs to
-        expect, once every planned WRITE is posted (at once unless the device lags)."""
-        self._post_ready(request_id)
-        self._on(request_id, machine.FirstToken(token, logprob))
+    def _plan(self, push: _Push, event: KVStored) -> None:
+        last_layer = event.layers.stop == self.num_layers
+        if self.stream_layers:
+            layers = event.layers
+        elif last_layer and event.num_tokens >= event.num_prompt:
+            layers = range(self.num_layers)  # unstreamed: one WRITE once the prompt is computed
+        else:
+            return
+        first, last = push.sent_upto // self.page_size, len(event.pages)
+        if first < last:
+            src, dst = list(event.pages[first:last]), list(push.target.pages[first:last])
+            self.holds.hold(src)
+            push.planned.append(_Planned(event.ready, layers, src, dst))
+            self._on(event.request_id, machine.Planned())
+        if last_layer:
+            push.sent_upto = max(push.sent_upto, event.num_tokens)
+
+    def prompt_done(self, event: PromptDone) -> None:
+        """DONE tells the receiver the first token and how many WRITEs to expect, once
+        every planned WRITE is posted (at once unless the device lags)."""
+        self._post_ready(event.request_id)
+        self._on(event.request_id, machine.FirstToken(event.token, event.logprob or 0.0))
 
     def stop(self, request_id: RequestId) -> None:
         """Post nothing more for this request (abort); CANCEL follows when nothing is in flight."""
@@ -170,7 +171,7 @@ class KVSender:
                 log.warning("request %s: %s", rid, e)
                 finished, ok = True, False
             if finished:
-                self.pool.free(pages)
+                self.holds.release(pages)
                 self._on(rid, machine.WriteDone(ok))
             else:
                 still.append((write, pages))
@@ -203,7 +204,7 @@ class KVSender:
                 return self._post(rid, push, push.planned.pop(0))
             case machine.Drop():
                 for planned in push.planned:
-                    self.pool.free(planned.src)
+                    self.holds.release(planned.src)
                 push.planned.clear()
             case machine.Stop(cause):
                 if cause in (StopCause.REVOKED, StopCause.LAPSED):
@@ -251,7 +252,7 @@ class KVSender:
         try:
             write = self.endpoint.write(push.peer, layers, src, dst, notice)
         except TransferError as e:
-            self.pool.free(src)
+            self.holds.release(src)
             log.warning("request %s: %s", rid, e)
             return [machine.WriteDone(ok=False)]
         self.stats.post_s += time.perf_counter() - started

@@ -7,15 +7,16 @@ Life of a request here (the push's own states are cluster/transfer/push.py's):
    prompt in its engine with max_tokens 1. WAITING; RENEW notices keep the lease while
    the request waits.
 2. The engine batches prompts under its token budget, long ones in chunks, reusing
-   cached prefix pages. PREFILLING. Once the decode worker's ACK is in, after each
-   layer the sender WRITEs the layer's new pages into the reserved pages (all layers
-   at once when streaming is off); each WRITE renews the lease.
+   cached prefix pages. PREFILLING. The sender is the engine's KV sink: once the decode
+   worker's ACK is in, after each layer it WRITEs the layer's new pages into the
+   reserved pages (all layers at once when streaming is off); each WRITE renews the
+   lease.
 3. The last chunk samples the first token: `prefill` returns it at once, and a DONE
    notice tells the decode worker how many WRITEs to expect. TRANSFERRING.
-4. Each WRITE releases its source pages when it completes; they stay in the prefix
-   cache. An abort, the decode worker's REVOKE (its lease ended there), or a stall of
-   this worker for a whole lease stops the push: nothing more is posted, and CANCEL
-   goes out once no WRITE is in flight.
+4. Each WRITE holds its source pages in the engine until it completes; then they stay
+   in the prefix cache. An abort, the decode worker's REVOKE (its lease ended there), or
+   a stall of this worker for a whole lease stops the push: nothing more is posted, and
+   CANCEL goes out once no WRITE is in flight.
 """
 
 from __future__ import annotations
@@ -62,10 +63,10 @@ class PrefillWorker:
         )
         self.sender = KVSender(
             self.endpoint,
-            self.engine.pool,
+            self.engine.holds,
+            engine.page_size,
             self.engine.spec.num_layers,
             transfer.stream_layers,
-            self.engine.device,
         )
         self._waiting: dict[RequestId, asyncio.Future[FirstToken | None]] = {}
         self._loop = WorkerLoop(self._tick, name=f"{name}-engine")
@@ -151,7 +152,7 @@ class PrefillWorker:
         busy = self.engine.has_unfinished()
         if busy:
             try:
-                outputs = self.engine.step(self.sender.on_layer)
+                outputs = self.engine.step(self.sender)  # DONE goes out from within
             except Exception:
                 log.exception("prefill step failed; failing its requests")
                 for rid in list(self._waiting):
@@ -161,11 +162,9 @@ class PrefillWorker:
                 outputs = []
             for out in outputs:
                 if out.finished:
-                    lp = out.new_logprobs[0] if out.new_logprobs else None
-                    self.sender.first_token(out.request_id, out.new_token_ids[0], lp or 0.0)
                     first = FirstToken(
                         out.new_token_ids[0],
-                        lp,
+                        out.new_logprobs[0] if out.new_logprobs else None,
                         out.new_text,
                         out.num_cached_tokens,
                         out.text_offset,

@@ -1,7 +1,9 @@
 """The engine: add requests, step, abort, read per-step outputs; `generate` on top.
 
 One step: the scheduler picks a batch, the runner computes logits, the sampler
-picks tokens, and each request's text, stop conditions and pages are settled.
+picks tokens, and each request's text, stop conditions and pages are settled. A KV
+sink given to `step` hears where each layer's KV went and when a prompt is done, and
+holds pages through `holds` (cluster/engine/kv_sink.py).
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from cluster.config import ConfigError, EngineConfig
 from cluster.engine.attention import resolve_backend
 from cluster.engine.checkpoint import ModelSpec, load_checkpoint
 from cluster.engine.kv_cache import KVCache, KVLayout
+from cluster.engine.kv_sink import KVSink, PageHolds, PromptDone, layer_hook
 from cluster.engine.memory import device_memory, fits
 from cluster.engine.model import LlamaModel
 from cluster.engine.model_files import bundled_model_path
@@ -28,7 +30,7 @@ from cluster.engine.page_pool import PagePool, pages_for
 from cluster.engine.quantization import QuantizationError
 from cluster.engine.runner import build_runner
 from cluster.engine.sampler import sample, skip_draws
-from cluster.engine.scheduler import Scheduler, Step
+from cluster.engine.scheduler import Scheduler
 from cluster.engine.sequence import Sequence
 from cluster.engine.tokenizer import TextStream, Tokenizer
 from cluster.types import (
@@ -113,6 +115,7 @@ class LLMEngine:
             raise ValueError(f"kv_cache_gb: {config.kv_cache_gb} GB holds no page of KV")
         self.cache = KVCache(self.layout, num_pages, self.device)
         self.pool = PagePool(num_pages, config.page_size, config.prefix_caching)
+        self.holds = PageHolds(self.pool)  # pages a KV sink keeps past their step
         self.scheduler = Scheduler(
             self.pool, config.max_num_seqs, config.max_num_batched_tokens, config.chunked_prefill
         )
@@ -221,31 +224,39 @@ class LLMEngine:
             self.model_id, self.max_model_len, self.spec.vocab_size, self.pool.page_size
         )
 
-    def step(self, on_layer: Callable[[Step, int], None] | None = None) -> list[RequestOutput]:
+    def step(self, sink: KVSink | None = None) -> list[RequestOutput]:
         """Run one batch; an output for every request that produced tokens or finished.
 
-        `on_layer(step, i)` runs as soon as layer i's KV for the step is in the cache.
+        `sink` hears of each layer's KV as soon as it is queued into the cache, and of
+        each prompt done in this step (cluster/engine/kv_sink.py).
         """
         step = self.scheduler.schedule()
         if step.empty:
             return []
-        sampled, logits = self.runner.run(
-            step, None if on_layer is None else lambda i: on_layer(step, i)
-        )
+        ps = self.pool.page_size
+        on_layer = None if sink is None else layer_hook(step, ps, self.device, sink)
+        sampled, logits = self.runner.run(step, on_layer)
         for seq in step.decodes:
             self.scheduler.commit(seq, 1)
         for seq, n in step.prefills:
             self.scheduler.commit(seq, n)
         if not sampled:
             return []
+        firsts = [len(s.token_ids) == s.num_prompt for s in sampled]  # before the append
         lives = [self._live[s.request_id] for s in sampled]
         tokens, logprobs = sample(
             logits, [s.sampling for s in sampled], [lv.generator for lv in lives]
         )
-        return [
+        outputs = [
             self._append(lv, tok, logprobs[i] if logprobs else None)
             for i, (lv, tok) in enumerate(zip(lives, tokens, strict=True))
         ]
+        if sink is not None:
+            for out, first in zip(outputs, firsts, strict=True):
+                if first:
+                    lp = out.new_logprobs[0] if out.new_logprobs else None
+                    sink.prompt_done(PromptDone(out.request_id, out.new_token_ids[0], lp))
+        return outputs
 
     def generate(
         self, prompts: Seq[str | list[int]], sampling: SamplingParams | Seq[SamplingParams]

@@ -123,8 +123,9 @@ class KVEndpoint:
         notice: Notice,
     ) -> Write:
         """Post one WRITE of pages src -> dst (K and V) for `layers`; the notice rides on it.
-        The caller posts only KV the device has finished writing (see LayerReady): UCX
-        reads the pages as they are when it runs, and nothing here waits on the device."""
+        The caller posts only KV the device has finished writing (see the engine's
+        LayerReady): UCX reads the pages as they are when it runs, and nothing here waits
+        on the device."""
         hs = peer.handshake
         assert hs.page_bytes == self.page_bytes and 0 <= layers.start < layers.stop
         runs = np.array(page_runs(src, dst), dtype=np.uint64).reshape(-1, 3)

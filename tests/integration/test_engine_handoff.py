@@ -1,23 +1,47 @@
 """The engine's two disaggregated roles, in one process with no transport: a prefill
-engine's prompt KV copied into a decode engine's reserved pages decodes to the same
-tokens as one engine doing both (the page-ownership contract, without Ray or UCX)."""
+engine's prompt KV, copied by its KV sink into a decode engine's reserved pages, decodes
+to the same tokens as one engine doing both (the page-ownership contract, without Ray or
+UCX); and the sink seam itself on the real model."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence as Seq
 from typing import Any
 
 import pytest
 
-from cluster.engine.engine import LLMEngine
-from cluster.engine.scheduler import Step
+from cluster.engine.engine import LLMEngine, Reservation
+from cluster.engine.kv_sink import KVStored, PromptDone
+from cluster.engine.page_pool import pages_for
 from cluster.types import (
     FinishReason,
     InvalidRequestError,
+    PageId,
     RequestId,
     RequestStatus,
     SamplingParams,
 )
+
+
+class CopySink:
+    """Copies each layer's prompt KV into a reservation's pages as soon as it is stored."""
+
+    def __init__(self, prefill: LLMEngine, decode: LLMEngine, reservation: Reservation) -> None:
+        self.src, self.dst, self.reservation = prefill.cache, decode.cache, reservation
+        self.first = reservation.num_cached_tokens // decode.pool.page_size
+        self.done: list[PromptDone] = []
+
+    def stored(self, events: Seq[KVStored]) -> None:
+        for e in events:
+            src = list(e.pages[self.first :])
+            dst = self.reservation.pages[self.first : len(e.pages)]
+            for layer in e.layers:
+                self.dst.k[layer, dst] = self.src.k[layer, src]
+                self.dst.v[layer, dst] = self.src.v[layer, src]
+
+    def prompt_done(self, event: PromptDone) -> None:
+        self.done.append(event)
 
 
 def handoff(prefill: LLMEngine, decode: LLMEngine, ids: list[int], sp: SamplingParams) -> list[int]:
@@ -25,19 +49,11 @@ def handoff(prefill: LLMEngine, decode: LLMEngine, ids: list[int], sp: SamplingP
     reservation = decode.reserve(ids, sp, rid)
     assert reservation is not None
     assert decode.status(rid) is RequestStatus.TRANSFERRING
-    ps = decode.pool.page_size
-
-    def copy_pages(step: Step, layer: int) -> None:
-        for seq, _ in step.prefills:
-            first = reservation.num_cached_tokens // ps
-            src = seq.pages[first : len(reservation.pages)]
-            dst = reservation.pages[first:]
-            decode.cache.k[layer, dst] = prefill.cache.k[layer, src]
-            decode.cache.v[layer, dst] = prefill.cache.v[layer, src]
-
+    sink = CopySink(prefill, decode, reservation)
     prefill.add_request(ids, dataclasses.replace(sp, max_tokens=1), rid)
-    (first,) = prefill.step(copy_pages)
+    (first,) = prefill.step(sink)
     assert first.finish_reason is not None and not prefill.has_unfinished()
+    assert sink.done == [PromptDone(rid, first.new_token_ids[0], None)]
     out = decode.start_decode(rid, first.new_token_ids[0], 0.0)
     tokens = list(out.new_token_ids)
     while decode.has_unfinished():
@@ -167,3 +183,52 @@ def test_resumed_must_leave_a_prompt(make_engine: Any, prompts: list[list[int]])
     with pytest.raises(InvalidRequestError, match="resumed: must be in"):
         engine.add_request(prompts[3][:4], SamplingParams(max_tokens=4), resumed=4)
     assert not engine.has_unfinished()
+
+
+class HoldAll:
+    """A sink that holds every page it is told of, as a sender with every WRITE in flight."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.events: list[KVStored] = []
+        self.done: list[PromptDone] = []
+
+    def stored(self, events: Seq[KVStored]) -> None:
+        for e in events:
+            self.engine.holds.hold(e.pages)
+        self.events += events
+
+    def prompt_done(self, event: PromptDone) -> None:
+        self.done.append(event)
+
+    def release(self) -> None:
+        for e in self.events:
+            self.engine.holds.release(e.pages)
+
+
+def test_the_sink_hears_every_layer_and_prompt_and_held_pages_outlive_their_requests(
+    make_engine: Any, prompts: list[list[int]]
+) -> None:
+    engine = make_engine("sink", kv_cache_gb=0.05, prefix_caching=False, max_num_batched_tokens=32)
+    free, ps, layers = engine.num_free_pages, engine.pool.page_size, engine.spec.num_layers
+    sp = SamplingParams(max_tokens=3, logprobs=True, ignore_eos=True)
+    ids = {engine.add_request(p, sp): p for p in (prompts[7], prompts[1])}
+    sink = HoldAll(engine)
+    outs: dict[RequestId, list[Any]] = {rid: [] for rid in ids}
+    while engine.has_unfinished():
+        for out in engine.step(sink):
+            outs[out.request_id].append(out)
+    for rid, prompt in ids.items():
+        mine = [e for e in sink.events if e.request_id == rid]
+        tokens = [e.num_tokens for e in mine]
+        assert tokens == sorted(tokens) and tokens[-1] == len(prompt) + sp.max_tokens - 1
+        assert len(mine) % layers == 0 and len(mine) > layers  # chunked: more than one step
+        assert all(len(e.pages) == pages_for(e.num_tokens, ps) for e in mine)
+        assert [e.layers.start for e in mine[:layers]] == list(range(layers))
+        first = outs[rid][0]
+        done = [d for d in sink.done if d.request_id == rid]
+        assert done == [PromptDone(rid, first.new_token_ids[0], first.new_logprobs[0])]
+    held = {PageId(p) for e in sink.events for p in e.pages}
+    assert engine.num_free_pages == free - len(held)  # the requests are done, not the sink
+    sink.release()
+    assert engine.holds.num_held == 0 and engine.num_free_pages == free

@@ -1,7 +1,9 @@
-"""KVSender over a fake endpoint: STARTED claims the pages and no WRITE goes before the
-receiver's ACK, a layer's WRITE is posted only once the device has passed the layer's
-mark, in stream order, DONE follows the last WRITE, an abort or a REVOKE drops planned
-WRITEs and releases their pages, and nothing on the WRITE path waits on a stream."""
+"""KVSender over a fake endpoint, fed KV events as the engine makes them (the engine's
+side played by the test over a real PagePool): STARTED claims the pages and no WRITE goes
+before the receiver's ACK, a layer's WRITE is posted only once the device has passed the
+layer's mark, in stream order, DONE follows the last WRITE, a WRITE's source pages stay
+held in the engine until it completes, an abort or a REVOKE drops planned WRITEs and
+releases their pages, and nothing on the WRITE path waits on a stream."""
 
 from __future__ import annotations
 
@@ -13,17 +15,16 @@ from typing import Any
 import pytest
 import torch
 
-import prefill_worker.sender as sender_module
+from cluster.engine.kv_sink import KVStored, PageHolds, PromptDone
+from cluster.engine.layer_ready import LayerReady
 from cluster.engine.page_pool import PagePool
-from cluster.engine.scheduler import Step
-from cluster.engine.sequence import Sequence
 from cluster.transfer.endpoint import KVEndpoint
-from cluster.transfer.layer_ready import LayerReady
 from cluster.transfer.wire import Notice, NoticeKind
-from cluster.types import KVTarget, PageId, RequestId, SamplingParams
+from cluster.types import KVTarget, PageId, RequestId
 from prefill_worker.sender import KVSender
 
 LAYERS, PAGE = 3, 16
+RID = RequestId("r")
 
 
 @dataclass
@@ -75,119 +76,143 @@ class FakeEndpoint:
 class FakeMark:
     """A LayerReady whose device is as far along as the test says."""
 
-    device: torch.device
     passed: bool = False
 
     def done(self) -> bool:
         return self.passed
 
 
-@pytest.fixture
-def marks(monkeypatch: pytest.MonkeyPatch) -> list[FakeMark]:
-    made: list[FakeMark] = []
+class Prefill:
+    """One 40-token prompt (3 pages of a real pool) pushed to pages 7, 8, 9; the test
+    plays the engine, reporting each layer as the engine's KV sink seam does."""
 
-    def mark(device: torch.device) -> FakeMark:
-        made.append(FakeMark(device))
-        return made[-1]
+    def __init__(self, acked: bool = True, stream: bool = True) -> None:
+        self.pool = PagePool(8, PAGE)
+        self.holds = PageHolds(self.pool)
+        self.endpoint = FakeEndpoint()
+        self.sender = KVSender(self.endpoint, self.holds, PAGE, LAYERS, stream)  # type: ignore[arg-type]
+        self.pages = tuple(self.pool.allocate(3) or [])
+        self.marks: list[FakeMark] = []
+        target = KVTarget(b"hs", tuple(PageId(p) for p in (7, 8, 9)), 0, 60.0)
+        self.sender.start(RID, target)
+        if acked:
+            self.endpoint.inbox.append(Notice(NoticeKind.ACK, RID))
 
-    monkeypatch.setattr(sender_module, "LayerReady", mark)
-    return made
+    def layer(self, i: int, num_tokens: int = 40, passed: bool = False) -> None:
+        """Layer i of the first `num_tokens` tokens is queued; the device is past it if
+        `passed`."""
+        self.marks.append(FakeMark(passed))
+        pages = self.pages[: -(-num_tokens // PAGE)]
+        ready: Any = self.marks[-1]
+        self.sender.stored([KVStored(RID, range(i, i + 1), num_tokens, 40, pages, ready)])
+
+    def done(self) -> None:
+        self.sender.prompt_done(PromptDone(RID, 5, -0.5))
+
+    def finish(self) -> None:
+        """The engine ends the request: its own references go; held pages stay."""
+        self.pool.free(self.pages)
+
+    def assert_clean(self) -> None:
+        assert self.sender.num_pushes == 0 and self.holds.num_held == 0
+        assert self.pool.num_free == 8
 
 
-def _prefill(
-    pool: PagePool, endpoint: FakeEndpoint, device: str = "cuda", acked: bool = True
-) -> tuple[KVSender, Sequence, Step]:
-    sender = KVSender(endpoint, pool, LAYERS, True, torch.device(device))  # type: ignore[arg-type]
-    seq = Sequence(RequestId("r"), list(range(40)), 40, SamplingParams())
-    seq.pages = pool.allocate(3) or []
-    target = KVTarget(b"hs", tuple(PageId(p) for p in (7, 8, 9)), 0, 60.0)
-    sender.start(seq.request_id, target)
-    if acked:
-        endpoint.inbox.append(Notice(NoticeKind.ACK, seq.request_id))
-    return sender, seq, Step(prefills=[(seq, 40)])
-
-
-def test_a_layers_write_is_posted_once_the_device_passes_its_mark(marks: list[FakeMark]) -> None:
-    pool, endpoint = PagePool(8, PAGE), FakeEndpoint()
-    sender, seq, step = _prefill(pool, endpoint)
+def test_a_layers_write_is_posted_once_the_device_passes_its_mark() -> None:
+    p = Prefill()
     for layer in range(LAYERS):
-        sender.on_layer(step, layer)
-    sender.first_token(seq.request_id, 5, -0.5)
-    assert endpoint.writes == [] and endpoint.sent() == []  # the device has run nothing
-    marks[0].passed = True
-    assert sender.poll()
-    assert [w.layers for w in endpoint.writes] == [range(0, 1)]
-    marks[1].passed = marks[2].passed = True
-    sender.poll()
-    assert [w.layers for w in endpoint.writes] == [range(0, 1), range(1, 2), range(2, 3)]
-    assert endpoint.sent() == [NoticeKind.LAYERS] * 3 + [NoticeKind.DONE]
-    assert endpoint.posted[-1].num_writes == 3 and endpoint.posted[-1].first_token == 5
-    for w in endpoint.writes:
+        p.layer(layer)
+    p.done()
+    p.finish()
+    assert p.endpoint.writes == [] and p.endpoint.sent() == []  # the device has run nothing
+    assert p.holds.num_held == 3 * LAYERS and p.pool.num_free == 5  # held for the WRITEs
+    p.marks[0].passed = True
+    assert p.sender.poll()
+    assert [w.layers for w in p.endpoint.writes] == [range(0, 1)]
+    p.marks[1].passed = p.marks[2].passed = True
+    p.sender.poll()
+    assert [w.layers for w in p.endpoint.writes] == [range(0, 1), range(1, 2), range(2, 3)]
+    assert p.endpoint.sent() == [NoticeKind.LAYERS] * 3 + [NoticeKind.DONE]
+    assert p.endpoint.posted[-1].num_writes == 3 and p.endpoint.posted[-1].first_token == 5
+    for w in p.endpoint.writes[:2]:
         w.done = True
-    sender.poll()
-    pool.free(seq.pages)
-    assert sender.num_pushes == 0 and pool.num_free == 8
+    p.sender.poll()
+    assert p.holds.num_held == 3 and p.pool.num_free == 5  # the last WRITE still reads them
+    p.endpoint.writes[2].done = True
+    p.sender.poll()
+    p.assert_clean()
 
 
-def test_marks_pass_in_stream_order_a_later_layer_never_overtakes(
-    marks: list[FakeMark],
-) -> None:
-    pool, endpoint = PagePool(8, PAGE), FakeEndpoint()
-    sender, _, step = _prefill(pool, endpoint)
-    sender.on_layer(step, 0)
-    sender.on_layer(step, 1)
-    marks[1].passed = True  # cannot happen on one stream; the sender still keeps order
-    sender.poll()
-    assert endpoint.writes == []
+def test_each_chunk_writes_only_its_new_pages() -> None:
+    p = Prefill()
+    for n in (16, 32, 40):
+        for layer in range(LAYERS):
+            p.layer(layer, n, passed=True)
+    srcs = [w.src for w in p.endpoint.writes if w.layers == range(0, 1)]
+    assert srcs == [list(p.pages[:1]), list(p.pages[1:2]), list(p.pages[2:3])]
 
 
-def test_an_abort_drops_planned_writes_and_releases_their_pages(marks: list[FakeMark]) -> None:
-    pool, endpoint = PagePool(8, PAGE), FakeEndpoint()
-    sender, seq, step = _prefill(pool, endpoint)
-    sender.on_layer(step, 0)
-    sender.on_layer(step, 1)
-    sender.stop(seq.request_id)
-    sender.poll()
-    assert sender.num_pushes == 0 and endpoint.writes == []
-    assert endpoint.sent() == [NoticeKind.CANCEL]
-    pool.free(seq.pages)
-    assert pool.num_free == 8
+def test_unstreamed_one_write_carries_every_layer_once_the_prompt_is_computed() -> None:
+    p = Prefill(stream=False)
+    for n in (24, 40):
+        for layer in range(LAYERS):
+            p.layer(layer, n, passed=True)
+    assert [(w.layers, w.src) for w in p.endpoint.writes] == [(range(LAYERS), list(p.pages))]
+
+
+def test_marks_pass_in_stream_order_a_later_layer_never_overtakes() -> None:
+    p = Prefill()
+    p.layer(0)
+    p.layer(1)
+    p.marks[1].passed = True  # cannot happen on one stream; the sender still keeps order
+    p.sender.poll()
+    assert p.endpoint.writes == []
+
+
+def test_an_abort_drops_planned_writes_and_releases_their_pages() -> None:
+    p = Prefill()
+    p.layer(0)
+    p.layer(1)
+    p.sender.stop(RID)
+    p.sender.poll()
+    assert p.sender.num_pushes == 0 and p.endpoint.writes == []
+    assert p.endpoint.sent() == [NoticeKind.CANCEL]
+    p.finish()
+    p.assert_clean()
 
 
 def test_no_write_goes_before_the_ack_and_planned_ones_go_once_it_comes() -> None:
-    pool, endpoint = PagePool(8, PAGE), FakeEndpoint()
-    sender, seq, step = _prefill(pool, endpoint, "cpu", acked=False)
-    sender.on_layer(step, 0)
-    sender.on_layer(step, 1)
-    assert endpoint.writes == [] and endpoint.sent() == []
-    endpoint.inbox.append(Notice(NoticeKind.ACK, seq.request_id))
-    sender.poll()
-    assert [w.layers for w in endpoint.writes] == [range(0, 1), range(1, 2)]
+    p = Prefill(acked=False)
+    p.layer(0, passed=True)
+    p.layer(1, passed=True)
+    assert p.endpoint.writes == [] and p.endpoint.sent() == []
+    p.endpoint.inbox.append(Notice(NoticeKind.ACK, RID))
+    p.sender.poll()
+    assert [w.layers for w in p.endpoint.writes] == [range(0, 1), range(1, 2)]
 
 
 def test_a_revoke_posts_nothing_more_and_cancels_once_the_in_flight_write_completes() -> None:
-    pool, endpoint = PagePool(8, PAGE), FakeEndpoint()
-    sender, seq, step = _prefill(pool, endpoint, "cpu")
-    sender.on_layer(step, 0)  # posted: in flight
-    endpoint.inbox.append(Notice(NoticeKind.REVOKE, seq.request_id))
-    sender.poll()
-    sender.on_layer(step, 1)
-    sender.first_token(seq.request_id, 5, -0.5)
-    assert len(endpoint.writes) == 1 and endpoint.sent() == [NoticeKind.LAYERS]
-    endpoint.writes[0].done = True
-    sender.poll()
-    assert endpoint.sent() == [NoticeKind.LAYERS, NoticeKind.CANCEL]
-    assert sender.num_pushes == 0 and sender.stats.lease_misses == 1
-    pool.free(seq.pages)
-    assert pool.num_free == 8
+    p = Prefill()
+    p.layer(0, passed=True)  # posted: in flight
+    p.endpoint.inbox.append(Notice(NoticeKind.REVOKE, RID))
+    p.sender.poll()
+    p.layer(1, passed=True)
+    p.done()
+    p.finish()
+    assert len(p.endpoint.writes) == 1 and p.endpoint.sent() == [NoticeKind.LAYERS]
+    p.endpoint.writes[0].done = True
+    p.sender.poll()
+    assert p.endpoint.sent() == [NoticeKind.LAYERS, NoticeKind.CANCEL]
+    assert p.sender.stats.lease_misses == 1
+    p.assert_clean()
 
 
 def test_on_cpu_each_layer_is_written_as_soon_as_it_is_reached() -> None:
-    pool, endpoint = PagePool(8, PAGE), FakeEndpoint()
-    sender, _, step = _prefill(pool, endpoint, "cpu")
-    sender.on_layer(step, 0)
-    assert [w.layers for w in endpoint.writes] == [range(0, 1)]
-    assert LayerReady(torch.device("cpu")).done()
+    p = Prefill()
+    ready = LayerReady(torch.device("cpu"))
+    assert ready.done()
+    p.sender.stored([KVStored(RID, range(0, 1), 40, 40, p.pages, ready)])
+    assert [w.layers for w in p.endpoint.writes] == [range(0, 1)]
 
 
 def _code_names(fn: Any) -> set[str]:
@@ -204,8 +229,9 @@ def _code_names(fn: Any) -> set[str]:
 def test_nothing_on_the_write_path_waits_on_a_stream_or_the_device() -> None:
     path = [
         KVEndpoint.write,
-        KVSender.on_layer,
-        KVSender.first_token,
+        KVSender.stored,
+        KVSender._plan,
+        KVSender.prompt_done,
         KVSender.poll,
         KVSender._post_ready,
         KVSender._on,

@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 import torch
 
+from cluster.engine.kv_sink import KVStored, PageHolds, PromptDone
+from cluster.engine.layer_ready import LayerReady
 from cluster.engine.page_pool import PagePool
-from cluster.engine.scheduler import Step
-from cluster.engine.sequence import Sequence
 from cluster.transfer import inbound
 from cluster.transfer.inbound import Terms
 from cluster.transfer.wire import Notice, NoticeKind
-from cluster.types import PageId, RequestId, SamplingParams
+from cluster.types import PageId, RequestId
 from decode_worker.receiver import KVReceiver, Release
 from prefill_worker.sender import KVSender
 
@@ -106,7 +106,9 @@ class Pair:
     sender: KVSender
     receiver: KVReceiver
     pool: PagePool
-    seq: Sequence
+    holds: PageHolds
+    pages: tuple[PageId, ...]  # the prompt's, on the prefill worker
+    num_computed: int = 0
 
     def tick(self) -> None:
         """One turn of each worker's loop, a millisecond apart."""
@@ -116,10 +118,15 @@ class Pair:
 
     def chunk(self, n: int) -> None:
         """The prefill worker computes the next n prompt tokens, layer by layer."""
-        step = Step(prefills=[(self.seq, n)])
+        self.num_computed += n
+        pages = self.pages[: -(-self.num_computed // PAGE)]
         for layer in range(LAYERS):
-            self.sender.on_layer(step, layer)
-        self.seq.num_computed += n
+            ready = LayerReady(torch.device("cpu"))
+            stored = KVStored(RID, range(layer, layer + 1), self.num_computed, 40, pages, ready)
+            self.sender.stored([stored])
+
+    def first_token(self) -> None:
+        self.sender.prompt_done(PromptDone(RID, 5, -0.5))
 
     def release(self) -> Release:
         (only,) = self.net.released
@@ -131,20 +138,20 @@ def pair(sender_offset_s: float, receiver_offset_s: float, recompute: bool = Tru
     clocks = [Clock(sender_offset_s), Clock(receiver_offset_s)]
     net = Net(clocks, {"prefill": [], "decode": []})
     pool = PagePool(8, PAGE)
+    holds = PageHolds(pool)
     sender = KVSender(
         FakeEndpoint("prefill", net),  # type: ignore[arg-type]
-        pool,
+        holds,
+        PAGE,
         LAYERS,
         True,
-        torch.device("cpu"),
         clocks[0],
     )
     terms = Terms(LEASE_S, 10 * LEASE_S, recompute)
     receiver = KVReceiver(FakeEndpoint("decode", net), terms, LAYERS, clocks[1])  # type: ignore[arg-type]
-    seq = Sequence(RID, list(range(40)), 40, SamplingParams())
-    seq.pages = pool.allocate(3) or []
+    pages = tuple(pool.allocate(3) or [])
     sender.start(RID, receiver.expect(RID, DST, 0))
-    return Pair(net, sender, receiver, pool, seq)
+    return Pair(net, sender, receiver, pool, holds, pages)
 
 
 def prefill_and_land(p: Pair) -> None:
@@ -153,7 +160,7 @@ def prefill_and_land(p: Pair) -> None:
         p.chunk(n)
         p.tick()
         p.net.land()
-    p.sender.first_token(RID, 5, -0.5)
+    p.first_token()
     while not p.net.released:
         p.tick()
 
@@ -163,8 +170,8 @@ SKEWS = [(0.0, 0.0), (1.7e9, 1.7e9 + 300), (1.7e9 + 300, 1.7e9), (-600.0, 5e5)]
 
 def assert_clean(p: Pair) -> None:
     """The push is gone, its source pages are free again, and nothing is left in flight."""
-    p.pool.free(p.seq.pages)
-    assert p.sender.num_pushes == 0 and len(p.receiver) == 0
+    p.pool.free(p.pages)
+    assert p.sender.num_pushes == 0 and len(p.receiver) == 0 and p.holds.num_held == 0
     assert p.pool.num_free == 8 and not p.net.in_flight
 
 
@@ -203,7 +210,7 @@ def test_a_stalled_sender_is_revoked_and_its_in_flight_writes_land_before_the_pa
     p.net.released += p.receiver.poll()  # the decode worker's lease ends: REVOKE
     assert not p.net.released and len(p.receiver) == 1
     p.chunk(16)  # the stalled step ends: nothing more is posted
-    p.sender.first_token(RID, 5, -0.5)
+    p.first_token()
     assert len(p.net.in_flight) == LAYERS
     for _ in range(5):
         p.tick()  # no CANCEL while WRITEs are in flight, so the pages stay

@@ -1,9 +1,10 @@
 """LayerReady: the point on the compute stream where a layer's KV write was queued.
 
-The engine calls the sender's layer hook when it has *queued* a layer's cache write; on
-a GPU the kernels may still be running. The sender marks that point and posts the
-layer's WRITE once the device has passed it, polling the mark from its own loop, so the
-compute stream never waits for the network and the network never reads unwritten KV.
+The engine reports a layer's KV to its sink (cluster/engine/kv_sink.py) when it has
+*queued* the layer's cache write; on a GPU the kernels may still be running. The engine
+marks that point; the sink acts on the layer (posts its WRITE) once the device has
+passed it, polling the mark from its own loop, so the compute stream never waits for
+the network and the network never reads unwritten KV.
 """
 
 from __future__ import annotations

@@ -41,14 +41,13 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import statistics
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from types import SimpleNamespace as Method
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import ray
@@ -56,7 +55,7 @@ import ray
 from cluster.config import EngineConfig, RouterConfig, TransferConfig
 from cluster.engine.model_files import bundled_model_path
 from cluster.engine.tokenizer import Tokenizer
-from cluster.protocol import DecodeStats, KVEvents
+from cluster.protocol import DecodeHandle, DecodeStats, KVEvents
 from cluster.types import FinishReason, ModelInfo, RequestId, SamplingParams, TokenDelta
 from decode_worker.worker import spawn as spawn_decode
 from prefill_worker.worker import spawn as spawn_prefill
@@ -128,10 +127,10 @@ def route_rates() -> dict[str, dict[str, float]]:
 
 
 class StubDecode:
-    """A decode worker that answers at once: each request gets max_tokens one-token deltas."""
+    """A decode worker that answers at once: each request gets max_tokens one-token deltas.
+    Its methods' `remote` return coroutines where Ray's return ObjectRefs; both are awaited."""
 
     def __init__(self) -> None:
-        self._actor_id = os.urandom(16)  # the Dispatcher keys its pollers by this
         self._out: asyncio.Queue[TokenDelta] = asyncio.Queue()
         self._cursor = 0
         stats = DecodeStats("e", 1000, 1000, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
@@ -158,7 +157,7 @@ class StubDecode:
 
 async def router_cost(dispatcher: Dispatcher, reps: int) -> dict[str, float]:
     """Mean ms per request over `reps` sequential requests to a stub worker, by path."""
-    stub = StubDecode()
+    stub = cast(DecodeHandle, StubDecode())
     app = await start_router(
         RouterConfig(port=0, metrics_port=None, http_port=None), 32, {}, {"stub": stub}, None
     )
@@ -305,7 +304,8 @@ async def affinity(tok: Tokenizer, redis_url: str, conversations: int) -> dict[s
     engine, transfer = EngineConfig(kv_cache_gb=0.3, threads=1), TransferConfig()
     prefill = {f"prefill-{i}": spawn_prefill(f"prefill-{i}", engine, transfer, 0) for i in (0, 1)}
     decode = {f"decode-{i}": spawn_decode(f"decode-{i}", engine, transfer, 0) for i in (0, 1)}
-    await asyncio.gather(*(h.info.remote() for h in [*prefill.values(), *decode.values()]))
+    infos = [h.info.remote() for h in prefill.values()] + [h.info.remote() for h in decode.values()]
+    await asyncio.gather(*infos)
     apps: dict[str, RouterApp] = {}
     runs: dict[str, list[dict[str, Any]]] = {p: [] for p in POLICIES}
     try:

@@ -1,18 +1,40 @@
-"""What the roles report to each other across processes: each worker's stats.
+"""What the roles say to each other across processes: each worker's stats, and the
+typed handles its callers hold.
 
-The workers build these (decode_worker, prefill_worker) and the router and the control
-plane read them, so they live on the floor all of them stand on: reading a worker's
-load imports neither its actor nor the engine. The per-request values that cross
-processes (KVTarget, FirstToken, TokenDelta, ModelInfo) are in cluster/types.py.
+The workers build the stats (decode_worker, prefill_worker) and the router and the
+control plane read them, so they live on the floor all of them stand on: reading a
+worker's load imports neither its actor nor the engine. The per-request values that
+cross processes (KVTarget, FirstToken, TokenDelta, ModelInfo) are in cluster/types.py.
 Plain frozen dataclasses, carried by Ray's own serialization.
+
+`DecodeHandle` and `PrefillHandle` type the Ray actor handles: each lists its actor's
+remote methods with the actor method's own signature (tests/unit/test_handles.py holds
+them equal), and each worker module's `spawn()` returns its handle as one.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypeVar, cast
 
-from cluster.types import BlockHash
+from cluster.types import (
+    BlockHash,
+    FirstToken,
+    KVTarget,
+    ModelInfo,
+    RequestId,
+    RequestStatus,
+    SamplingParams,
+    TokenDelta,
+)
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -89,3 +111,87 @@ class KVEvents:
     snapshot: bool
     events: tuple[KVEvent, ...]
     next_seq: int
+
+
+class Remote(Protocol[P, R]):
+    """One remote method of an actor handle: `.remote(...)` takes the method's arguments,
+    starts the call and returns its ObjectRef; awaiting that gives the method's result
+    (or raises what the call raised, or Ray's error for a dead or unreachable actor)."""
+
+    def remote(self, *args: P.args, **kwargs: P.kwargs) -> ObjectRef[R]: ...
+
+
+def remote(method: Callable[Concatenate[Any, P], Awaitable[R]]) -> Remote[P, R]:
+    """Declares a handle's remote method by writing the actor method's signature (a
+    typing device: at run time the attribute is the declared function itself)."""
+    return cast("Remote[P, R]", method)
+
+
+class DecodeHandle(Protocol):
+    """A DecodeWorker actor (decode_worker/worker.py, whose docstrings give the contracts)."""
+
+    @remote
+    async def submit(
+        self,
+        request_id: RequestId,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        remote: bool,
+        reader: str,
+        resumed: int = 0,
+    ) -> KVTarget | None: ...
+
+    @remote
+    async def transfer_failed(self, request_id: RequestId, why: str) -> None: ...
+
+    @remote
+    async def abort(self, request_id: RequestId) -> RequestStatus | None: ...
+
+    @remote
+    async def evict_all(self, why: str) -> int: ...
+
+    @remote
+    async def outputs(
+        self, reader: str, after: int, timeout_s: float
+    ) -> tuple[int, list[TokenDelta]]: ...
+
+    @remote
+    async def info(self) -> ModelInfo: ...
+
+    @remote
+    async def kv_events(self, epoch: str, after: int) -> KVEvents: ...
+
+    @remote
+    async def stats(self) -> DecodeStats: ...
+
+
+class PrefillHandle(Protocol):
+    """A PrefillWorker actor (prefill_worker/worker.py, whose docstrings give the contracts)."""
+
+    @remote
+    async def prefill(
+        self,
+        request_id: RequestId,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        target: KVTarget,
+        resumed: int = 0,
+    ) -> FirstToken | None: ...
+
+    @remote
+    async def abort(self, request_id: RequestId) -> None: ...
+
+    @remote
+    async def abort_all(self) -> int: ...
+
+    @remote
+    async def status(self, request_id: RequestId) -> RequestStatus | None: ...
+
+    @remote
+    async def info(self) -> ModelInfo: ...
+
+    @remote
+    async def kv_events(self, epoch: str, after: int) -> KVEvents: ...
+
+    @remote
+    async def stats(self) -> PrefillStats: ...

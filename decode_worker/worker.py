@@ -27,13 +27,13 @@ import logging
 import uuid
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import ray
 
 from cluster.config import EngineConfig, TransferConfig
 from cluster.engine.engine import LLMEngine
-from cluster.protocol import DecodeStats, KVEvents
+from cluster.protocol import DecodeHandle, DecodeStats, KVEvents
 from cluster.transfer import inbound
 from cluster.transfer.endpoint import KVEndpoint
 from cluster.transfer.wire import compat_hash
@@ -306,8 +306,9 @@ def spawn(
     num_cpus: float = 1,
     num_gpus: float = 0,
     resources: dict[str, float] | None = None,
-) -> Any:
+) -> DecodeHandle:
     """Start a DecodeWorker actor named `name`; returns its Ray actor handle."""
     actor: Any = ray.remote(DecodeWorker)
     options = {"name": name, "num_cpus": num_cpus, "num_gpus": num_gpus}
-    return actor.options(**options, resources=resources or {}).remote(name, engine, transfer)
+    handle = actor.options(**options, resources=resources or {}).remote(name, engine, transfer)
+    return cast(DecodeHandle, handle)

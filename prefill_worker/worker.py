@@ -25,13 +25,13 @@ import asyncio
 import dataclasses
 import logging
 import uuid
-from typing import Any
+from typing import Any, cast
 
 import ray
 
 from cluster.config import EngineConfig, TransferConfig
 from cluster.engine.engine import LLMEngine
-from cluster.protocol import KVEvents, PrefillStats
+from cluster.protocol import KVEvents, PrefillHandle, PrefillStats
 from cluster.transfer.endpoint import KVEndpoint
 from cluster.transfer.wire import compat_hash
 from cluster.types import (
@@ -193,8 +193,9 @@ def spawn(
     num_cpus: float = 1,
     num_gpus: float = 0,
     resources: dict[str, float] | None = None,
-) -> Any:
+) -> PrefillHandle:
     """Start a PrefillWorker actor named `name`; returns its Ray actor handle."""
     actor: Any = ray.remote(PrefillWorker)
     options = {"name": name, "num_cpus": num_cpus, "num_gpus": num_gpus}
-    return actor.options(**options, resources=resources or {}).remote(name, engine, transfer)
+    handle = actor.options(**options, resources=resources or {}).remote(name, engine, transfer)
+    return cast(PrefillHandle, handle)

@@ -11,6 +11,7 @@ from typing import Any
 from cluster.config import RouterConfig
 from cluster.engine.model_files import bundled_model_path
 from cluster.engine.tokenizer import Tokenizer
+from cluster.protocol import DecodeHandle, PrefillHandle
 from cluster.types import ModelInfo
 from router.metrics import RouterMetrics
 from router.openai import OpenAIFrontDoor
@@ -55,8 +56,8 @@ class RouterApp:
 async def start_router(
     config: RouterConfig,
     local_prefill_tokens: int,
-    prefill: dict[str, Any],
-    decode: dict[str, Any],
+    prefill: dict[str, PrefillHandle],
+    decode: dict[str, DecodeHandle],
     redis_url: str | None,
     model: str | None = None,
 ) -> RouterApp:

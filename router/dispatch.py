@@ -29,15 +29,17 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
 from ray.exceptions import ActorUnavailableError, RayActorError
 
+from cluster.protocol import DecodeHandle, PrefillHandle
 from cluster.types import (
     FirstToken,
     InvalidRequestError,
+    KVTarget,
     RequestId,
     SamplingParams,
     TokenDelta,
@@ -76,8 +78,8 @@ class WorkerLost(Exception):
 @dataclass
 class _Stream:
     queue: asyncio.Queue[TokenDelta | str]  # a str: the decode worker is gone, and why
-    decode: Any
-    prefill: Any | None
+    decode: DecodeHandle
+    prefill: PrefillHandle | None
     trace: Trace
     stops: bool  # the request has stop strings
 
@@ -90,7 +92,7 @@ class Dispatcher:
         self.poll_s = poll_s
         self._streams: dict[RequestId, _Stream] = {}  # by the id the workers know
         self._in_flight: dict[RequestId, RequestId] = {}  # caller's id -> workers' id
-        self._pollers: dict[str, asyncio.Task[None]] = {}
+        self._pollers: dict[DecodeHandle, asyncio.Task[None]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.reader = uuid.uuid4().hex  # this Dispatcher's outbox on each decode worker
 
@@ -98,8 +100,8 @@ class Dispatcher:
         self,
         prompt_ids: list[int],
         sampling: SamplingParams,
-        decode: Any,
-        prefill: Any | None = None,
+        decode: DecodeHandle,
+        prefill: PrefillHandle | None = None,
         request_id: RequestId | None = None,
         trace: Trace | None = None,
         delivered: Delivered | None = None,
@@ -197,7 +199,7 @@ class Dispatcher:
         rid: RequestId,
         prompt_ids: list[int],
         sampling: SamplingParams,
-        target: Any,
+        target: KVTarget,
         resumed: int,
         stream: _Stream,
     ) -> None:
@@ -225,19 +227,19 @@ class Dispatcher:
             delta = TokenDelta(rid, resumed, (first.token_id,), text, lps)
             stream.queue.put_nowait(dataclasses.replace(delta, text_offset=first.text_offset))
 
-    def _poll(self, decode: Any) -> None:
-        key = decode._actor_id.hex()
-        if key not in self._pollers or self._pollers[key].done():
-            self._pollers[key] = asyncio.create_task(self._read(decode))
+    def _poll(self, decode: DecodeHandle) -> None:
+        # Ray's handles to one actor are equal (and hash alike): one reader per worker.
+        if decode not in self._pollers or self._pollers[decode].done():
+            self._pollers[decode] = asyncio.create_task(self._read(decode))
 
-    async def _read(self, decode: Any) -> None:
+    async def _read(self, decode: DecodeHandle) -> None:
         """Hand each request its deltas from one decode worker, batch by batch."""
         cursor = 0
         while True:
             try:
                 cursor, deltas = await decode.outputs.remote(self.reader, cursor, self.poll_s)
             except Exception as e:  # the worker is gone: its requests' streams end
-                lost = [(r, s) for r, s in self._streams.items() if s.decode is decode]
+                lost = [(r, s) for r, s in self._streams.items() if s.decode == decode]
                 # None lost: it was drained and removed, nothing to report.
                 log.log(logging.ERROR if lost else logging.DEBUG, "decode worker gone: %s", e)
                 for _, stream in lost:
@@ -253,7 +255,7 @@ class Dispatcher:
                         to.trace.num_cached_tokens = delta.num_cached_tokens
                 to.queue.put_nowait(delta)
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

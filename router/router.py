@@ -209,8 +209,8 @@ class Router:
         trace: Trace,
     ) -> AsyncIterator[tuple[TokenDelta, Usage | None]]:
         """The request's deltas from the workers `chosen`; the last one with its usage."""
-        decode = self.workers.handle(chosen.decode)
-        prefill = None if chosen.prefill is None else self.workers.handle(chosen.prefill)
+        decode = self.workers.decode_handle(chosen.decode)
+        prefill = None if chosen.prefill is None else self.workers.prefill_handle(chosen.prefill)
         prompt_tokens = len(p.prompt_ids) + len(delivered.token_ids)
         stream = self.dispatcher.generate(
             p.prompt_ids, sampling, decode, prefill, p.request_id, trace, delivered

@@ -11,8 +11,9 @@ Each read also brings the worker's KV events (what its prefix cache stored and e
 since the last read) into `index`, the prefix index: `cached_tokens` says how much of a
 prompt each worker holds. A worker that leaves the registry leaves the index.
 
-The pools (splitserve/pool.py) change the set while serving: `add` a worker once it is
-ready, `cordon` one to stop routing to it while its requests finish, `remove` it last.
+The pools (splitserve/pool.py) change the set while serving: `add_decode` or
+`add_prefill` a worker once it is ready, `cordon` one to stop routing to it while its
+requests finish, `remove` it last.
 """
 
 from __future__ import annotations
@@ -20,28 +21,39 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Generic, TypeVar
 
-from cluster.protocol import DecodeStats, KVEvents, PrefillStats
+from cluster.protocol import (
+    DecodeHandle,
+    DecodeStats,
+    KVEvents,
+    PrefillHandle,
+    PrefillStats,
+)
 from router.policy import DecodeLoad, PrefillLoad, Snapshot
 from router.prefix_index import PrefixIndex, prompt_hashes
 
 log = logging.getLogger(__name__)
 
+H = TypeVar("H", DecodeHandle, PrefillHandle)
+
 
 @dataclass
-class _Worker:
-    handle: Any
+class _Worker(Generic[H]):
+    handle: H
     stats: DecodeStats | PrefillStats | None = None
+
+
+_AnyWorker = _Worker[DecodeHandle] | _Worker[PrefillHandle]
 
 
 class WorkerRegistry:
     def __init__(
         self,
-        prefill: dict[str, Any],
-        decode: dict[str, Any],
+        prefill: dict[str, PrefillHandle],
+        decode: dict[str, DecodeHandle],
         page_size: int,
         interval_s: float = 0.1,
     ) -> None:
@@ -70,18 +82,16 @@ class WorkerRegistry:
     def snapshot(self) -> Snapshot:
         return self._snapshot
 
-    def handle(self, worker: str) -> Any:
-        w = self._decode.get(worker) or self._prefill[worker]
-        return w.handle
+    def decode_handle(self, worker: str) -> DecodeHandle:
+        return self._decode[worker].handle
+
+    def prefill_handle(self, worker: str) -> PrefillHandle:
+        return self._prefill[worker].handle
 
     def stats(self) -> dict[str, DecodeStats | PrefillStats]:
         """The last stats read from each live worker. Safe from another thread (a metrics
         scrape): the pools are copied in one step before they are read."""
-        return {
-            name: w.stats
-            for name, w in [*self._prefill.items(), *self._decode.items()]
-            if w.stats is not None
-        }
+        return {name: w.stats for name, w in self._workers() if w.stats is not None}
 
     def names(self, phase: str) -> list[str]:
         """The live workers of a phase ("prefill" or "decode"), cordoned ones included."""
@@ -97,10 +107,16 @@ class WorkerRegistry:
         """This router's requests on the worker: streams (decode), prompt tokens (prefill)."""
         return self._sequences[worker] + self._prompt_tokens[worker]
 
-    async def add(self, phase: str, worker: str, handle: Any) -> None:
-        """Route to a new worker from now on (its loads are read first)."""
-        added = _Worker(handle, await handle.stats.remote())
-        (self._decode if phase == "decode" else self._prefill)[worker] = added
+    async def add_decode(self, worker: str, handle: DecodeHandle) -> None:
+        """Route to a new decode worker from now on (its loads are read first)."""
+        await self._add(self._decode, worker, handle)
+
+    async def add_prefill(self, worker: str, handle: PrefillHandle) -> None:
+        """Route to a new prefill worker from now on (its loads are read first)."""
+        await self._add(self._prefill, worker, handle)
+
+    async def _add(self, pool: dict[str, _Worker[H]], worker: str, handle: H) -> None:
+        pool[worker] = _Worker(handle, await handle.stats.remote())
         self._rebuild()
 
     def cordon(self, worker: str) -> None:
@@ -142,7 +158,7 @@ class WorkerRegistry:
                 self._rebuild()
 
     async def refresh(self) -> None:
-        workers = [*self._prefill.items(), *self._decode.items()]
+        workers = self._workers()
         results = await asyncio.gather(
             *(self._read(name, w) for name, w in workers), return_exceptions=True
         )
@@ -154,12 +170,14 @@ class WorkerRegistry:
                 self.index.apply(name, events)
         self._rebuild()
 
-    async def _read(self, name: str, w: _Worker) -> tuple[DecodeStats | PrefillStats, KVEvents]:
+    def _workers(self) -> list[tuple[str, _AnyWorker]]:
+        """Both pools' workers, copied in one step."""
+        return [*self._prefill.items(), *self._decode.items()]
+
+    async def _read(self, name: str, w: _AnyWorker) -> tuple[DecodeStats | PrefillStats, KVEvents]:
         """The worker's stats and its KV events since this registry's last read of them."""
-        stats, events = await asyncio.gather(
-            w.handle.stats.remote(), w.handle.kv_events.remote(*self.index.cursor(name))
-        )
-        return stats, events
+        stats: Awaitable[DecodeStats | PrefillStats] = w.handle.stats.remote()
+        return await asyncio.gather(stats, w.handle.kv_events.remote(*self.index.cursor(name)))
 
     async def _run(self) -> None:
         while True:

@@ -24,7 +24,7 @@ import ray
 from cluster.config import ServeConfig
 from router.app import RouterApp, start_router
 from splitserve.fit import check_fit
-from splitserve.pool import WorkerPool
+from splitserve.pool import DECODE, PREFILL, AnyPool, WorkerPool
 from splitserve.redis_server import EmbeddedRedis
 from splitserve.scaler import PhaseScaler, ScalerMetrics
 
@@ -90,7 +90,7 @@ class Cluster:
     """What `start_cluster` runs: the router over both pools, each with its scaler."""
 
     app: RouterApp
-    pools: dict[str, WorkerPool]
+    pools: dict[str, AnyPool]
     scalers: dict[str, PhaseScaler]
 
     async def stop(self, grace_s: float) -> None:
@@ -107,12 +107,11 @@ class Cluster:
 async def start_cluster(config: ServeConfig, redis_url: str | None, prefix: str = "") -> Cluster:
     """Both pools, the router over them and their scalers, on the Ray this process joined.
     Worker names start with `prefix`."""
-    pools = {
-        "prefill": WorkerPool("prefill", config.prefill, config.transfer, prefix),
-        "decode": WorkerPool("decode", config.decode, config.transfer, prefix),
-    }
+    prefill_pool = WorkerPool(PREFILL, config.prefill, config.transfer, prefix)
+    decode_pool = WorkerPool(DECODE, config.decode, config.transfer, prefix)
+    pools: dict[str, AnyPool] = {"prefill": prefill_pool, "decode": decode_pool}
     try:
-        prefill, decode = await asyncio.gather(pools["prefill"].start(), pools["decode"].start())
+        prefill, decode = await asyncio.gather(prefill_pool.start(), decode_pool.start())
         app = await start_router(
             config.router,
             config.transfer.local_prefill_tokens,

@@ -18,12 +18,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Literal
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Generic, Literal, TypeVar, cast
 
 import ray
+from ray.actor import ActorHandle
 from ray.exceptions import RayActorError
 
-from cluster.config import PoolConfig, TransferConfig
+from cluster.config import EngineConfig, PoolConfig, TransferConfig
+from cluster.protocol import DecodeHandle, PrefillHandle
 from decode_worker.worker import spawn as spawn_decode
 from prefill_worker.worker import spawn as spawn_prefill
 from router.workers import WorkerRegistry
@@ -32,18 +36,38 @@ log = logging.getLogger(__name__)
 
 Phase = Literal["prefill", "decode"]
 ABORT_WAIT_S = 10.0  # after aborting a drained worker's requests, how long they may take to end
+H = TypeVar("H", DecodeHandle, PrefillHandle)
 
 
-class WorkerPool:
+@dataclass(frozen=True)
+class Role(Generic[H]):
+    """What a pool does differently for each phase's workers."""
+
+    phase: Phase
+    spawn: Callable[[str, EngineConfig, TransferConfig, float, float, dict[str, float]], H]
+    add: Callable[[WorkerRegistry, str, H], Awaitable[None]]  # the router routes to it
+    move_off: Callable[[H, str], Awaitable[int]]  # past the drain deadline (why): how many
+
+
+DECODE = Role[DecodeHandle](
+    "decode", spawn_decode, WorkerRegistry.add_decode, lambda h, why: h.evict_all.remote(why)
+)
+PREFILL = Role[PrefillHandle](
+    "prefill", spawn_prefill, WorkerRegistry.add_prefill, lambda h, why: h.abort_all.remote()
+)
+
+
+class WorkerPool(Generic[H]):
     def __init__(
-        self, phase: Phase, config: PoolConfig, transfer: TransferConfig, prefix: str = ""
+        self, role: Role[H], config: PoolConfig, transfer: TransferConfig, prefix: str = ""
     ) -> None:
         """Workers are named `{prefix}{phase}-{n}`, n counting up from 0, never reused."""
-        self.phase = phase
+        self.role: Role[H] = role
+        self.phase = role.phase
         self.config = config
         self.transfer = transfer
         self.prefix = prefix
-        self.workers: dict[str, Any] = {}  # ready and known to the router
+        self.workers: dict[str, H] = {}  # ready and known to the router
         self.draining: set[str] = set()
         self._next = 0
 
@@ -52,7 +76,7 @@ class WorkerPool:
         """Workers the router may route to: the pool's size as the scaler sees it."""
         return [w for w in self.workers if w not in self.draining]
 
-    async def start(self) -> dict[str, Any]:
+    async def start(self) -> dict[str, H]:
         """The first `replicas` workers, ready; hand them to the router."""
         started = [self._spawn() for _ in range(self.config.replicas)]
         await asyncio.gather(*(self._ready(name, handle) for name, handle in started))
@@ -63,7 +87,7 @@ class WorkerPool:
         """Start one more worker and route to it once it is ready; its name."""
         name, handle = self._spawn()
         await self._ready(name, handle)
-        await registry.add(self.phase, name, handle)
+        await self.role.add(registry, name, handle)
         self.workers[name] = handle
         return name
 
@@ -80,17 +104,14 @@ class WorkerPool:
                     f"worker {name} was drained (the pool scaled down) and the request was "
                     f"still running after drain_timeout_s={timeout_s:g}"
                 )
-                if self.phase == "decode":
-                    moved = await handle.evict_all.remote(why)
-                else:
-                    moved = await handle.abort_all.remote()
+                moved = await self.role.move_off(handle, why)
                 log.warning("%s: drain deadline passed; moved %d requests off it", name, moved)
                 await self._idle(registry, name, handle, ABORT_WAIT_S)
         except RayActorError as e:
             log.warning("%s died while draining: %s", name, e)
         finally:
             registry.remove(name)
-            ray.kill(handle)
+            _kill(handle)
             del self.workers[name]
             self.draining.discard(name)
         log.info("%s: drained and stopped", name)
@@ -100,27 +121,28 @@ class WorkerPool:
         live = set(registry.names(self.phase))
         dead = [w for w in self.workers if w not in live and w not in self.draining]
         for name in dead:
-            ray.kill(self.workers.pop(name))  # it may only look dead (a failed call)
+            _kill(self.workers.pop(name))  # it may only look dead (a failed call)
         return dead
 
     def stop(self) -> None:
         for handle in self.workers.values():
-            ray.kill(handle)
+            _kill(handle)
         self.workers.clear()
 
-    def _spawn(self) -> tuple[str, Any]:
+    def _spawn(self) -> tuple[str, H]:
         name = f"{self.prefix}{self.phase}-{self._next}"
         self._next += 1
-        spawn = spawn_decode if self.phase == "decode" else spawn_prefill
         c = self.config
-        return name, spawn(name, c.engine, self.transfer, c.num_cpus, c.num_gpus, c.resources)
+        return name, self.role.spawn(
+            name, c.engine, self.transfer, c.num_cpus, c.num_gpus, c.resources
+        )
 
-    async def _ready(self, name: str, handle: Any) -> None:
+    async def _ready(self, name: str, handle: H) -> None:
         timeout_s = self.config.scaling.start_timeout_s
         try:
             info = await asyncio.wait_for(handle.info.remote(), timeout_s)
         except BaseException as e:
-            ray.kill(handle)
+            _kill(handle)
             if isinstance(e, TimeoutError):
                 raise TimeoutError(
                     f"{name}: not ready within start_timeout_s={timeout_s:g} (does any node "
@@ -129,9 +151,7 @@ class WorkerPool:
             raise
         log.info("%s: ready (%s, max_model_len %d)", name, info.name, info.max_model_len)
 
-    async def _idle(
-        self, registry: WorkerRegistry, name: str, handle: Any, timeout_s: float
-    ) -> bool:
+    async def _idle(self, registry: WorkerRegistry, name: str, handle: H, timeout_s: float) -> bool:
         """Wait until nothing is in flight on the worker; False if timeout_s passed first."""
         deadline = time.monotonic() + timeout_s
         while True:
@@ -141,3 +161,10 @@ class WorkerPool:
             if time.monotonic() >= deadline:
                 return False
             await asyncio.sleep(0.1)
+
+
+AnyPool = WorkerPool[DecodeHandle] | WorkerPool[PrefillHandle]
+
+
+def _kill(handle: DecodeHandle | PrefillHandle) -> None:
+    ray.kill(cast(ActorHandle, handle))  # typed by its Protocol, it is Ray's handle

@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from router.metrics import Window
 from router.workers import WorkerRegistry
 from splitserve.autoscale import Decision, DecodeSignals, PrefillSignals, ScalerState, decide
-from splitserve.pool import WorkerPool
+from splitserve.pool import AnyPool
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class ScalerMetrics:
 class PhaseScaler:
     def __init__(
         self,
-        pool: WorkerPool,
+        pool: AnyPool,
         registry: WorkerRegistry,
         latencies: Window,
         metrics: ScalerMetrics,

@@ -60,6 +60,7 @@ def cluster(config: str, costs: dict[int, Linear], overhead: tuple[float, float]
             PolicyName(serve.router.policy),
             serve.transfer.local_prefill_tokens,
             serve.router.affinity_slack_tokens,
+            serve.router.seq_cost_tokens,
         ),
         kv_bytes_per_token(spec, serve.decode.engine.dtype),
         LINK_GB_S,

@@ -22,9 +22,14 @@ reply (the session's Redis PUT).
    round trip (ListModels), `prepare` (tokenize+validate) inline, an asyncio.to_thread hop
    (the servicer runs `prepare` in a thread), a PlacementStore GET and PUT.
 2. Routing. Decisions/s of the pure `route()` on snapshots of 2, 16 and 128 workers per pool,
-   1,000-token prompts (a prefill worker is picked too; cache_aware gets a session hint), 0.3 s
-   per cell. Router cost with a stub worker (answers at once; no model, no Ray): mean ms per
-   request through Dispatcher.generate, Router.generate, and a client over gRPC.
+   1,000-token prompts (a prefill worker is picked too), 0.3 s per cell. cache_aware gets a
+   session hint and the prefix index's answer that 3 workers hold 640-960 prompt tokens;
+   cache_aware_all, that every other worker of both pools holds 320 (a system prompt).
+   Prefix lookups/s: the router's work per request before route(), hashing a 1,000-token
+   prompt's pages and querying an index where each of 128 + 128 workers holds part of that
+   prompt and 1,000 other blocks. Router cost with a stub worker (answers at once; no
+   model, no Ray): mean ms per request through Dispatcher.generate, Router.generate, and a
+   client over gRPC.
 3. Affinity. 2 prefill + 2 decode workers (EngineConfig(kv_cache_gb=0.3, threads=1)), two
    routers over them: cache_aware with Redis; round_robin, whose turn two lands on the other
    workers and recomputes the prompt. `--conversations` per policy, interleaved, each with its
@@ -41,6 +46,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import statistics
 import time
 import uuid
@@ -55,14 +61,22 @@ import ray
 from cluster.config import EngineConfig, RouterConfig, TransferConfig
 from cluster.engine.model_files import bundled_model_path
 from cluster.engine.tokenizer import Tokenizer
-from cluster.protocol import DecodeHandle, DecodeStats, KVEvents
-from cluster.types import FinishReason, ModelInfo, RequestId, SamplingParams, TokenDelta
+from cluster.protocol import DecodeHandle, DecodeStats, KVEvent, KVEventKind, KVEvents
+from cluster.types import (
+    BlockHash,
+    FinishReason,
+    ModelInfo,
+    RequestId,
+    SamplingParams,
+    TokenDelta,
+)
 from decode_worker.worker import spawn as spawn_decode
 from prefill_worker.worker import spawn as spawn_prefill
 from router import policy as routing
 from router.app import RouterApp, start_router
 from router.dispatch import Dispatcher
 from router.placement import Placement, PlacementStore
+from router.prefix_index import PrefixIndex, prompt_hashes
 from router.request import Prepared, prepare
 from splitserve.client import Client, request
 from splitserve.redis_server import EmbeddedRedis
@@ -114,16 +128,38 @@ def route_rates() -> dict[str, dict[str, float]]:
         prefill = [routing.PrefillLoad(f"p{i}", "e", 97 * i % 4000) for i in range(n)]
         snapshot = routing.Snapshot(tuple(decode), tuple(prefill))
         hint = routing.SessionHint(f"d{n // 2}", "e", f"p{n // 2}", 900)
+        longer = {960: frozenset({f"d{n // 4}"}), 640: frozenset({f"d{n // 2}", f"p{n // 3}"})}
+        names = {*(w.worker for w in decode), *(w.worker for w in prefill)}
+        every = {**longer, 320: frozenset(names - longer[960] - longer[640])}
+        cases = {p.value: (p, longer) for p in routing.PolicyName}
+        cases["cache_aware_all"] = (routing.PolicyName.CACHE_AWARE, every)
         out[str(n)] = {}
-        for policy in routing.PolicyName:
+        for name, (policy, cached) in cases.items():
             config = routing.PolicyConfig(policy)
             calls, started = 0, time.perf_counter()
             while time.perf_counter() - started < 0.3:
                 for turn in range(100):
-                    routing.route(config, snapshot, routing.RouteRequest(1000, 32, hint, turn))
+                    request = routing.RouteRequest(1000, 32, hint, turn, cached)
+                    routing.route(config, snapshot, request)
                 calls += 100
-            out[str(n)][policy.value] = calls / (time.perf_counter() - started)
+            out[str(n)][name] = calls / (time.perf_counter() - started)
     return out
+
+
+def prefix_lookup_rate() -> float:
+    """Prefix lookups per second (prompt_hashes + overlaps) for a 1,000-token prompt."""
+    prompt = list(range(1000, 2000))
+    chain = prompt_hashes(prompt, 16)
+    index = PrefixIndex()
+    for i in range(256):
+        held = (*chain[: i % len(chain)], *(BlockHash(os.urandom(16)) for _ in range(1000)))
+        index.apply(f"w{i}", KVEvents("e", True, (KVEvent(KVEventKind.STORED, held),), 0))
+    calls, started = 0, time.perf_counter()
+    while time.perf_counter() - started < 0.3:
+        for _ in range(100):
+            index.overlaps(prompt_hashes(prompt, 16))
+        calls += 100
+    return calls / (time.perf_counter() - started)
 
 
 class StubDecode:
@@ -360,11 +396,12 @@ def report(r: dict[str, Any]) -> str:
     ]
     for name in ("router", "router+session", "http"):
         lines.append(_target(f"{name} added median", o["paths"][name][ADDED], 1, " ms"))
-    names = [p.value for p in routing.PolicyName]
+    names = list(next(iter(r["route_rates"].values())))
     lines += ["", "2. Routing decisions per second, pure route() (1,000-token prompt)",
-              f"{'workers/pool':>12} " + " ".join(f"{p:>13}" for p in names)]  # fmt: skip
+              f"{'workers/pool':>12} " + " ".join(f"{p:>15}" for p in names)]  # fmt: skip
     for n, rates in r["route_rates"].items():
-        lines.append(f"{n:>12} " + " ".join(f"{rates[p]:>13,.0f}" for p in names))
+        lines.append(f"{n:>12} " + " ".join(f"{rates[p]:>15,.0f}" for p in names))
+    lines.append(f"prefix lookups/s (hash + index, 256 workers): {r['prefix_lookups']:,.0f}")
     lines += [
         "",
         f"3. Second-turn TTFT, ~1,000-token conversations, {r['conversations']} per policy, "
@@ -383,6 +420,7 @@ def report(r: dict[str, Any]) -> str:
 async def _run(args: argparse.Namespace, redis_url: str) -> dict[str, Any]:
     results: dict[str, Any] = {k: getattr(args, k) for k in ("reps", "warmup", "conversations")}
     results["route_rates"] = route_rates()
+    results["prefix_lookups"] = prefix_lookup_rate()
     dispatcher = Dispatcher()  # the direct path's
     results["router_cost"] = await router_cost(dispatcher, 20 * args.reps)
     tok = await asyncio.to_thread(Tokenizer.load, bundled_model_path())

@@ -268,6 +268,7 @@ class RouterConfig:
     port: int = 50051
     policy: str = "cache_aware"
     affinity_slack_tokens: int = 2048  # see router/policy.py
+    seq_cost_tokens: int = 64  # ... what one more sequence on a decode worker is worth
     max_pending: int = 256  # requests in flight; past it, RESOURCE_EXHAUSTED at once
     max_tokens: int = 4096  # the most a request may ask for
     max_message_bytes: int = 4 * 2**20
@@ -300,6 +301,7 @@ class RouterConfig:
         _check(self.policy in POLICIES, "policy", f"must be one of {POLICIES}, got {self.policy!r}")
         for name in (
             "affinity_slack_tokens",
+            "seq_cost_tokens",
             "max_migrations",
             "max_pending",
             "max_tokens",

@@ -74,7 +74,10 @@ async def start_router(
     if redis_url is not None:
         placements = PlacementStore(redis_url, config.session_ttl_s, config.redis_timeout_s)
     policy = PolicyConfig(
-        PolicyName(config.policy), local_prefill_tokens, config.affinity_slack_tokens
+        PolicyName(config.policy),
+        local_prefill_tokens,
+        config.affinity_slack_tokens,
+        config.seq_cost_tokens,
     )
     router = Router(
         policy,

@@ -10,7 +10,9 @@ routers that read the same workers hold the same index, whenever each one starte
 `overlaps(chain)` answers, for a request's hash chain (`prompt_hashes`: its full pages,
 hashed as the engine hashes them), how many leading pages each worker holds: the prefix
 that worker would not recompute. A run stops at the first page a worker lacks, as the
-engine's own lookup does.
+engine's own lookup does. The answer groups the workers by that count: with a system
+prompt every worker holds, it is a group or two whatever the number of workers, and the
+groups (sets of names, one per distinct set of worker slots) are built once and reused.
 
 Memory: one dict entry per distinct hash (the hash, and its holders as a bitmask over
 worker slots) plus one set entry per (worker, hash); bounded by what the workers hold,
@@ -48,6 +50,7 @@ class PrefixIndex:
         self._holders: dict[BlockHash, int] = {}  # hash -> mask of the slots holding it
         self._held: dict[str, _Held] = {}
         self._names: dict[int, str] = {}  # slot -> worker
+        self._groups: dict[int, frozenset[str]] = {}  # mask of slots -> their workers
 
     def __len__(self) -> int:
         """Distinct hashes held by any worker."""
@@ -89,10 +92,12 @@ class PrefixIndex:
         if held is not None:
             self._drop(held, set(held.hashes))
             del self._names[held.slot]
+            self._groups.clear()  # the slot may go to another worker
 
-    def overlaps(self, chain: Sequence[BlockHash]) -> dict[str, int]:
-        """Leading pages of `chain` each worker holds, for the workers that hold any."""
-        found: dict[str, int] = {}
+    def overlaps(self, chain: Sequence[BlockHash]) -> dict[int, frozenset[str]]:
+        """Leading pages of `chain` held -> the workers that hold exactly that many (the
+        workers that hold none are in no group)."""
+        found: dict[int, frozenset[str]] = {}
         holders = self._holders.get
         alive = holders(chain[0], 0) if chain else 0
         depth = 1
@@ -105,11 +110,21 @@ class PrefixIndex:
         self._record(found, alive, depth)
         return found
 
-    def _record(self, found: dict[str, int], slots: int, depth: int) -> None:
-        while slots:
-            low = slots & -slots
-            found[self._names[low.bit_length() - 1]] = depth
-            slots ^= low
+    def _record(self, found: dict[int, frozenset[str]], slots: int, depth: int) -> None:
+        if slots:
+            found[depth] = self._group(slots)
+
+    def _group(self, slots: int) -> frozenset[str]:
+        """The workers in a mask of slots, built once per mask while the slots keep their
+        workers (a handful of masks recur: who holds the common prefixes)."""
+        group = self._groups.get(slots)
+        if group is None:
+            if len(self._groups) >= 4096:
+                self._groups.clear()
+            group = self._groups[slots] = frozenset(
+                self._names[i] for i in range(slots.bit_length()) if slots >> i & 1
+            )
+        return group
 
     def _add(self, worker: str) -> _Held:
         slot = next(i for i in range(len(self._names) + 1) if i not in self._names)

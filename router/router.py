@@ -36,6 +36,7 @@ from router.placement import Placement, PlacementStore
 from router.policy import (
     NoWorkerError,
     PolicyConfig,
+    PolicyName,
     Route,
     RouteRequest,
     SessionHint,
@@ -189,9 +190,10 @@ class Router:
         """Where the request (or what is left of it) goes, or why nowhere."""
         self._turn += 1
         done = len(delivered.token_ids)
-        request = RouteRequest(
-            len(p.prompt_ids) + done, p.sampling.max_tokens - done, hint, self._turn
-        )
+        prompt = [*p.prompt_ids, *delivered.token_ids]
+        aware = self.policy.name is PolicyName.CACHE_AWARE
+        cached = self.workers.cached_tokens(prompt) if aware else {}
+        request = RouteRequest(len(prompt), p.sampling.max_tokens - done, hint, self._turn, cached)
         snapshot = self.workers.snapshot()
         try:
             return snapshot, route(self.policy, snapshot, request)

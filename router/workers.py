@@ -97,11 +97,11 @@ class WorkerRegistry:
         """The live workers of a phase ("prefill" or "decode"), cordoned ones included."""
         return list(self._decode if phase == "decode" else self._prefill)
 
-    def cached_tokens(self, prompt_ids: list[int]) -> dict[str, int]:
-        """Leading prompt tokens each worker holds in its prefix cache, as of the last read
-        (workers holding none are left out)."""
+    def cached_tokens(self, prompt_ids: list[int]) -> dict[int, frozenset[str]]:
+        """Leading prompt tokens held in a prefix cache -> the workers that hold that many,
+        as of the last read (workers holding none are in no group)."""
         chain = prompt_hashes(prompt_ids, self.page_size)
-        return {w: n * self.page_size for w, n in self.index.overlaps(chain).items()}
+        return {n * self.page_size: ws for n, ws in self.index.overlaps(chain).items()}
 
     def in_flight(self, worker: str) -> int:
         """This router's requests on the worker: streams (decode), prompt tokens (prefill)."""

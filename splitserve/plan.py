@@ -251,6 +251,7 @@ def plan_cluster(args: argparse.Namespace, spec: ModelSpec, hw: Hardware) -> str
         PolicyName(serve.router.policy),
         serve.transfer.local_prefill_tokens,
         serve.router.affinity_slack_tokens,
+        serve.router.seq_cost_tokens,
     )
 
     def make(p: int, d: int) -> Cluster:

@@ -199,6 +199,7 @@ def test_pool_engines_override_the_shared_engine_field_by_field() -> None:
         ({"router": {"port": 70000}}, "router.port: must be an integer in [0, 65535]"),
         ({"router": {"max_pending": 0}}, "router.max_pending: must be an integer >= 1"),
         ({"router": {"grace_s": 0}}, "router.grace_s: must be a number > 0"),
+        ({"router": {"seq_cost_tokens": 0}}, "router.seq_cost_tokens: must be an integer >= 1"),
         ({"router": {"colour": "red"}}, "router.colour: unknown field"),
         ({"transfer": {"lease_s": -1}}, "transfer.lease_s: must be a number > 0"),
         (

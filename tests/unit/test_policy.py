@@ -2,11 +2,14 @@
 
 Every case is a snapshot of worker loads, a request and the route it must get. Pages are
 16 tokens; the default request (1000 prompt + 64 max tokens) needs 67 pages anywhere, and
-11 pages on the worker that holds 900 of its prompt tokens.
+11 pages on the worker that holds 900 of its prompt tokens. A sequence on a decode worker
+costs 64 prompt tokens (seq_cost_tokens), so d2 of BUSY_D2 (10 sequences) is worth 640
+cached tokens less than d1.
 """
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import pytest
@@ -44,8 +47,18 @@ def hint(
     return SessionHint(decode, epoch, prefill, cached)
 
 
-def req(prompt: int = 1000, session: SessionHint | None = None, turn: int = 0) -> RouteRequest:
-    return RouteRequest(prompt, 64, session, turn)
+def req(
+    prompt: int = 1000,
+    session: SessionHint | None = None,
+    turn: int = 0,
+    cached: dict[str, int] | None = None,
+) -> RouteRequest:
+    return RouteRequest(prompt, 64, session, turn, groups(cached or {}))
+
+
+def groups(cached: dict[str, int]) -> dict[int, frozenset[str]]:
+    """Prompt tokens held per worker, as the prefix index answers: grouped by tokens."""
+    return {t: frozenset(w for w, n in cached.items() if n == t) for t in set(cached.values())}
 
 
 IDLE = (dw("d1"), dw("d2"))
@@ -104,6 +117,37 @@ CASES = [
      req(session=hint(cached=990)), Route("d1", "p1", "least_loaded")),
     ("ca no prefill worker prefills locally", CA, BUSY_D2, (),
      req(), Route("d1", None, "least_loaded+local_prefill")),
+    # the prefix index: cached prompt tokens per worker, from the workers' KV events
+    ("ca cached prefix wins over an idler worker", CA, BUSY_D2, PREFILL,
+     req(cached={"d2": 960}), Route("d2", "p1", "cached")),
+    ("ca cached prefix loses to a much idler worker", CA, BUSY_D2, PREFILL,
+     req(cached={"d2": 352}), Route("d1", "p1", "least_loaded")),
+    ("ca cached uncached at the threshold prefills locally", CA, BUSY_D2, PREFILL,
+     req(cached={"d2": 968}), Route("d2", None, "cached+local_prefill")),
+    ("ca the longer cached prefix wins", CA, IDLE, PREFILL,
+     req(cached={"d1": 320, "d2": 640}), Route("d2", "p1", "cached")),
+    ("ca cached worker without pages falls back", CA, (dw("d1"), dw("d2", 2)), PREFILL,
+     req(cached={"d2": 960}), Route("d1", "p1", "least_loaded")),
+    ("ca a worker not in the snapshot is ignored", CA, BUSY_D2, PREFILL,
+     req(cached={"d9": 999, "p9": 999}), Route("d1", "p1", "least_loaded")),
+    ("ca the index outweighs a shorter session hint", CA, IDLE, PREFILL,
+     req(session=hint(cached=100), cached={"d1": 900}), Route("d1", "p1", "cached")),
+    ("ca a session worker counts the larger of hint and index", CA, BUSY_D2, PREFILL,
+     req(session=hint(cached=100), cached={"d2": 960}), Route("d2", "p1", "session")),
+    ("ca equal costs: the session's worker", CA, IDLE, PREFILL,
+     req(session=hint(cached=320), cached={"d1": 320}), Route("d2", "p1", "session")),
+    ("ca prefill worker holding the prompt wins within what it saves", CA, BUSY_D2,
+     (pw("p1"), pw("p2", 799)), req(cached={"p2": 800}), Route("d1", "p2", "least_loaded+prefix")),
+    ("ca prefill worker holding the prompt loses past what it saves", CA, BUSY_D2,
+     (pw("p1"), pw("p2", 801)), req(cached={"p2": 800}), Route("d1", "p1", "least_loaded")),
+    ("ca prefill index outweighs the session's slack", CA, IDLE, (pw("p1", 3000), pw("p2", 1900)),
+     req(session=hint(prefill="p1"), cached={"p2": 1000}), Route("d2", "p2", "session+prefix")),
+    ("ca ... which wins without the index", CA, IDLE, (pw("p1", 3000), pw("p2", 1900)),
+     req(session=hint(prefill="p1")), Route("d2", "p1", "session+prefix")),
+    ("ll ignores the index", LL, BUSY_D2, PREFILL,
+     req(cached={"d2": 990, "p2": 990}), Route("d1", "p1", "least_loaded")),
+    ("rr ignores the index", RR, IDLE, PREFILL,
+     req(cached={"d2": 990}, turn=1), Route("d2", "p2", "round_robin")),
 ]
 # fmt: on
 
@@ -140,6 +184,75 @@ def test_affinity_slack_is_the_knob(slack: int, prefill: str) -> None:
     assert route(config, snapshot, req(session=hint(prefill="p2"))).prefill == prefill
 
 
+@pytest.mark.parametrize("seq_cost, decode", [(1, "d2"), (59, "d2"), (60, "d1"), (1000, "d1")])
+def test_seq_cost_tokens_is_the_knob(seq_cost: int, decode: str) -> None:
+    """d2 holds 600 of the prompt and runs 10 more sequences than d1: it wins while
+    10 * seq_cost_tokens < 600 (at equal cost, the earlier worker)."""
+    config = PolicyConfig(seq_cost_tokens=seq_cost)
+    assert route(config, Snapshot(BUSY_D2, PREFILL), req(cached={"d2": 600})).decode == decode
+
+
+def _formula(
+    config: PolicyConfig, snapshot: Snapshot, r: RouteRequest, index: dict[str, int]
+) -> Route:
+    """The cache_aware formula of router/policy.py's docstring, over every worker; `index`:
+    the prompt tokens each worker holds (r.cached, per worker)."""
+    h = r.session
+
+    def cached(w: DecodeLoad) -> tuple[int, bool]:
+        session = h is not None and (w.worker, w.epoch) == (h.decode_worker, h.decode_epoch)
+        return max(index.get(w.worker, 0), h.cached_tokens if h and session else 0), session
+
+    def decode_key(i: int) -> tuple[bool, int, bool, int, int]:
+        w = snapshot.decode[i]
+        held, session = cached(w)
+        uncached = max(r.num_prompt_tokens - held, 0)
+        fits = -(-(uncached + r.max_tokens) // w.page_size) <= w.free_pages
+        cost = uncached + config.seq_cost_tokens * (w.running + w.waiting)
+        return not fits, cost, not session, -w.free_pages, i
+
+    d = snapshot.decode[min(range(len(snapshot.decode)), key=decode_key)]
+    held, session = cached(d)
+    reason = "session" if session else ("cached" if held else "least_loaded")
+    if r.num_prompt_tokens - held <= config.local_prefill_tokens or not snapshot.prefill:
+        return Route(d.worker, None, reason + "+local_prefill")
+    holder = h.prefill_worker if h else None
+
+    def credit(p: PrefillLoad) -> int:
+        slack = config.affinity_slack_tokens if p.worker == holder else 0
+        return max(index.get(p.worker, 0), slack)
+
+    def prefill_key(i: int) -> tuple[int, bool, int]:
+        p = snapshot.prefill[i]
+        return p.queued_tokens - credit(p), p.worker != holder, i
+
+    p = snapshot.prefill[min(range(len(snapshot.prefill)), key=prefill_key)]
+    return Route(d.worker, p.worker, reason + "+prefix" if credit(p) else reason)
+
+
+def test_route_picks_what_the_formula_picks_over_every_worker() -> None:
+    """route() prices one contender per group of workers holding as much of the prompt;
+    on random snapshots (groups small and large, common prefixes held by most workers)
+    it must agree with the formula applied to every worker."""
+    rng = random.Random(5)
+    config = PolicyConfig(seq_cost_tokens=32)
+    for _ in range(3000):
+        n, m = rng.randint(1, 24), rng.randint(0, 12)
+        decode = tuple(
+            dw(f"d{i}", rng.randint(0, 90), rng.randint(0, 4), rng.randint(0, 2), rng.choice("ab"))
+            for i in range(n)
+        )
+        prefill = tuple(pw(f"p{i}", rng.choice((0, 500, 1000, 2000))) for i in range(m))
+        names = [w.worker for w in decode + prefill] + ["d99"]
+        holding = rng.sample(names, rng.randint(0, len(names)))
+        sizes = [rng.randrange(16, 1100, 16) for _ in range(rng.randint(1, 3))]
+        index = {w: rng.choice(sizes) for w in holding}
+        session = rng.choice((None, hint(f"d{rng.randrange(n)}", rng.choice("ab"), "p1", 300)))
+        r = RouteRequest(rng.choice((20, 600, 1000)), 64, session, 0, groups(index))
+        snapshot = Snapshot(decode, prefill)
+        assert route(config, snapshot, r) == _formula(config, snapshot, r, index), (snapshot, r)
+
+
 @pytest.mark.parametrize("local, prefill", [(0, "p1"), (1, None)])
 def test_local_prefill_tokens_is_the_threshold(local: int, prefill: str | None) -> None:
     config = PolicyConfig(local_prefill_tokens=local)
@@ -161,6 +274,8 @@ def test_no_decode_worker_is_an_error(policy: PolicyName) -> None:
         ("local_prefill_tokens", True),
         ("affinity_slack_tokens", -1),
         ("affinity_slack_tokens", "2048"),
+        ("seq_cost_tokens", 0),
+        ("seq_cost_tokens", 1.0),
     ],
 )
 def test_a_bad_config_value_is_refused_naming_its_field(field: str, value: Any) -> None:

@@ -46,6 +46,12 @@ class Worker:
         return self.pool.count_prefix(prompt_hashes(prompt, PS))
 
 
+def overlaps(index: PrefixIndex, prompt: list[int]) -> dict[str, int]:
+    """Leading pages of the prompt each worker holds, per the index."""
+    groups = index.overlaps(prompt_hashes(prompt, PS))
+    return {w: pages for pages, group in groups.items() for w in group}
+
+
 def expected(workers: list[Worker], prompt: list[int]) -> dict[str, int]:
     return {w.name: n for w in workers if (n := w.cached(prompt))}
 
@@ -69,8 +75,8 @@ def test_overlap_is_each_workers_leading_run_of_cached_pages() -> None:
     index = PrefixIndex()
     for w in (d1, d2, d3):
         w.read_into(index)
-    assert index.overlaps(prompt_hashes(A, PS)) == {"d1": 4, "d2": 3}
-    assert index.overlaps(prompt_hashes(B, PS)) == {"d1": 3, "d2": 4}
+    assert overlaps(index, A) == {"d1": 4, "d2": 3}
+    assert overlaps(index, B) == {"d1": 3, "d2": 4}
     assert index.overlaps(prompt_hashes([7, *A], PS)) == {}  # same tokens, shifted: no prefix
     assert index.overlaps([]) == {}
     assert len(index) == 5  # the 3 shared pages once, each tail page once
@@ -83,7 +89,7 @@ def test_evicted_pages_leave_the_index() -> None:
     d1.read_into(index)
     d1.run([50 + t for t in range(9)])  # two pages: the free one, then A's last (freed first)
     d1.read_into(index)
-    assert index.overlaps(prompt_hashes(A, PS)) == expected([d1], A) == {"d1": 3}
+    assert overlaps(index, A) == expected([d1], A) == {"d1": 3}
     assert index.held("d1") == 5
 
 
@@ -96,7 +102,7 @@ def test_a_reader_that_fell_behind_resyncs_from_a_snapshot() -> None:
     d1.read_into(index)
     prompts = [[1000 * i + t for t in range(17)] for i in range(6)]
     for prompt in prompts:
-        assert index.overlaps(prompt_hashes(prompt, PS)) == expected([d1], prompt)
+        assert overlaps(index, prompt) == expected([d1], prompt)
     assert index.held("d1") == d1.pool.num_cached == 8
 
 
@@ -108,8 +114,8 @@ def test_a_restarted_worker_is_read_from_a_snapshot_of_its_new_cache() -> None:
     d1.restart()
     d1.run(B)
     d1.read_into(index)
-    assert index.overlaps(prompt_hashes(A, PS)) == {"d1": 3}  # the shared system prompt
-    assert index.overlaps(prompt_hashes(B, PS)) == {"d1": 4}
+    assert overlaps(index, A) == {"d1": 3}  # the shared system prompt
+    assert overlaps(index, B) == {"d1": 4}
     assert index.cursor("d1") == (d1.epoch, 4)
 
 
@@ -120,13 +126,13 @@ def test_a_removed_worker_leaves_nothing_and_its_slot_goes_to_the_next() -> None
         w.run(A)
         w.read_into(index)
     index.remove("d1")
-    assert index.overlaps(prompt_hashes(A, PS)) == {"d2": 4}
+    assert overlaps(index, A) == {"d2": 4}
     index.remove("d2")
     assert len(index) == 0 and index.cursor("d2") == ("", -1)
     d3 = Worker("d3")
     d3.run(B)
     d3.read_into(index)
-    assert index.overlaps(prompt_hashes(B, PS)) == {"d3": 4}
+    assert overlaps(index, B) == {"d3": 4}
 
 
 def test_routers_reading_at_different_moments_agree() -> None:
@@ -147,4 +153,18 @@ def test_routers_reading_at_different_moments_agree() -> None:
             for w in workers:
                 w.read_into(index)
             for prompt in prompts:
-                assert index.overlaps(prompt_hashes(prompt, PS)) == expected(workers, prompt)
+                assert overlaps(index, prompt) == expected(workers, prompt)
+
+
+def test_workers_holding_as_much_of_the_prompt_come_as_one_group() -> None:
+    workers = [Worker(f"d{i}") for i in range(40)]
+    index = PrefixIndex()
+    for i, w in enumerate(workers):
+        w.run(A if i % 4 else B)
+        w.read_into(index)
+    groups = index.overlaps(prompt_hashes(A, PS))
+    assert groups == {
+        4: frozenset(f"d{i}" for i in range(40) if i % 4),
+        3: frozenset(f"d{i}" for i in range(0, 40, 4)),
+    }
+    assert index.overlaps(prompt_hashes(A, PS))[4] is groups[4]  # built once

@@ -100,6 +100,7 @@ async def start_router(
         task.add_done_callback(tasks.discard)
 
     workers.on_change = on_change
+    workers.on_prefill_died = router.dispatcher.prefill_died
     http = None
     if config.http_port is not None:
         http = OpenAIFrontDoor(

@@ -182,6 +182,18 @@ class Dispatcher:
         if rid is not None:
             await self._abort(rid, self._streams[rid])
 
+    def prefill_died(self, prefill: PrefillHandle, why: str) -> None:
+        """Ray says `prefill` is dead: tell the decode worker of each request whose KV it
+        may still have been pushing (its first token may have come back long before) that
+        no WRITE can land, so it recomputes now instead of waiting out the lease."""
+        for rid, stream in self._streams.items():
+            if stream.prefill == prefill and stream.trace.kv_ready_at is None:
+                self._spawn(self._transfer_failed(rid, stream.decode, why))
+
+    async def _transfer_failed(self, rid: RequestId, decode: DecodeHandle, why: str) -> None:
+        with contextlib.suppress(RayActorError):  # if gone too, its reader ends the stream
+            await decode.transfer_failed.remote(rid, why)
+
     async def _abort(self, rid: RequestId, stream: _Stream) -> None:
         """Abort on both workers, the decode worker first: it revokes the transfer and
         keeps its pages until the prefill worker's CANCEL (had the prefill worker's abort
@@ -213,8 +225,7 @@ class Dispatcher:
             return
         except Exception as e:  # dead, or refused the request: no WRITE can land any more
             log.warning("request %s: prefill failed: %s", rid, e)
-            with contextlib.suppress(RayActorError):  # if gone too, its reader ends the stream
-                await stream.decode.transfer_failed.remote(rid, f"prefill worker failed: {e}")
+            await self._transfer_failed(rid, stream.decode, f"prefill worker failed: {e}")
             return
         if first is not None:
             if not resumed:

@@ -25,6 +25,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from ray.exceptions import ActorDiedError
+
 from cluster.protocol import (
     DecodeHandle,
     DecodeStats,
@@ -68,6 +70,8 @@ class WorkerRegistry:
         self._prompt_tokens: Counter[str] = Counter()  # ... and its tokens per prefill worker
         self._task: asyncio.Task[None] | None = None
         self.on_change: Callable[[int], None] = lambda num_decode: None
+        # Ray says a prefill worker is dead (not merely unreachable): no WRITE of it can land.
+        self.on_prefill_died: Callable[[PrefillHandle, str], None] = lambda handle, why: None
 
     async def start(self) -> None:
         """Read every worker's stats once, then keep reading them in the background."""
@@ -164,6 +168,9 @@ class WorkerRegistry:
         )
         for (name, w), result in zip(workers, results, strict=True):
             if isinstance(result, BaseException):
+                prefill = self._prefill.get(name)
+                if prefill is w and isinstance(result, ActorDiedError):
+                    self.on_prefill_died(prefill.handle, f"prefill worker {name} died: {result}")
                 self.mark_dead(name, f"reading its stats failed: {result}")
             elif self._prefill.get(name) is w or self._decode.get(name) is w:  # not removed since
                 w.stats, events = result

@@ -10,6 +10,7 @@ across hosts over RDMA or TCP, and CUDA pages GPU to GPU (cuda_ipc, GPUDirect RD
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Sequence
@@ -164,11 +165,18 @@ class KVEndpoint:
         return Write(handle, int(lengths.sum()))
 
     def finished(self, write: Write) -> bool:
-        """True once the WRITE has completed (then its handle is released); raises if it failed."""
-        state = self._agent.check_xfer_state(write.handle)
+        """True once the WRITE has completed; TransferError if it failed (a peer that went
+        away included: NIXL then raises its own error, which must not escape, or each
+        poll of the worker's loop would fail on it again). Either way its handle is
+        released."""
+        try:
+            state = self._agent.check_xfer_state(write.handle)
+        except Exception as e:
+            state = f"{type(e).__name__}: {e}"
         if state == "PROC":
             return False
-        self._agent.release_xfer_handle(write.handle)
+        with contextlib.suppress(Exception):  # a failed transfer's handle may refuse too
+            self._agent.release_xfer_handle(write.handle)
         if state != "DONE":
             raise TransferError(f"WRITE failed in flight: {state}")
         return True

@@ -177,7 +177,13 @@ class StubDecode:
         self.abort = Method(remote=lambda rid: _value(None))
 
     async def _submit(
-        self, rid: RequestId, ids: list[int], s: SamplingParams, remote: bool, reader: str
+        self,
+        rid: RequestId,
+        ids: list[int],
+        s: SamplingParams,
+        remote: bool,
+        reader: str,
+        resumed: int,
     ) -> None:
         for i in range(s.max_tokens):
             end = FinishReason.LENGTH if i == s.max_tokens - 1 else None

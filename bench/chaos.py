@@ -10,9 +10,10 @@ check every request against the same request on an idle server.
 3. Loaded run: `--concurrency` streams over gRPC, each sending the mix's requests in turn
    (every request at least once), while every `--interval-s` seconds a worker process gets
    kill -9 (a random phase of `--kill-phase`, then a random process of that phase;
-   bench/chaos_faults.py says how they are found), `--kills` times; the next kill waits until the pool has replaced the last victim, so
-   each recovery is measured alone. With `--redis-kill`, the embedded valkey-server is
-   killed too, once, halfway. The streams stop once the kills are done.
+   bench/chaos_faults.py says how they are found), `--kills` times; the next kill waits
+   until the pool has replaced the last victim, so each recovery is measured alone. With
+   `--redis-kill`, the embedded valkey-server is killed too, once, halfway. The streams
+   stop once the kills are done.
 4. At the end, every worker's free KV pages (GetServerInfo, which reports the stats the
    router polls from each worker) must come back to its total within `--settle-s`.
 

@@ -20,7 +20,9 @@ bench/serve_backend.py's one contract, so the same records and metrics come out.
 3. Each run's records become its metrics (bench/serve_metrics.py: TTFT, TPOT, ITL, E2E,
    throughput, failures, SLO attainment against `--slo-ttft` and `--slo-tpot`); goodput
    is found over the sweep's finite rates. A table goes to stdout, JSON to `--out`: the
-   config, the server's info, per rate the summary and every request's record.
+   config, the server's info, per rate the summary and every request's record. For a
+   workload of shared system prompts, also each run's cached prompt tokens against the
+   most a prefix cache could serve (serve_workload.ideal_cached_tokens, `--page-size`).
 
 Client times are time.perf_counter, in this process's one asyncio loop: on a small machine
 the client shares the CPUs with the server it measures.
@@ -55,6 +57,7 @@ from bench.serve_workload import (
     VOCAB_SIZE,
     Conversation,
     WorkloadSpec,
+    ideal_cached_tokens,
     load_workload,
     make_conversations,
 )
@@ -135,23 +138,41 @@ async def sweep(
     args: argparse.Namespace, spec: WorkloadSpec
 ) -> tuple[dict[str, Any], list[list[RequestRecord]]]:
     """Warm up, then one run per rate: the server's info and each run's records."""
-    make = lambda n, run: make_conversations(spec, n, args.seed, run, args.vocab_size)
     runs = []
     async with connect(args.backend, args.target, args.endpoint, tokenizer(args, spec)) as backend:
         server = await backend.info()
-        warm = make(args.warmup, 0)
+        warm = run_conversations(args, spec, args.warmup, 0)
         records = await run(backend, warm, [0.0] * len(warm), 1, args.timeout_s, "warm-up")
         failed = sorted({r.status for r in records if not r.ok})
         if failed:
             raise WarmupFailed(f"warm-up failed: {', '.join(failed)}")
         for i, rate in enumerate(args.rates, start=1):
-            conversations = make(args.num_requests, i)
+            conversations = run_conversations(args, spec, args.num_requests, i)
             offsets = send_offsets(len(conversations), rate, args.seed, args.burstiness)
             label = f"rate {rate:g}/s"
             runs.append(
                 await run(backend, conversations, offsets, args.concurrency, args.timeout_s, label)
             )
     return server, runs
+
+
+def run_conversations(
+    args: argparse.Namespace, spec: WorkloadSpec, n: int, run: int
+) -> list[Conversation]:
+    """Run `run`'s conversations (0: the warm-up; rates count from 1)."""
+    return make_conversations(spec, n, args.seed, run, args.vocab_size)
+
+
+def ideal_cached(args: argparse.Namespace, spec: WorkloadSpec) -> list[int] | None:
+    """Per rate, the prompt tokens a prefix cache could serve at best; None unless the
+    workload shares system prompts."""
+    if spec.prefix is None:
+        return None
+    runs = range(1, len(args.rates) + 1)
+    return [
+        ideal_cached_tokens(run_conversations(args, spec, args.num_requests, i), args.page_size)
+        for i in runs
+    ]
 
 
 def tokenizer(args: argparse.Namespace, spec: WorkloadSpec) -> Tokenizer | None:
@@ -187,7 +208,11 @@ def _ms(s: Stats | None, field: str) -> str:
 
 
 def report(
-    args: argparse.Namespace, spec: WorkloadSpec, summaries: list[RunSummary], good: Goodput
+    args: argparse.Namespace,
+    spec: WorkloadSpec,
+    summaries: list[RunSummary],
+    good: Goodput,
+    ideals: list[int] | None = None,
 ) -> str:
     lines = [
         f"workload {spec.name}, {args.num_requests} conversations per rate, burstiness "
@@ -214,6 +239,12 @@ def report(
             f"goodput: {good.goodput_rps:.3g} req/s ({goal} of requests meet both SLOs; "
             f"interpolated), highest swept rate meeting it: {good.highest_swept_rps:g}/s"
         )
+    for rate, s, ideal in zip(args.rates, summaries, ideals or [], strict=False):
+        share = f"{s.cached_prompt_tokens / ideal:.0%}" if ideal else "-"
+        lines.append(
+            f"rate {rate:g}/s: prefix cache served {s.cached_prompt_tokens:,} prompt tokens of "
+            f"the ideal {ideal:,} ({share})"
+        )
     return "\n".join(lines)
 
 
@@ -239,7 +270,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--backend", choices=("grpc", "openai"), default="grpc")
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
                    help="openai: the API to call")  # fmt: skip
-    p.add_argument("--workload", default="chat", help="chat, long-prompt, multi-turn or a .yaml")
+    p.add_argument("--workload", default="chat",
+                   help="chat, long-prompt, multi-turn, shared-prefix or a .yaml")  # fmt: skip
     p.add_argument("--rates", type=_rates, default=[1.0], help="comma-separated req/s, or inf")
     p.add_argument("--burstiness", type=positive, default=1.0, help="gamma shape; 1: Poisson")
     p.add_argument("--concurrency", type=count, default=None, help="most conversations at once")
@@ -250,6 +282,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--slo-tpot", type=positive, required=True, help="seconds")
     p.add_argument("--timeout-s", type=positive, default=300.0, help="per request")
     p.add_argument("--vocab-size", type=count, default=VOCAB_SIZE, help="for random prompts")
+    p.add_argument("--page-size", type=count, default=16, help="the server's, for the ideal")
     p.add_argument("--out", type=Path, default=RESULTS / "serve.json")
     return p.parse_args(argv)
 
@@ -265,14 +298,16 @@ def main(argv: list[str] | None = None) -> int:
     slo = Slo(args.slo_ttft, args.slo_tpot)
     summaries = [summarize(records, slo) for records in runs]
     good = goodput(args.rates, summaries)
-    print(report(args, spec, summaries, good))
+    ideals = ideal_cached(args, spec)
+    print(report(args, spec, summaries, good, ideals))
     config = {k: v for k, v in vars(args).items() if k not in ("out", "rates", "workload")}
     results = {
         "config": {**config, "rates": [_rate(r) for r in args.rates], "workload": asdict(spec)},
         "server": server,
         "runs": [
             {"rate": _rate(rate), "summary": asdict(s), "records": [asdict(r) for r in records]}
-            for rate, s, records in zip(args.rates, summaries, runs, strict=True)
+            | ({"ideal_cached_prompt_tokens": ideals[i]} if ideals else {})
+            for i, (rate, s, records) in enumerate(zip(args.rates, summaries, runs, strict=True))
         ],
         "goodput": asdict(good),
     }

@@ -2,6 +2,10 @@
 
 A spec gives three length distributions: `prompt` (the new user text of each turn, in
 tokens), `output` (tokens per reply) and optionally `turns` (per conversation; default 1).
+With `prefixes: N` and a `prefix` length distribution, N system prompts are drawn and
+each conversation's first turn starts with one of them, picked at random (SGLang's
+generated-shared-prefix benchmark): `ideal_cached_tokens` says how many prompt tokens a
+prefix cache could serve at best.
 Each is `{dist: lognormal, median, sigma, low, high}` (bench/workload.py's LengthDist:
 rounded, clipped to [low, high]) or `{dist: uniform, low, high}` (integers, both ends
 included). Prompts are random vocabulary ids, so lengths are exact; replies are meant to
@@ -27,6 +31,8 @@ import yaml
 
 from bench.workload import LengthDist, random_prompt
 from cluster.config import ConfigError
+from cluster.engine.page_pool import hash_pages
+from cluster.types import BlockHash
 
 WORKLOADS = Path(__file__).parent / "workloads"
 VOCAB_SIZE = 49152  # the bundled SmolLM2's
@@ -54,6 +60,8 @@ class WorkloadSpec:
     prompt: Dist
     output: Dist
     turns: Dist = ONE_TURN
+    prefixes: int = 0  # system prompts shared by the conversations (0: none)
+    prefix: Dist | None = None  # ... their lengths
 
     @property
     def multi_turn(self) -> bool:
@@ -92,14 +100,21 @@ def workload_from_dict(name: str, doc: Any) -> WorkloadSpec:
     """Check a spec's plain data field by field; errors name the field."""
     if not isinstance(doc, dict):
         raise ConfigError("top level: must be a mapping")
-    unknown = sorted(set(doc) - {"prompt", "output", "turns"})
+    known = ("output", "prefix", "prefixes", "prompt", "turns")
+    unknown = sorted(set(doc) - set(known))
     if unknown:
-        raise ConfigError(f"{unknown[0]}: unknown field (known: output, prompt, turns)")
+        raise ConfigError(f"{unknown[0]}: unknown field (known: {', '.join(known)})")
     for field in ("prompt", "output"):
         if field not in doc:
             raise ConfigError(f"{field}: missing")
+    if ("prefix" in doc) != ("prefixes" in doc):
+        raise ConfigError(f"{'prefixes' if 'prefix' in doc else 'prefix'}: missing (both or none)")
     turns = _dist(doc["turns"], "turns") if "turns" in doc else ONE_TURN
-    return WorkloadSpec(name, _dist(doc["prompt"], "prompt"), _dist(doc["output"], "output"), turns)
+    prompt, output = _dist(doc["prompt"], "prompt"), _dist(doc["output"], "output")
+    if "prefixes" not in doc:
+        return WorkloadSpec(name, prompt, output, turns)
+    prefixes = _number(doc, "prefixes", "prefixes", lambda v: v >= 1, "an integer >= 1", True)
+    return WorkloadSpec(name, prompt, output, turns, prefixes, _dist(doc["prefix"], "prefix"))
 
 
 def _dist(doc: Any, field: str) -> Dist:
@@ -130,32 +145,63 @@ def _number(
     must: str,
     integer: bool = False,
 ) -> Any:
-    """doc[key], checked: a number (an int if `integer`; never a bool) for which ok() holds."""
+    """doc[key], checked: a number (an int if `integer`; never a bool) for which ok() holds.
+    Errors name `field.key`, or `key` alone when it is the field."""
+    name = key if key == field else f"{field}.{key}"
     if key not in doc:
-        raise ConfigError(f"{field}.{key}: missing")
+        raise ConfigError(f"{name}: missing")
     value = doc[key]
     kinds = int if integer else int | float
     if isinstance(value, bool) or not isinstance(value, kinds) or not ok(value):
-        raise ConfigError(f"{field}.{key}: must be {must}, got {value!r}")
+        raise ConfigError(f"{name}: must be {must}, got {value!r}")
     return value
 
 
 def make_conversations(
     spec: WorkloadSpec, n: int, seed: int, run: int = 0, vocab_size: int = VOCAB_SIZE
 ) -> list[Conversation]:
-    """n conversations; lengths from `seed` alone, token ids from `seed` and `run`."""
+    """n conversations; lengths (and which system prompt each starts with) from `seed`
+    alone, token ids from `seed` and `run`."""
     rng = np.random.default_rng(seed)
     turns = spec.turns.draw(rng, n)
     prompt_lens = iter(spec.prompt.draw(rng, sum(turns)))
     output_lens = iter(spec.output.draw(rng, sum(turns)))
     ids = np.random.default_rng([seed, run])
+    starts = _system_prompts(spec, n, rng, ids, vocab_size)
     return [
         Conversation(
             f"bench-{seed}-{run}-{i}" if spec.multi_turn else "",
             tuple(
-                Turn(random_prompt(ids, next(prompt_lens), vocab_size), next(output_lens))
-                for _ in range(k)
+                Turn(
+                    (start if t == 0 else []) + random_prompt(ids, next(prompt_lens), vocab_size),
+                    next(output_lens),
+                )
+                for t in range(k)
             ),
         )
-        for i, k in enumerate(turns)
+        for i, (k, start) in enumerate(zip(turns, starts, strict=True))
     ]
+
+
+def _system_prompts(
+    spec: WorkloadSpec, n: int, rng: np.random.Generator, ids: np.random.Generator, vocab_size: int
+) -> list[list[int]]:
+    """The system prompt each of n conversations starts with (empty without `prefixes`)."""
+    if spec.prefix is None:
+        return [[] for _ in range(n)]
+    prompts = [random_prompt(ids, k, vocab_size) for k in spec.prefix.draw(rng, spec.prefixes)]
+    return [prompts[int(g)] for g in rng.integers(0, spec.prefixes, n)]
+
+
+def ideal_cached_tokens(conversations: list[Conversation], page_size: int) -> int:
+    """First-turn prompt tokens a prefix cache could serve at best: the leading full pages
+    each shares with an earlier conversation's first turn (sent in order, every request on
+    a worker holding them, no eviction; pages as the engine hashes them). Later turns are
+    left out: their prompts hold replies, which the workload does not know."""
+    seen: set[BlockHash] = set()
+    hits = 0
+    for c in conversations:
+        chain = hash_pages(c.turns[0].user[:-1], page_size)
+        hits += page_size * next((i for i, h in enumerate(chain) if h not in seen), len(chain))
+        seen.update(chain)
+    return hits

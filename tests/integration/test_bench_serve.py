@@ -97,3 +97,28 @@ def test_the_openai_backend_over_chat_gets_every_output_token(
     assert (summary["completed"], summary["failures"]) == (4, {})
     outputs = sorted(o for _, o in _lengths(chat))
     assert outputs == sorted(o for _, o in _lengths(_serve(tmp_path, "--target", router.address)))
+
+
+SHARED = """
+prefixes: 2
+prefix: {dist: uniform, low: 64, high: 96}
+prompt: {dist: uniform, low: 8, high: 16}
+output: {dist: uniform, low: 3, high: 3}
+"""
+
+
+def test_a_shared_prefix_workload_run_in_turn_gets_its_ideal_prefix_hits(
+    router: RouterHarness, workers: Any, tmp_path: Path
+) -> None:
+    """One after another on one decode worker, each request but the first of its system
+    prompt finds that prompt's full pages cached: exactly the ideal the workload allows."""
+    spec = tmp_path / "shared.yaml"
+    spec.write_text(SHARED)
+    out = tmp_path / "shared.json"
+    # A seed of its own: the other tests' prompts (seed 0) begin with the same token ids.
+    argv = ["--workload", str(spec), "--num-requests", "6", "--warmup", "0", "--seed", "11"]
+    argv += ["--slo-ttft", "60", "--slo-tpot", "10", "--target", router.address]
+    assert main([*argv, "--rates", "inf", "--concurrency", "1", "--out", str(out)]) == 0
+    [run] = json.loads(out.read_text())["runs"]
+    assert run["summary"]["completed"] == 6
+    assert run["summary"]["cached_prompt_tokens"] == run["ideal_cached_prompt_tokens"] >= 4 * 64

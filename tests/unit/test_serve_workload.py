@@ -9,6 +9,9 @@ import pytest
 
 from bench.serve_workload import (
     VOCAB_SIZE,
+    Conversation,
+    Turn,
+    ideal_cached_tokens,
     load_workload,
     make_conversations,
     workload_from_dict,
@@ -55,6 +58,65 @@ def test_runs_share_lengths_but_not_token_ids() -> None:
     assert make_conversations(spec, 20, seed=5, run=1) == a
 
 
+def test_shared_prefix_conversations_start_with_one_of_8_system_prompts() -> None:
+    spec = load_workload("shared-prefix")
+    conversations = make_conversations(spec, 200, seed=4, run=1)
+    prompts = [c.turns[0].user for c in conversations]
+    systems = system_prompts(prompts)
+    assert len(systems) == 8 and all(len(c.turns) == 1 for c in conversations)
+    assert all(1024 <= len(system) <= 2048 for system in systems.values())
+    assert all(16 <= len(p) - len(systems[tuple(p[:1024])]) <= 64 for p in prompts)
+    # Another run: new token ids, the same lengths.
+    again = [c.turns[0].user for c in make_conversations(spec, 200, seed=4, run=2)]
+    assert [len(p) for p in again] == [len(p) for p in prompts] and again != prompts
+
+
+def system_prompts(prompts: list[list[int]]) -> dict[tuple[int, ...], list[int]]:
+    """Each system prompt, by its first 1024 ids (all are longer): the longest prefix
+    common to the prompts that start with it (their questions are random)."""
+    groups: dict[tuple[int, ...], list[list[int]]] = {}
+    for p in prompts:
+        groups.setdefault(tuple(p[:1024]), []).append(p)
+    return {key: _common_prefix(group) for key, group in groups.items()}
+
+
+def _common_prefix(group: list[list[int]]) -> list[int]:
+    n = 0
+    while all(len(p) > n and p[n] == group[0][n] for p in group):
+        n += 1
+    return group[0][:n]
+
+
+def test_the_ideal_counts_the_full_pages_shared_with_an_earlier_first_turn() -> None:
+    system, other = list(range(100, 140)), list(range(200, 240))  # 40 tokens: 2 full pages
+    first = [Turn([*system, 1, 2, 3], 4), Turn([7] * 20, 4)]  # later turns do not count
+    conversations = [
+        Conversation("a", tuple(first)),
+        Conversation("", (Turn([*system, 4, 5], 4),)),  # 32 from the first
+        Conversation("", (Turn([*other, 6], 4),)),  # new
+        Conversation("", (Turn([*system, 1, 2, 3], 4),)),  # 32 (its tail page is not full)
+        Conversation("", (Turn([*system[:16]], 4),)),  # the last token never counts: 0
+    ]
+    assert ideal_cached_tokens(conversations, 16) == 64
+    assert ideal_cached_tokens(conversations, 8) == 40 + 40 + 8
+
+
+def test_the_shared_prefix_ideal_is_each_system_prompts_pages_after_its_first_use() -> None:
+    conversations = make_conversations(load_workload("shared-prefix"), 100, seed=0, run=1)
+    prompts = [c.turns[0].user for c in conversations]
+    systems = system_prompts(prompts)
+    firsts: set[tuple[int, ...]] = set()
+    expected = 0
+    for p in prompts:
+        key = tuple(p[:1024])
+        if key in firsts:
+            expected += len(systems[key]) // 16 * 16
+        firsts.add(key)
+    assert ideal_cached_tokens(conversations, 16) == expected > 0
+    chat = make_conversations(load_workload("chat"), 100, seed=0, run=1)
+    assert ideal_cached_tokens(chat, 16) == 0
+
+
 def test_a_spec_file_by_path(tmp_path: Path) -> None:
     path = tmp_path / "tiny.yaml"
     path.write_text(
@@ -87,6 +149,11 @@ UNIFORM = {"dist": "uniform", "low": 2, "high": 4}
         ({"prompt": {**GOOD, "high": True}, "output": GOOD}, "prompt.high"),
         ({"prompt": GOOD, "output": {"dist": "uniform", "low": 2}}, "output.high"),
         ({"prompt": GOOD, "output": GOOD, "turns": {**UNIFORM, "low": 0}}, "turns.low"),
+        ({"prompt": GOOD, "output": GOOD, "prefixes": 8}, "prefix"),
+        ({"prompt": GOOD, "output": GOOD, "prefix": UNIFORM}, "prefixes"),
+        ({"prompt": GOOD, "output": GOOD, "prefix": UNIFORM, "prefixes": 0}, "prefixes"),
+        ({"prompt": GOOD, "output": GOOD, "prefix": UNIFORM, "prefixes": 1.0}, "prefixes"),
+        ({"prompt": GOOD, "output": GOOD, "prefix": {"dist": "x"}, "prefixes": 2}, "prefix.dist"),
     ],
 )
 def test_a_bad_spec_names_the_field(doc: Any, field: str) -> None:

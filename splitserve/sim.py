@@ -7,7 +7,9 @@ to the real engine's measured steps), and the KV transfer by bytes / link bandwi
 The life of a request, as in the real cluster (shared/DESIGN.md):
 1. It arrives; `route()` picks a decode worker and maybe a prefill worker from the
    workers' loads at that instant (the real router reads them every 100 ms and counts
-   its own requests in between, which tracks the same numbers).
+   its own requests in between, which tracks the same numbers) and, under cache_aware,
+   the prompt tokens each worker's page pool holds at that instant (the real router's
+   prefix index learns them from KV events, up to 100 ms later).
 2. Remote prefill: the decode worker `reserve`s pages for the whole prompt (FIFO, retried
    after each of its steps while it is short of pages); then the prefill worker's
    scheduler runs the prompt with max_tokens 1. Its first token is the request's first
@@ -49,16 +51,18 @@ from cluster.config import EngineConfig, ScalingConfig
 from cluster.engine.page_pool import PagePool, pages_for
 from cluster.engine.scheduler import Scheduler, Step
 from cluster.engine.sequence import Sequence
-from cluster.types import FinishReason, RequestId, SamplingParams
+from cluster.types import BlockHash, FinishReason, RequestId, SamplingParams
 from router.policy import (
     DecodeLoad,
     PolicyConfig,
+    PolicyName,
     PrefillLoad,
     RouteRequest,
     SessionHint,
     Snapshot,
     route,
 )
+from router.prefix_index import prompt_hashes
 from splitserve.autoscale import DecodeSignals, PrefillSignals, ScalerState, decide
 from splitserve.step_cost import StepCost
 
@@ -259,9 +263,9 @@ class Simulation:
                 if not w.cordoned
             ),
         )
-        chosen = route(
-            self.c.policy, snapshot, RouteRequest(len(r.prompt), r.output_len, hint, self._turn)
-        )
+        cached = self._cached(r.prompt) if self.c.policy.name is PolicyName.CACHE_AWARE else {}
+        request = RouteRequest(len(r.prompt), r.output_len, hint, self._turn, cached)
+        chosen = route(self.c.policy, snapshot, request)
         self._turn += 1
         r.decode, r.prefill = chosen.decode, chosen.prefill
         d = self.decode[chosen.decode]
@@ -278,6 +282,18 @@ class Simulation:
         else:
             d.inbound.append(r)
             self._admit_inbound(d, now)
+
+    def _cached(self, prompt: list[int]) -> dict[int, frozenset[str]]:
+        """As the router's prefix index answers: prompt tokens held -> the live workers
+        holding that many."""
+        held: dict[int, set[str]] = {}
+        chains: dict[int, list[BlockHash]] = {}  # by page size
+        for w in [*self.decode.values(), *self.prefill.values()]:
+            ps = w.pages.page_size
+            chain = chains.get(ps) or chains.setdefault(ps, prompt_hashes(prompt, ps))
+            if not w.cordoned and (n := w.pages.count_prefix(chain) * ps):
+                held.setdefault(n, set()).add(w.name)
+        return {n: frozenset(ws) for n, ws in held.items()}
 
     def _admit_inbound(self, d: _Worker, now: float) -> None:
         """Reserve decode pages for remote prefills, in order, while they fit."""

@@ -8,9 +8,16 @@ import numpy as np
 import pytest
 
 from bench.arrivals import send_offsets
-from bench.serve_workload import Conversation, Turn, UniformDist, WorkloadSpec
+from bench.serve_workload import (
+    Conversation,
+    Turn,
+    UniformDist,
+    WorkloadSpec,
+    ideal_cached_tokens,
+    make_conversations,
+)
 from cluster.config import EngineConfig, ScalingConfig
-from router.policy import PolicyConfig
+from router.policy import PolicyConfig, PolicyName
 from splitserve.capacity import ARCHITECTURES, kv_bytes_per_token
 from splitserve.hardware import GPUS
 from splitserve.plan import counts, recommend, simulate
@@ -121,6 +128,29 @@ def test_a_second_turn_finds_the_first_turns_kv_on_its_decode_worker() -> None:
     assert all(r.decode == first.decode for r in second
                for first in result.requests if first.turn == 0
                and first.conversation == r.conversation)  # fmt: skip
+
+
+@pytest.mark.parametrize("policy", list(PolicyName))
+def test_shared_system_prompts_are_served_from_the_worker_holding_them(
+    policy: PolicyName,
+) -> None:
+    """Two decode workers, two 512-token system prompts, requests overlapping: under
+    cache_aware each goes where its system prompt is cached and the prefix caches serve
+    the workload's ideal; by load alone or in turn each prompt is computed on both."""
+    spec = WorkloadSpec(
+        "sp", UniformDist(16, 16), UniformDist(8, 8), prefixes=2, prefix=UniformDist(512, 512)
+    )
+    conversations = make_conversations(spec, 20, seed=0)
+    cost = Linear(0.01, 0.0, 0.0, 0.0001, 0.0)
+    cluster = Cluster(
+        Pool(0, EngineConfig(), 2000, cost), Pool(2, EngineConfig(), 2000, cost),
+        PolicyConfig(name=policy), 100, 10.0,
+    )  # fmt: skip
+    result = Simulation(cluster, conversations, [0.1 * i for i in range(20)]).run()
+    cached = sum(r.cached_tokens for r in result.requests)
+    ideal = ideal_cached_tokens(conversations, 16)
+    assert (cached == ideal) == (policy is PolicyName.CACHE_AWARE), (cached, ideal)
+    assert cached >= ideal - 2 * 512
 
 
 def test_autoscaling_adds_decode_workers_under_load_with_the_real_decide() -> None:

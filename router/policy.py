@@ -31,7 +31,7 @@ or no prefill worker is live:
                   the prompt compute ahead of the first token, queued(p) + P - cached(p),
                   less P; the session's prefill worker, holding a prefix of unknown length,
                   wins while its queue is at most affinity_slack_tokens longer
-Ties go to the session's worker, then to the earlier worker in the snapshot.
+Left tied by the keys above, the earlier worker in the snapshot wins.
 
 Route.reason is the decode reason ("round_robin", "least_loaded"; under CACHE_AWARE
 "session" for the session's worker, "cached" for one the index says holds part of the

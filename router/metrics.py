@@ -150,11 +150,18 @@ class _WorkerLoads(Collector):
         received = CounterMetricFamily(
             "splitserve_kv_transfer_bytes", "KV bytes written into the worker", labels=["worker"]
         )
+        indexed = GaugeMetricFamily(
+            "splitserve_prefix_index_blocks",
+            "Full pages the router's prefix index says the worker holds (from its KV events)",
+            labels=["worker"],
+        )
         for w, s in decode.items():
             used.add_metric([w], 1 - s.free_pages / s.num_pages)
             hits.add_metric([w], s.prefix_hits / s.prefix_queries if s.prefix_queries else 0.0)
             received.add_metric([w], s.bytes_received)
-        yield from (used, hits, received)
+        for w in stats:
+            indexed.add_metric([w], self.workers.index.held(w))
+        yield from (used, hits, received, indexed)
         yield from _vllm_names(decode, prefill)
 
 

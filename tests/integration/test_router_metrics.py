@@ -10,6 +10,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.helpers import wait_until
 from tests.integration.router_harness import RouterHarness, ask
 
 
@@ -80,3 +81,7 @@ def test_metrics_count_requests_and_latencies_and_show_worker_loads(
         assert after[("vllm:num_requests_running", labels)] >= 0  # as last polled
         assert after[("vllm:num_requests_waiting", labels)] >= 0
     assert ("vllm:num_requests_waiting", (("phase", "prefill"), ("worker", "prefill"))) in after
+    # The prefill worker's cache holds the story's full pages, once the router reads its events.
+    key = ("splitserve_prefix_index_blocks", (("worker", "prefill"),))
+    full_pages = remote.usage.prompt_tokens // 16
+    wait_until(lambda: scrape(router).get(key, 0) >= full_pages, "the indexed pages")

@@ -13,6 +13,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from tests.helpers import wait_until
 from tests.integration.router_harness import ask
 
 CONFIG = """
@@ -121,7 +122,7 @@ def test_serve_answers_cli_clients_and_stops_cleanly(tmp_path: Path) -> None:
             )
         )
         streaming.start()
-        time.sleep(1.0)
+        wait_until(lambda: _decoding(metrics_url), "the request to be decoding", 60)
         server.send_signal(signal.SIGTERM)
         streaming.join(60)
         assert replies and replies[0].usage.completion_tokens == 48
@@ -129,8 +130,15 @@ def test_serve_answers_cli_clients_and_stops_cleanly(tmp_path: Path) -> None:
     finally:
         if server.poll() is None:
             server.kill()
-    deadline = time.monotonic() + 15
-    while (left := [p for p in children if _alive(p)]) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not left, f"still running after splitserve serve exited: {left}"
+    left = lambda: [p for p in children if _alive(p)]
+    wait_until(lambda: not left(), "every child to exit after splitserve serve did", 15)
     assert "splitserve: stopped" in "".join(log)
+
+
+def _decoding(metrics_url: str) -> bool:
+    """A decode worker is running a request, by the router's /metrics."""
+    scraped = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    running = re.findall(
+        r'^vllm:num_requests_running\{[^}]*phase="decode"[^}]*\} (\S+)', scraped, re.M
+    )
+    return any(float(v) >= 1 for v in running)

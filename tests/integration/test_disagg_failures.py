@@ -293,8 +293,8 @@ def test_a_duplicate_request_id_is_refused_and_the_first_request_is_untouched(
         with pytest.raises(InvalidRequestError, match="already in flight"):
             await d.submit.remote(rid, prompts[0], GREEDY, False, READER)
         first = asyncio.ensure_future(p.prefill.remote(rid, ids, GREEDY, target))
-        while await p.status.remote(rid) is None:  # an async actor may start calls out of order
-            await asyncio.sleep(0.005)
+        # An async actor may start calls out of order: wait until the first one is in.
+        await until(lambda: _in(p, rid), "the first prefill to be admitted")
         with pytest.raises(InvalidRequestError, match="already in flight"):
             await p.prefill.remote(rid, prompts[0], GREEDY, target)
         token = await first
@@ -323,8 +323,7 @@ def test_two_dispatchers_may_use_the_same_id_and_each_runs_its_own_request(
     async def go() -> None:
         first, second = Dispatcher(), Dispatcher()
         live = asyncio.ensure_future(collect(first, prompts[2], sampling, c, request_id=rid))
-        while (await c.stats.remote()).running == 0:  # the first request is decoding
-            await asyncio.sleep(0.01)
+        await until(lambda: _stat_at_least(c, "running", 1), "the first request to decode")
         other = await collect(second, prompts[0], SamplingParams(max_tokens=4), c, request_id=rid)
         assert other.finish is not None and other.tokens
         assert [d.request_id for d in other.deltas] == [rid] * len(other.deltas)
@@ -357,3 +356,11 @@ def test_an_id_reused_right_after_its_cancel_runs_the_second_request_untouched(
         assert [t for d in deltas for t in d.token_ids] == reference.tokens
 
     run(go())
+
+
+async def _in(worker: Any, rid: RequestId) -> bool:
+    return await worker.status.remote(rid) is not None
+
+
+async def _stat_at_least(worker: Any, name: str, value: int) -> bool:
+    return bool(getattr(await worker.stats.remote(), name) >= value)

@@ -80,6 +80,10 @@ class PrefillStats:
     queued_tokens: int  # prompt tokens queued or prefilling, not yet computed
     transferring: int  # requests whose KV is still being pushed
     sent: SendStats
+    # Prompt tokens computed here that the request's decode worker already held (its
+    # KVTarget.num_cached_tokens past this worker's own prefix-cache hit), since the start:
+    # compute a local prefill there would have skipped, e.g. a conversation's last reply.
+    recomputed_tokens: int
 
     @property
     def in_flight(self) -> int:

@@ -69,6 +69,8 @@ class PrefillWorker:
             transfer.stream_layers,
         )
         self._waiting: dict[RequestId, asyncio.Future[FirstToken | None]] = {}
+        self._held: dict[RequestId, int] = {}  # prompt tokens the target already holds
+        self._recomputed_tokens = 0
         self._loop = WorkerLoop(self._tick, name=f"{name}-engine")
 
     async def prefill(
@@ -96,6 +98,7 @@ class PrefillWorker:
                 self.sender.stop(request_id)
                 raise
             self._waiting[request_id] = done
+            self._held[request_id] = target.num_cached_tokens
 
         await self._loop.call(admit)
         return await done
@@ -144,6 +147,7 @@ class PrefillWorker:
                 sum(seq.num_uncomputed for seq in queued),
                 self.sender.num_pushes,
                 dataclasses.replace(self.sender.stats),
+                self._recomputed_tokens,
             )
 
         return await self._loop.call(read)
@@ -162,6 +166,8 @@ class PrefillWorker:
                 outputs = []
             for out in outputs:
                 if out.finished:
+                    held = self._held.get(out.request_id, 0)
+                    self._recomputed_tokens += max(held - out.num_cached_tokens, 0)
                     first = FirstToken(
                         out.new_token_ids[0],
                         out.new_logprobs[0] if out.new_logprobs else None,
@@ -177,6 +183,7 @@ class PrefillWorker:
 
     def _settle(self, request_id: RequestId, result: FirstToken | None) -> None:
         done = self._waiting.pop(request_id, None)
+        self._held.pop(request_id, None)
         if done is not None:
             done.get_loop().call_soon_threadsafe(_set_result, done, result)
 

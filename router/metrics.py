@@ -159,9 +159,16 @@ class _WorkerLoads(Collector):
             used.add_metric([w], 1 - s.free_pages / s.num_pages)
             hits.add_metric([w], s.prefix_hits / s.prefix_queries if s.prefix_queries else 0.0)
             received.add_metric([w], s.bytes_received)
+        recomputed = CounterMetricFamily(
+            "splitserve_recomputed_tokens",
+            "Prompt tokens the prefill worker computed that the decode worker already held",
+            labels=["worker"],
+        )
+        for w, p in prefill.items():
+            recomputed.add_metric([w], p.recomputed_tokens)
         for w in stats:
             indexed.add_metric([w], self.workers.index.held(w))
-        yield from (used, hits, received, indexed)
+        yield from (used, hits, received, recomputed, indexed)
         yield from _vllm_names(decode, prefill)
 
 

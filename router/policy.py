@@ -23,7 +23,11 @@ Decode worker:
                   C / seq_cost_tokens more sequences than the idlest (with nothing cached
                   anywhere: the fewest sequences, then the most free pages)
 Prefill worker, None (the decode worker prefills) when uncached(decode) <= local_prefill_tokens
-or no prefill worker is live:
+or no prefill worker is live; else picked as below, and None again when
+held(p) < cached(decode), held(p) being the leading prompt tokens the prefix index says p
+holds: p would recompute cached(decode) - held(p) tokens the decode worker already holds
+(a conversation's last reply, which no prefill worker computed), so the decode worker
+prefills the rest itself (never under ROUND_ROBIN and LEAST_LOADED: both are 0 there):
     ROUND_ROBIN   prefill[turn % m]
     LEAST_LOADED  argmin_p queued_tokens(p)
     CACHE_AWARE   argmin_p (queued_tokens(p) - credit(p), not session(p)), with
@@ -183,9 +187,11 @@ def route(config: PolicyConfig, snapshot: Snapshot, request: RouteRequest) -> Ro
     if request.num_prompt_tokens - cached <= config.local_prefill_tokens or not snapshot.prefill:
         return Route(decode.worker, None, f"{reason}+local_prefill")
     if config.name is PolicyName.ROUND_ROBIN:
-        prefill, credit = snapshot.prefill[request.turn % len(snapshot.prefill)], 0
+        prefill, held, credit = snapshot.prefill[request.turn % len(snapshot.prefill)], 0, 0
     else:
-        prefill, credit = _pick_prefill(config, snapshot, request)
+        prefill, held, credit = _pick_prefill(config, snapshot, request)
+    if held < cached:  # the prefill worker would recompute tokens the decode worker holds
+        return Route(decode.worker, None, f"{reason}+local_prefill")
     return Route(decode.worker, prefill.worker, f"{reason}+prefix" if credit else reason)
 
 
@@ -258,8 +264,9 @@ def _pick_decode(
 
 def _pick_prefill(
     config: PolicyConfig, snapshot: Snapshot, request: RouteRequest
-) -> tuple[PrefillLoad, int]:
-    """The prefill worker, and the prompt tokens it is credited with holding."""
+) -> tuple[PrefillLoad, int, int]:
+    """The prefill worker, the prompt tokens the index says it holds, and those it is
+    credited with holding."""
     aware = config.name is PolicyName.CACHE_AWARE
     holder = request.session.prefill_worker if aware and request.session else None
     groups = request.cached if aware else {}
@@ -282,4 +289,4 @@ def _pick_prefill(
         return p.queued_tokens - credit(p, held), p.worker != holder, i
 
     _, best, held = min(contenders.values(), key=key)
-    return best, credit(best, held)
+    return best, held, credit(best, held)

@@ -72,6 +72,12 @@ def make_engine(engines: dict[str, LLMEngine]) -> Iterator[Any]:
 
 
 @pytest.fixture(scope="session")
+def tok() -> Tokenizer:
+    """The bundled model's tokenizer."""
+    return Tokenizer.load(bundled_model_path())
+
+
+@pytest.fixture(scope="session")
 def prompts() -> list[list[int]]:
     """Token ids of the eight raw prompts plus two chat-templated ones."""
     tok = Tokenizer.load(bundled_model_path())

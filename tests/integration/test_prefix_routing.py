@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 
-from cluster.engine.model_files import bundled_model_path
 from cluster.engine.tokenizer import Tokenizer
 from cluster.types import SamplingParams
 from router.dispatch import Dispatcher
@@ -25,11 +24,6 @@ from tests.integration.router_harness import RouterHarness
 PAGE = 16
 PREFIX_PAGES = 30  # a 480-token system prompt
 BURST = 6  # at seq_cost_tokens 64, the holder stays cheapest for 7 requests in flight
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.load(bundled_model_path())
 
 
 @pytest.fixture(scope="module")

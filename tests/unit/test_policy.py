@@ -88,9 +88,9 @@ CASES = [
     ("ll ignores sessions", LL, BUSY_D2, (pw("p1", 1), pw("p2")),
      req(session=hint(prefill="p1")), Route("d1", "p2", "least_loaded")),
     ("ca session wins over an idler worker", CA, BUSY_D2, PREFILL,
-     req(session=hint()), Route("d2", "p1", "session")),
+     req(session=hint()), Route("d2", None, "session+local_prefill")),
     ("ca session pages fit exactly", CA, (dw("d1"), dw("d2", 11, 10)), PREFILL,
-     req(session=hint()), Route("d2", "p1", "session")),
+     req(session=hint()), Route("d2", None, "session+local_prefill")),
     ("ca session out of pages falls back", CA, (dw("d1"), dw("d2", 10, 10)), PREFILL,
      req(session=hint()), Route("d1", "p1", "least_loaded")),
     ("ca stale epoch ignored", CA, BUSY_D2, PREFILL,
@@ -100,17 +100,25 @@ CASES = [
     ("ca no session: least loaded", CA, BUSY_D2, (pw("p1", 9), pw("p2")),
      req(), Route("d1", "p2", "least_loaded")),
     ("ca prefix affinity at the slack", CA, BUSY_D2, (pw("p1"), pw("p2", 2048)),
-     req(session=hint(prefill="p2")), Route("d2", "p2", "session+prefix")),
+     req(session=hint(epoch="e0", prefill="p2")), Route("d1", "p2", "least_loaded+prefix")),
     ("ca prefix affinity beyond the slack", CA, BUSY_D2, (pw("p1"), pw("p2", 2049)),
-     req(session=hint(prefill="p2")), Route("d2", "p1", "session")),
+     req(session=hint(epoch="e0", prefill="p2")), Route("d1", "p1", "least_loaded")),
     ("ca prefix affinity survives a stale decode epoch", CA, BUSY_D2, (pw("p1"), pw("p2", 99)),
      req(session=hint(epoch="e0", prefill="p2")), Route("d1", "p2", "least_loaded+prefix")),
     ("ca dead prefix worker ignored", CA, BUSY_D2, (pw("p1", 5), pw("p2")),
-     req(session=hint(prefill="p9")), Route("d2", "p2", "session")),
+     req(session=hint(epoch="e0", prefill="p9")), Route("d1", "p2", "least_loaded")),
     ("ca session uncached at the threshold prefills locally", CA, BUSY_D2, PREFILL,
      req(session=hint(cached=968)), Route("d2", None, "session+local_prefill")),
-    ("ca session uncached above the threshold uses prefill", CA, BUSY_D2, PREFILL,
-     req(session=hint(cached=967)), Route("d2", "p1", "session")),
+    ("ca session uncached above the threshold uses the prefill worker holding as much",
+     CA, BUSY_D2, PREFILL, req(session=hint(cached=967), cached={"p2": 967}),
+     Route("d2", "p2", "session+prefix")),
+    # held(p) < cached(decode): p would recompute what the decode worker holds
+    ("ca a session's reply is not recomputed: local prefill", CA, IDLE, PREFILL,
+     req(session=hint(cached=600), cached={"p1": 400, "p2": 400}),
+     Route("d2", None, "session+local_prefill")),
+    ("ca a prefill worker holding all the decode worker holds prefills", CA, IDLE, PREFILL,
+     req(session=hint(cached=600), cached={"p1": 400, "p2": 608}),
+     Route("d2", "p2", "session+prefix")),
     ("ca cached beyond the prompt prefills locally", CA, BUSY_D2, PREFILL,
      req(session=hint(cached=2000)), Route("d2", None, "session+local_prefill")),
     ("ca fallback worker lacks the cache: prefill", CA, (dw("d1"), dw("d2", 0)), PREFILL,
@@ -119,23 +127,24 @@ CASES = [
      req(), Route("d1", None, "least_loaded+local_prefill")),
     # the prefix index: cached prompt tokens per worker, from the workers' KV events
     ("ca cached prefix wins over an idler worker", CA, BUSY_D2, PREFILL,
-     req(cached={"d2": 960}), Route("d2", "p1", "cached")),
+     req(cached={"d2": 960}), Route("d2", None, "cached+local_prefill")),
     ("ca cached prefix loses to a much idler worker", CA, BUSY_D2, PREFILL,
      req(cached={"d2": 352}), Route("d1", "p1", "least_loaded")),
     ("ca cached uncached at the threshold prefills locally", CA, BUSY_D2, PREFILL,
      req(cached={"d2": 968}), Route("d2", None, "cached+local_prefill")),
     ("ca the longer cached prefix wins", CA, IDLE, PREFILL,
-     req(cached={"d1": 320, "d2": 640}), Route("d2", "p1", "cached")),
+     req(cached={"d1": 320, "d2": 640, "p1": 640}), Route("d2", "p1", "cached+prefix")),
     ("ca cached worker without pages falls back", CA, (dw("d1"), dw("d2", 2)), PREFILL,
      req(cached={"d2": 960}), Route("d1", "p1", "least_loaded")),
     ("ca a worker not in the snapshot is ignored", CA, BUSY_D2, PREFILL,
      req(cached={"d9": 999, "p9": 999}), Route("d1", "p1", "least_loaded")),
     ("ca the index outweighs a shorter session hint", CA, IDLE, PREFILL,
-     req(session=hint(cached=100), cached={"d1": 900}), Route("d1", "p1", "cached")),
+     req(session=hint(cached=100), cached={"d1": 900}), Route("d1", None, "cached+local_prefill")),
     ("ca a session worker counts the larger of hint and index", CA, BUSY_D2, PREFILL,
-     req(session=hint(cached=100), cached={"d2": 960}), Route("d2", "p1", "session")),
+     req(session=hint(cached=100), cached={"d2": 960}), Route("d2", None, "session+local_prefill")),
     ("ca equal costs: the session's worker", CA, IDLE, PREFILL,
-     req(session=hint(cached=320), cached={"d1": 320}), Route("d2", "p1", "session")),
+     req(session=hint(cached=320), cached={"d1": 320, "p1": 320}),
+     Route("d2", "p1", "session+prefix")),
     ("ca prefill worker holding the prompt wins within what it saves", CA, BUSY_D2,
      (pw("p1"), pw("p2", 799)), req(cached={"p2": 800}), Route("d1", "p2", "least_loaded+prefix")),
     ("ca prefill worker holding the prompt loses past what it saves", CA, BUSY_D2,
@@ -143,7 +152,7 @@ CASES = [
     ("ca prefill index outweighs the session's slack", CA, IDLE, (pw("p1", 3000), pw("p2", 1900)),
      req(session=hint(prefill="p1"), cached={"p2": 1000}), Route("d2", "p2", "session+prefix")),
     ("ca ... which wins without the index", CA, IDLE, (pw("p1", 3000), pw("p2", 1900)),
-     req(session=hint(prefill="p1")), Route("d2", "p1", "session+prefix")),
+     req(session=hint(epoch="e0", prefill="p1")), Route("d1", "p1", "least_loaded+prefix")),
     ("ll ignores the index", LL, BUSY_D2, PREFILL,
      req(cached={"d2": 990, "p2": 990}), Route("d1", "p1", "least_loaded")),
     ("rr ignores the index", RR, IDLE, PREFILL,
@@ -181,7 +190,7 @@ def test_round_robin_cycles_through_both_pools(turn: int, decode: str, prefill: 
 def test_affinity_slack_is_the_knob(slack: int, prefill: str) -> None:
     config = PolicyConfig(affinity_slack_tokens=slack)
     snapshot = Snapshot(IDLE, (pw("p1", 100), pw("p2", 200)))
-    assert route(config, snapshot, req(session=hint(prefill="p2"))).prefill == prefill
+    assert route(config, snapshot, req(session=hint(epoch="e0", prefill="p2"))).prefill == prefill
 
 
 @pytest.mark.parametrize("seq_cost, decode", [(1, "d2"), (59, "d2"), (60, "d1"), (1000, "d1")])
@@ -227,6 +236,8 @@ def _formula(
         return p.queued_tokens - credit(p), p.worker != holder, i
 
     p = snapshot.prefill[min(range(len(snapshot.prefill)), key=prefill_key)]
+    if index.get(p.worker, 0) < held:
+        return Route(d.worker, None, reason + "+local_prefill")
     return Route(d.worker, p.worker, reason + "+prefix" if credit(p) else reason)
 
 

@@ -169,7 +169,7 @@ class StubDecode:
     def __init__(self) -> None:
         self._out: asyncio.Queue[TokenDelta] = asyncio.Queue()
         self._cursor = 0
-        stats = DecodeStats("e", 1000, 1000, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+        stats = DecodeStats("e", 1000, 1000, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, None)
         self.submit, self.outputs = Method(remote=self._submit), Method(remote=self._outputs)
         self.stats = Method(remote=lambda: _value(stats))
         self.kv_events = Method(remote=lambda epoch, after: _value(KVEvents("e", True, (), 0)))

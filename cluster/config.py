@@ -269,6 +269,10 @@ class RouterConfig:
     policy: str = "cache_aware"
     affinity_slack_tokens: int = 2048  # see router/policy.py
     seq_cost_tokens: int = 64  # ... what one more sequence on a decode worker is worth
+    # Also prefill on the decode worker when the workers' measured costs say it is cheaper
+    # (router/prefill_cost.py); false: transfer.local_prefill_tokens and the prefix rule
+    # (router/policy.py) alone decide. Off until bench compare has measured it.
+    prefill_by_cost: bool = False
     max_pending: int = 256  # requests in flight; past it, RESOURCE_EXHAUSTED at once
     max_tokens: int = 4096  # the most a request may ask for
     max_message_bytes: int = 4 * 2**20
@@ -299,6 +303,11 @@ class RouterConfig:
                 f"must be an integer in [0, 65535] or null, got {value!r}",
             )
         _check(self.policy in POLICIES, "policy", f"must be one of {POLICIES}, got {self.policy!r}")
+        _check(
+            isinstance(self.prefill_by_cost, bool),
+            "prefill_by_cost",
+            f"must be true or false, got {self.prefill_by_cost!r}",
+        )
         for name in (
             "affinity_slack_tokens",
             "seq_cost_tokens",

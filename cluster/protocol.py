@@ -52,6 +52,7 @@ class DecodeStats:
     pages_received: int
     bytes_received: int
     transfer_failures: int  # transfers that ended without their KV (then recomputed or failed)
+    s_per_token: float | None  # what a token adds to a step here (StepRate); None: not measured
 
     @property
     def in_flight(self) -> int:
@@ -84,6 +85,7 @@ class PrefillStats:
     # KVTarget.num_cached_tokens past this worker's own prefix-cache hit), since the start:
     # compute a local prefill there would have skipped, e.g. a conversation's last reply.
     recomputed_tokens: int
+    s_per_token: float | None  # what a token adds to a step here (StepRate); None: not measured
 
     @property
     def in_flight(self) -> int:

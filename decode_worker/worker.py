@@ -183,6 +183,7 @@ class DecodeWorker:
                 self.receiver.pages_received,
                 self.receiver.bytes_received,
                 self._transfer_failures,
+                self.engine.step_rate.per_token,
             )
 
         return await self._loop.call(read)

@@ -148,6 +148,7 @@ class PrefillWorker:
                 self.sender.num_pushes,
                 dataclasses.replace(self.sender.stats),
                 self._recomputed_tokens,
+                self.engine.step_rate.per_token,
             )
 
         return await self._loop.call(read)

@@ -78,6 +78,7 @@ async def start_router(
         local_prefill_tokens,
         config.affinity_slack_tokens,
         config.seq_cost_tokens,
+        config.prefill_by_cost,
     )
     router = Router(
         policy,

@@ -27,7 +27,10 @@ or no prefill worker is live; else picked as below, and None again when
 held(p) < cached(decode), held(p) being the leading prompt tokens the prefix index says p
 holds: p would recompute cached(decode) - held(p) tokens the decode worker already holds
 (a conversation's last reply, which no prefill worker computed), so the decode worker
-prefills the rest itself (never under ROUND_ROBIN and LEAST_LOADED: both are 0 there):
+prefills the rest itself (never under ROUND_ROBIN and LEAST_LOADED: both are 0 there);
+and None when `prefill_by_cost` and the costs the workers measure make the decode
+worker's own prefill cheaper (router/prefill_cost.py: U_d = uncached(decode), U_p =
+P - held(p); unmeasured costs prefill remotely):
     ROUND_ROBIN   prefill[turn % m]
     LEAST_LOADED  argmin_p queued_tokens(p)
     CACHE_AWARE   argmin_p (queued_tokens(p) - credit(p), not session(p)), with
@@ -39,8 +42,9 @@ Left tied by the keys above, the earlier worker in the snapshot wins.
 
 Route.reason is the decode reason ("round_robin", "least_loaded"; under CACHE_AWARE
 "session" for the session's worker, "cached" for one the index says holds part of the
-prompt), plus "+local_prefill" when prefill is None, or "+prefix" when the prefill worker
-is credited a prefix (cached or the session's).
+prompt), plus "+local_prefill" when prefill is None ("+local_prefill_cost" when the costs
+decided it), or "+prefix" when the prefill worker is credited a prefix (cached or the
+session's).
 
 Cost per call: the snapshot orders its workers by load once. Workers holding as much of
 the prompt (one group of RouteRequest.cached, or the group holding nothing) differ only
@@ -58,6 +62,7 @@ from functools import cached_property, partial
 from typing import TypeVar
 
 from cluster.config import ConfigError
+from router.prefill_cost import LocalPrefill, RemotePrefill, prefill_remotely
 
 W = TypeVar("W", "DecodeLoad", "PrefillLoad")
 
@@ -81,6 +86,7 @@ class DecodeLoad:
     page_size: int
     running: int  # sequences decoding
     waiting: int  # admitted but not yet running (waiting for pages, transferring, queued)
+    s_per_token: float | None = None  # what a prompt token adds to its steps; None: unmeasured
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,8 @@ class PrefillLoad:
     worker: str
     epoch: str
     queued_tokens: int  # prompt tokens queued or being prefilled, not yet computed
+    s_per_token: float | None = None  # what a prompt token adds to its steps; None: unmeasured
+    transfer_s_per_token: float | None = None  # pushing a token's KV; None: nothing pushed yet
 
 
 @dataclass(frozen=True)
@@ -156,11 +164,16 @@ class PolicyConfig:
     local_prefill_tokens: int = 32  # uncached prompt tokens a decode worker prefills itself
     affinity_slack_tokens: int = 2048  # extra queued prefill a session's prefill worker may have
     seq_cost_tokens: int = 64  # uncached prompt tokens one more sequence on a decode worker costs
+    prefill_by_cost: bool = False  # True: also local when measured costs say (prefill_cost.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, PolicyName):
             names = tuple(p.value for p in PolicyName)
             raise ConfigError(f"name: must be one of {names}, got {self.name!r}")
+        if not isinstance(self.prefill_by_cost, bool):
+            raise ConfigError(
+                f"prefill_by_cost: must be true or false, got {self.prefill_by_cost!r}"
+            )
         for name, least in (
             ("local_prefill_tokens", 0),
             ("affinity_slack_tokens", 0),
@@ -192,6 +205,18 @@ def route(config: PolicyConfig, snapshot: Snapshot, request: RouteRequest) -> Ro
         prefill, held, credit = _pick_prefill(config, snapshot, request)
     if held < cached:  # the prefill worker would recompute tokens the decode worker holds
         return Route(decode.worker, None, f"{reason}+local_prefill")
+    if config.prefill_by_cost:
+        prompt = request.num_prompt_tokens
+        here = LocalPrefill(prompt - cached, decode.s_per_token, decode.running + decode.waiting)
+        there = RemotePrefill(
+            prompt - held,
+            prefill.queued_tokens,
+            prefill.s_per_token,
+            prefill.transfer_s_per_token,
+            prompt - cached,
+        )
+        if not prefill_remotely(here, there):
+            return Route(decode.worker, None, f"{reason}+local_prefill_cost")
     return Route(decode.worker, prefill.worker, f"{reason}+prefix" if credit else reason)
 
 

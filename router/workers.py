@@ -205,12 +205,19 @@ class WorkerRegistry:
                 self.page_size,
                 s.running,
                 max(s.waiting + s.transferring + s.admitting, self._sequences[name] - s.running),
+                s.s_per_token,
             )
             for name, w in self._decode.items()
             if isinstance(s := w.stats, DecodeStats) and name not in self._cordoned
         )
         prefill = tuple(
-            PrefillLoad(name, s.epoch, max(s.queued_tokens, self._prompt_tokens[name]))
+            PrefillLoad(
+                name,
+                s.epoch,
+                max(s.queued_tokens, self._prompt_tokens[name]),
+                s.s_per_token,
+                s.sent.post_s / (s.sent.pages * self.page_size) if s.sent.pages else None,
+            )
             for name, w in self._prefill.items()
             if isinstance(s := w.stats, PrefillStats) and name not in self._cordoned
         )

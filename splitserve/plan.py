@@ -252,6 +252,7 @@ def plan_cluster(args: argparse.Namespace, spec: ModelSpec, hw: Hardware) -> str
         serve.transfer.local_prefill_tokens,
         serve.router.affinity_slack_tokens,
         serve.router.seq_cost_tokens,
+        serve.router.prefill_by_cost,
     )
 
     def make(p: int, d: int) -> Cluster:

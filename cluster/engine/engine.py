@@ -32,6 +32,7 @@ from cluster.engine.runner import build_runner
 from cluster.engine.sampler import sample, skip_draws
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.sequence import Sequence
+from cluster.engine.step_rate import StepRate
 from cluster.engine.tokenizer import TextStream, Tokenizer
 from cluster.types import (
     Completion,
@@ -115,6 +116,8 @@ class LLMEngine:
             raise ValueError(f"kv_cache_gb: {config.kv_cache_gb} GB holds no page of KV")
         self.cache = KVCache(self.layout, num_pages, self.device)
         self.pool = PagePool(num_pages, config.page_size, config.prefix_caching)
+        self.step_rate = StepRate()  # seconds per token of this engine's steps
+        self._unsynced = (0.0, 0)  # seconds, tokens of the steps since the last that sampled
         self.holds = PageHolds(self.pool)  # pages a KV sink keeps past their step
         self.scheduler = Scheduler(
             self.pool, config.max_num_seqs, config.max_num_batched_tokens, config.chunked_prefill
@@ -224,6 +227,17 @@ class LLMEngine:
             self.model_id, self.max_model_len, self.spec.vocab_size, self.pool.page_size
         )
 
+    def _time_step(self, started: float, tokens: int, synced: bool) -> None:
+        """Feed step_rate. A step that samples ends with the device done (its tokens reach
+        the host); the steps before it that did not (prompt chunks, whose device work may
+        still be queued) are timed together with it, as one step."""
+        seconds, n = self._unsynced
+        seconds, n = seconds + time.perf_counter() - started, n + tokens
+        if synced:
+            self.step_rate.observe(seconds, n)
+            seconds, n = 0.0, 0
+        self._unsynced = (seconds, n)
+
     def step(self, sink: KVSink | None = None) -> list[RequestOutput]:
         """Run one batch; an output for every request that produced tokens or finished.
 
@@ -233,6 +247,7 @@ class LLMEngine:
         step = self.scheduler.schedule()
         if step.empty:
             return []
+        started = time.perf_counter()
         ps = self.pool.page_size
         on_layer = None if sink is None else layer_hook(step, ps, self.device, sink)
         sampled, logits = self.runner.run(step, on_layer)
@@ -241,12 +256,14 @@ class LLMEngine:
         for seq, n in step.prefills:
             self.scheduler.commit(seq, n)
         if not sampled:
+            self._time_step(started, step.num_tokens, synced=False)
             return []
         firsts = [len(s.token_ids) == s.num_prompt for s in sampled]  # before the append
         lives = [self._live[s.request_id] for s in sampled]
         tokens, logprobs = sample(
             logits, [s.sampling for s in sampled], [lv.generator for lv in lives]
         )
+        self._time_step(started, step.num_tokens, synced=True)
         outputs = [
             self._append(lv, tok, logprobs[i] if logprobs else None)
             for i, (lv, tok) in enumerate(zip(lives, tokens, strict=True))

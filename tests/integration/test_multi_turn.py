@@ -136,6 +136,14 @@ def test_later_turns_prefill_on_the_decode_worker_and_recompute_nothing(
     assert all(len(ids) == MAX_TOKENS for ids in reference)
 
 
+async def costs_measured(router: RouterHarness) -> bool:
+    """The router's loads carry each worker's measured costs (what prefill_by_cost weighs):
+    seconds per token of its steps, and of a prefill worker's pushes."""
+    snapshot = router.app.workers.snapshot()
+    decode = all(d.s_per_token for d in snapshot.decode)
+    return decode and all(p.s_per_token and p.transfer_s_per_token for p in snapshot.prefill)
+
+
 @pytest.mark.parametrize("router", ["least_loaded"], indirect=True)
 def test_without_the_rule_the_prefill_worker_recomputes_the_replies(
     pool: dict[str, Any], router: RouterHarness, tok: Tokenizer
@@ -148,3 +156,4 @@ def test_without_the_rule_the_prefill_worker_recomputes_the_replies(
     # Each later turn recomputes at least the previous reply's full pages.
     least = sum((MAX_TOKENS - 1) // PAGE * PAGE for _ in turns[1:])
     assert recomputed(pool) - before >= least
+    wait_until(lambda: router.call(costs_measured(router)), "the workers' costs in the loads")

@@ -9,6 +9,7 @@ cached tokens less than d1.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import Any
 
@@ -270,6 +271,40 @@ def test_local_prefill_tokens_is_the_threshold(local: int, prefill: str | None) 
     assert route(config, Snapshot(IDLE, PREFILL), req(prompt=1)).prefill == prefill
 
 
+# Measured costs: d1 takes 1 ms per token, p1 0.5 ms, pushing a token 0.1 ms. The default
+# request (1000 uncached tokens): 1 s here, 0.6 s there plus 0.5 ms per token queued there.
+MEASURED_D1 = DecodeLoad("d1", "e1", 100, 100, 16, 0, 0, 1e-3)
+
+
+@pytest.mark.parametrize(
+    "sequences, queued, by_cost, prefill, reason",
+    [
+        (0, 0, True, "p1", "least_loaded"),
+        (0, 801, True, None, "least_loaded+local_prefill_cost"),
+        (0, 801, False, "p1", "least_loaded"),  # the threshold alone decides
+        (2, 801, True, "p1", "least_loaded"),  # 3 s here: it stalls two sequences
+        (2, 5000, True, None, "least_loaded+local_prefill_cost"),
+    ],
+)
+def test_local_prefill_when_the_measured_costs_say_so(
+    sequences: int, queued: int, by_cost: bool, prefill: str | None, reason: str
+) -> None:
+    d1 = dataclasses.replace(MEASURED_D1, running=sequences)
+    p1 = PrefillLoad("p1", "e1", queued, 5e-4, 1e-4)
+    config = PolicyConfig(prefill_by_cost=by_cost)
+    assert route(config, Snapshot((d1,), (p1,)), req()) == Route("d1", prefill, reason)
+
+
+def test_unmeasured_costs_prefill_remotely() -> None:
+    """A worker that has not run steps of different sizes (or pushed nothing) has no cost
+    yet: the request goes to the prefill worker, however long its queue."""
+    config = PolicyConfig(prefill_by_cost=True)
+    p1 = PrefillLoad("p1", "e1", 10**6, 5e-4, None)
+    assert route(config, Snapshot((MEASURED_D1,), (p1,)), req()).prefill == "p1"
+    p1 = PrefillLoad("p1", "e1", 10**6, 5e-4, 1e-4)
+    assert route(config, Snapshot((dw("d1"),), (p1,)), req()).prefill == "p1"
+
+
 @pytest.mark.parametrize("policy", list(PolicyName))
 def test_no_decode_worker_is_an_error(policy: PolicyName) -> None:
     with pytest.raises(NoWorkerError, match="no live decode worker"):
@@ -287,6 +322,7 @@ def test_no_decode_worker_is_an_error(policy: PolicyName) -> None:
         ("affinity_slack_tokens", "2048"),
         ("seq_cost_tokens", 0),
         ("seq_cost_tokens", 1.0),
+        ("prefill_by_cost", 1),
     ],
 )
 def test_a_bad_config_value_is_refused_naming_its_field(field: str, value: Any) -> None:

@@ -24,10 +24,15 @@ Decode worker:
                   anywhere: the fewest sequences, then the most free pages)
 Prefill worker, None (the decode worker prefills) when uncached(decode) <= local_prefill_tokens
 or no prefill worker is live; else picked as below, and None again when
-held(p) < cached(decode), held(p) being the leading prompt tokens the prefix index says p
-holds: p would recompute cached(decode) - held(p) tokens the decode worker already holds
-(a conversation's last reply, which no prefill worker computed), so the decode worker
-prefills the rest itself (never under ROUND_ROBIN and LEAST_LOADED: both are 0 there);
+0 < RECOMPUTE_WASTE * (cached(decode) - held(p)) >= uncached(decode), held(p) being the
+leading prompt tokens the prefix index says p holds: p would recompute tokens the
+decode worker already holds (a conversation's last reply, which no prefill worker
+computed) amounting to a quarter or more of what is new to the decode worker, so the
+decode worker prefills the new part itself (never under ROUND_ROBIN and LEAST_LOADED:
+both are 0 there). A long new part still goes to p (recomputing a few held tokens is
+cheaper than stalling the decode worker's batch), and a fresh prefill worker holding
+nothing is not routed around for the page or two every decode worker holds of every
+prompt (the chat template's start);
 and None when `prefill_by_cost` and the costs the workers measure make the decode
 worker's own prefill cheaper (router/prefill_cost.py: U_d = uncached(decode), U_p =
 P - held(p); unmeasured costs prefill remotely):
@@ -203,7 +208,8 @@ def route(config: PolicyConfig, snapshot: Snapshot, request: RouteRequest) -> Ro
         prefill, held, credit = snapshot.prefill[request.turn % len(snapshot.prefill)], 0, 0
     else:
         prefill, held, credit = _pick_prefill(config, snapshot, request)
-    if held < cached:  # the prefill worker would recompute tokens the decode worker holds
+    recompute, new = cached - held, request.num_prompt_tokens - cached
+    if recompute > 0 and recompute * RECOMPUTE_WASTE >= new:
         return Route(decode.worker, None, f"{reason}+local_prefill")
     if config.prefill_by_cost:
         prompt = request.num_prompt_tokens
@@ -219,6 +225,9 @@ def route(config: PolicyConfig, snapshot: Snapshot, request: RouteRequest) -> Ro
             return Route(decode.worker, None, f"{reason}+local_prefill_cost")
     return Route(decode.worker, prefill.worker, f"{reason}+prefix" if credit else reason)
 
+
+# A prefill worker may recompute held tokens up to a quarter of the new part (see above).
+RECOMPUTE_WASTE = 4
 
 _SMALL_GROUP = 8  # a group this small is priced member by member
 

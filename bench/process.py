@@ -53,18 +53,21 @@ def child(
 
 @dataclass(frozen=True)
 class Served:
-    """A running `splitserve serve`: its gRPC address and its process id (Ray's workers
-    and the embedded valkey-server are among that process's descendants)."""
+    """A running `splitserve serve`: its gRPC address, its process id (Ray's workers and
+    the embedded valkey-server are among that process's descendants) and, when its config
+    turns them on, its Prometheus metrics' URL."""
 
     address: str
     pid: int
+    metrics_url: str | None = None
 
 
 @contextmanager
 def splitserve(name: str, doc: dict[str, Any], log_dir: Path) -> Iterator[Served]:
     """`splitserve serve` on the config `doc` (written to log_dir/name.yaml, its log to
     log_dir/name.log), once it serves; stopped as `child` stops it. Ports the config
-    leaves unset are any free port; the metrics and HTTP front doors are off."""
+    leaves unset are any free port; the metrics and HTTP front doors are off unless it
+    turns them on."""
     router = {"port": 0, "metrics_port": None, "http_port": None, **doc.get("router", {})}
     path = log_dir / f"{name}.yaml"
     path.write_text(yaml.safe_dump({**doc, "router": router}))
@@ -72,6 +75,7 @@ def splitserve(name: str, doc: dict[str, Any], log_dir: Path) -> Iterator[Served
     cmd = [sys.executable, "-m", "splitserve.cli", "serve", "--config", str(path)]
     with child(cmd, subprocess.PIPE) as proc:
         address: list[str] = []
+        metrics: list[str] = []
         ready = threading.Event()
 
         def drain() -> None:  # keep its log, and the pipe from filling
@@ -80,6 +84,8 @@ def splitserve(name: str, doc: dict[str, Any], log_dir: Path) -> Iterator[Served
                 for line in proc.stdout:
                     log.write(line)
                     log.flush()
+                    if m := re.search(r"Prometheus metrics on (\S+/metrics)", line):
+                        metrics.append(m.group(1))
                     if m := re.search(r"serving on (\S+);", line):
                         address.append(m.group(1))
                         ready.set()
@@ -88,4 +94,4 @@ def splitserve(name: str, doc: dict[str, Any], log_dir: Path) -> Iterator[Served
         threading.Thread(target=drain, daemon=True).start()
         if not ready.wait(300) or not address:
             raise DidNotStart(name, log_path)
-        yield Served(address[0], proc.pid)
+        yield Served(address[0], proc.pid, metrics[0] if metrics else None)

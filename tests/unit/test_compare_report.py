@@ -1,9 +1,11 @@
 """bench compare rebuilds its page section by section: a workload it reran replaces its
-section, every other section stays as written, and a new workload is appended."""
+section, every other section stays as written, and a new workload is appended; its KV
+reuse lines put cached prompt tokens against the workload's ideal and count recomputed
+tokens only where a prefill pool ran."""
 
 from __future__ import annotations
 
-from bench.compare import _sections, merge
+from bench.compare import _kv_reuse, _sections, merge
 
 PAGE = """# Serving benchmark
 
@@ -33,3 +35,44 @@ def test_a_rerun_workload_replaces_only_its_own_section() -> None:
         "## multi-turn\n\nold multi-turn table",
         "## long-prompt\n\nnew",
     ]
+
+
+def _run(rate: float, cached: int, ttft_p50: float) -> dict[str, object]:
+    return {"rate": rate, "summary": {"cached_prompt_tokens": cached, "ttft_s": {"p50": ttft_p50}}}
+
+
+def test_kv_reuse_reports_cache_against_the_ideal_and_ttft_against_round_robin() -> None:
+    one_decode_pool = {"prefill": {"replicas": 0}}
+    result = {
+        "ideal_cached_prompt_tokens": [1000, 2000],
+        "configs": {
+            "cache-aware": {
+                "serve_config": one_decode_pool,
+                "recomputed_tokens": 0,
+                "runs": [_run(1, 950, 0.5), _run(2, 1000, 1.0)],
+            },
+            "round-robin": {
+                "serve_config": one_decode_pool,
+                "recomputed_tokens": 0,
+                "runs": [_run(1, 500, 2.0), _run(2, 400, 2.0)],
+            },
+        },
+    }
+    rows = [line for line in _kv_reuse(result) if line.startswith("| cache-aware")]
+    assert rows == [
+        "| cache-aware | 1 | 950 | 1,000 | 95% | 0.25x |",
+        "| cache-aware | 2 | 1,000 | 2,000 | 50% | 0.50x |",
+    ]
+    assert not any("Recomputed" in line for line in _kv_reuse(result))  # no prefill pool
+
+
+def test_kv_reuse_counts_recomputed_tokens_where_a_prefill_pool_ran() -> None:
+    result = {
+        "configs": {
+            "disaggregated": {"serve_config": {"prefill": {}}, "recomputed_tokens": 1234},
+            "colocated": {"serve_config": {"prefill": {"replicas": 0}}, "recomputed_tokens": 0},
+            "vllm": {"serve_config": {}},
+        }
+    }
+    (line,) = [line for line in _kv_reuse(result) if line.startswith("Recomputed")]
+    assert line.endswith("splitserve_recomputed_tokens): disaggregated 1,234.")

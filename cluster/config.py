@@ -271,7 +271,8 @@ class RouterConfig:
     seq_cost_tokens: int = 64  # ... what one more sequence on a decode worker is worth
     # Also prefill on the decode worker when the workers' measured costs say it is cheaper
     # (router/prefill_cost.py); false: transfer.local_prefill_tokens and the prefix rule
-    # (router/policy.py) alone decide. Off until bench compare has measured it.
+    # (router/policy.py) alone decide. Off: bench compare measured it worse on chat, better
+    # on multi-turn (README, serving benchmark).
     prefill_by_cost: bool = False
     max_pending: int = 256  # requests in flight; past it, RESOURCE_EXHAUSTED at once
     max_tokens: int = 4096  # the most a request may ask for

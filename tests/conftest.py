@@ -1,5 +1,5 @@
-"""What every test module shares: Triton's interpreter without a GPU, and memory handed
-back between modules."""
+"""What every test module shares: Triton's interpreter without a GPU, the device kernels
+run on, and memory handed back between modules."""
 
 import ctypes
 import gc
@@ -15,6 +15,13 @@ import torch
 # compiled-mode helpers, which the interpreter cannot call.
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+
+
+@pytest.fixture(scope="session")
+def kernel_device() -> torch.device:
+    """Where a kernel test's tensors live: the GPU when there is one (compiled Triton refuses
+    CPU tensors there), else the CPU (Triton's interpreter)."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -52,9 +52,9 @@ def test_fill_pads_rows_to_the_bucket_with_no_slot_and_no_context() -> None:
     assert table.tolist() == [[3, 7, 0, 0], [5, 1, 2, 0], [9, 0, 0, 0], [0, 0, 0, 0]]
 
 
-def test_padding_rows_write_no_page_and_attend_to_nothing() -> None:
+def test_padding_rows_write_no_page_and_attend_to_nothing(kernel_device: torch.device) -> None:
     layout = KVLayout(num_layers=1, num_kv_heads=2, head_dim=16, page_size=16, dtype=torch.float32)
-    cache = KVCache(layout, num_pages=12, device=torch.device("cpu"))
+    cache = KVCache(layout, num_pages=12, device=kernel_device)
     cache.k.normal_()
     cache.v.normal_()
     before_k, before_v = cache.k.clone(), cache.v.clone()
@@ -63,6 +63,7 @@ def test_padding_rows_write_no_page_and_attend_to_nothing() -> None:
     buffer[seg.offsets()["starts"] : seg.offsets()["table"]] = torch.arange(5)
     batch, ids, pos = _decode_step([20, 40], page_size=16)
     fill(buffer, seg, batch, ids, pos, bucket=4)
+    buffer, slots = buffer.to(kernel_device), batch.slot_mapping.to(kernel_device)
     off = seg.offsets()
     metadata = TritonMetadata(
         slot_mapping=buffer[off["slots"] : off["slots"] + 4],
@@ -73,16 +74,14 @@ def test_padding_rows_write_no_page_and_attend_to_nothing() -> None:
         max_query_len=0,
         num_splits=1,
     )
-    q = torch.randn(4, 4, 16)
-    k, v = torch.randn(2, 4, 2, 16).unbind()
-    out = TritonBackend(torch.device("cpu"), partition=64, block=16).forward(
-        0, q, k, v, cache, metadata
-    )
+    q = torch.randn(4, 4, 16, device=kernel_device)
+    k, v = torch.randn(2, 4, 2, 16, device=kernel_device).unbind()
+    out = TritonBackend(kernel_device, partition=64, block=16).forward(0, q, k, v, cache, metadata)
     changed = (cache.k[0] != before_k[0]).any(-1).any(-1).flatten().nonzero().flatten()
-    assert changed.tolist() == sorted(batch.slot_mapping.tolist())  # the real rows only
-    assert torch.equal(cache.v[0].flatten(0, 1)[batch.slot_mapping], v[:2])
-    untouched = torch.ones(12 * 16, dtype=torch.bool)
-    untouched[batch.slot_mapping] = False
+    assert changed.tolist() == sorted(slots.tolist())  # the real rows only
+    assert torch.equal(cache.v[0].flatten(0, 1)[slots], v[:2])
+    untouched = torch.ones(12 * 16, dtype=torch.bool, device=kernel_device)
+    untouched[slots] = False
     assert torch.equal(cache.v[0].flatten(0, 1)[untouched], before_v[0].flatten(0, 1)[untouched])
-    assert torch.equal(out[2:], torch.zeros(2, 4, 16))  # padding rows attend to nothing
+    assert not out[2:].any()  # padding rows attend to nothing
     assert out[:2].abs().sum() > 0

@@ -1,7 +1,7 @@
-"""The Triton paged kernels, run by Triton's interpreter on CPU tensors, against attention
-computed in plain float32 math: ragged batches, page tables with holes and out of order,
-prefix hits, chunked prefills, GQA, float32 and bfloat16, and padding slots that write
-nothing."""
+"""The Triton paged kernels against attention computed in plain float32 math: ragged
+batches, page tables with holes and out of order, prefix hits, chunked prefills, GQA,
+float32 and bfloat16, and padding slots that write nothing. Compiled on a GPU when there is
+one (bfloat16 then multiplies in bfloat16), else under Triton's interpreter on the CPU."""
 
 from __future__ import annotations
 
@@ -15,13 +15,16 @@ paged_kernels = pytest.importorskip("cluster.engine.paged_kernels")
 PAGE, HEADS, KV_HEADS, DIM, NUM_PAGES = 16, 6, 2, 32, 40
 
 
-def _cache(dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _cache(
+    dtype: torch.dtype, seed: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     shape = (NUM_PAGES, PAGE, KV_HEADS, DIM)
-    return torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
+    k, v = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    return k.to(device, dtype), v.to(device, dtype)
 
 
-def _tables(lens: list[int], seed: int) -> torch.Tensor:
+def _tables(lens: list[int], seed: int, device: torch.device) -> torch.Tensor:
     """Each sequence's pages drawn without repeats from a shuffled pool: holes, any order."""
     order = torch.randperm(NUM_PAGES, generator=torch.Generator().manual_seed(seed))
     width = max(pages_for(n, PAGE) for n in lens)
@@ -31,7 +34,7 @@ def _tables(lens: list[int], seed: int) -> torch.Tensor:
         k = pages_for(n, PAGE)
         table[i, :k] = order[used : used + k]
         used += k
-    return table
+    return table.to(device)
 
 
 def _reference(
@@ -42,8 +45,8 @@ def _reference(
     values = v_cache[pages.long()].flatten(0, 1)[:n].float()
     values = values.repeat_interleave(HEADS // KV_HEADS, 1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * DIM**-0.5
-    rows = q.shape[0]
-    causal = torch.arange(n)[None, :] <= torch.arange(n - rows, n)[:, None]
+    rows, at = q.shape[0], q.device
+    causal = torch.arange(n, device=at)[None, :] <= torch.arange(n - rows, n, device=at)[:, None]
     weights = scores.masked_fill(~causal, float("-inf")).softmax(-1)
     return torch.einsum("hqk,khd->qhd", weights, values)
 
@@ -54,15 +57,16 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("partition", [32, 128], ids=["split", "one-partition"])
 def test_paged_decode_matches_reference_on_a_ragged_batch(
-    dtype: torch.dtype, partition: int
+    dtype: torch.dtype, partition: int, kernel_device: torch.device
 ) -> None:
     lens = [1, 17, 70, 16, 100]  # one token, page edges, several partitions
-    k_cache, v_cache = _cache(dtype, 0)
-    table = _tables(lens, 1)
-    q = torch.randn(len(lens), HEADS, DIM, generator=torch.Generator().manual_seed(2)).to(dtype)
+    k_cache, v_cache = _cache(dtype, 0, kernel_device)
+    table = _tables(lens, 1, kernel_device)
+    q = torch.randn(len(lens), HEADS, DIM, generator=torch.Generator().manual_seed(2))
+    q = q.to(kernel_device, dtype)
     splits = -(-max(lens) // partition)
     out = torch.empty_like(q)
-    lens_t = torch.tensor(lens, dtype=torch.int32)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=kernel_device)
     paged_kernels.paged_decode(q, k_cache, v_cache, table, lens_t, splits, partition, out, 16)
     assert out.dtype == dtype and out.shape == q.shape
     for i, n in enumerate(lens):
@@ -70,38 +74,41 @@ def test_paged_decode_matches_reference_on_a_ragged_batch(
         assert (out[i].float() - ref).abs().max().item() < TOLERANCE[dtype], f"row {i}"
 
 
-def test_paged_decode_of_an_empty_context_is_zero() -> None:
-    k_cache, v_cache = _cache(torch.float32, 0)
-    q = torch.randn(2, HEADS, DIM)
-    lens = torch.tensor([0, 5], dtype=torch.int32)
+def test_paged_decode_of_an_empty_context_is_zero(kernel_device: torch.device) -> None:
+    k_cache, v_cache = _cache(torch.float32, 0, kernel_device)
+    q = torch.randn(2, HEADS, DIM, device=kernel_device)
+    lens = torch.tensor([0, 5], dtype=torch.int32, device=kernel_device)
     out = torch.full_like(q, float("nan"))
-    paged_kernels.paged_decode(q, k_cache, v_cache, _tables([1, 5], 3), lens, 2, 32, out, 16)
-    assert torch.equal(out[0], torch.zeros(HEADS, DIM))
+    table = _tables([1, 5], 3, kernel_device)
+    paged_kernels.paged_decode(q, k_cache, v_cache, table, lens, 2, 32, out, 16)
+    assert not out[0].any()
     assert out[1].isfinite().all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_prefill_matches_reference_for_fresh_prefix_hit_and_later_chunks(
-    dtype: torch.dtype,
+    dtype: torch.dtype, kernel_device: torch.device
 ) -> None:
     # (new tokens, context): a fresh prompt, a prefix hit of two pages, a later chunk that
     # starts mid-page, a one-token chunk after a long context.
     chunks = [(20, 20), (9, 41), (30, 53), (1, 75)]
     lens = [c for _, c in chunks]
-    k_cache, v_cache = _cache(dtype, 4)
-    table = _tables(lens, 5)
+    k_cache, v_cache = _cache(dtype, 4, kernel_device)
+    table = _tables(lens, 5, kernel_device)
     starts = [0]
     for n, _ in chunks:
         starts.append(starts[-1] + n)
-    q = torch.randn(starts[-1], HEADS, DIM, generator=torch.Generator().manual_seed(6)).to(dtype)
+    q = torch.randn(starts[-1], HEADS, DIM, generator=torch.Generator().manual_seed(6))
+    q = q.to(kernel_device, dtype)
     out = torch.empty_like(q)
+    ints = lambda xs: torch.tensor(xs, dtype=torch.int32, device=kernel_device)
     paged_kernels.paged_prefill(
         q,
         k_cache,
         v_cache,
         table,
-        torch.tensor(lens, dtype=torch.int32),
-        torch.tensor(starts, dtype=torch.int32),
+        ints(lens),
+        ints(starts),
         max(n for n, _ in chunks),
         out,
         16,
@@ -114,15 +121,18 @@ def test_paged_prefill_matches_reference_for_fresh_prefix_hit_and_later_chunks(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_store_kv_writes_each_token_to_its_slot_and_skips_padding(dtype: torch.dtype) -> None:
-    k_cache, v_cache = torch.zeros(2, 4, PAGE, KV_HEADS, DIM, dtype=dtype).unbind()
-    qkv = torch.randn(3, (HEADS + 2 * KV_HEADS) * DIM).to(dtype)  # k, v: strided, as the model
+def test_store_kv_writes_each_token_to_its_slot_and_skips_padding(
+    dtype: torch.dtype, kernel_device: torch.device
+) -> None:
+    caches = torch.zeros(2, 4, PAGE, KV_HEADS, DIM, dtype=dtype, device=kernel_device)
+    k_cache, v_cache = caches.unbind()
+    qkv = torch.randn(3, (HEADS + 2 * KV_HEADS) * DIM).to(kernel_device, dtype)  # k, v: strided
     k = qkv[:, HEADS * DIM : (HEADS + KV_HEADS) * DIM].view(3, KV_HEADS, DIM)
     v = qkv[:, (HEADS + KV_HEADS) * DIM :].view(3, KV_HEADS, DIM)
-    slots = torch.tensor([37, -1, 5], dtype=torch.int32)  # the middle row is padding
+    slots = torch.tensor([37, -1, 5], dtype=torch.int32, device=kernel_device)  # -1: padding
     paged_kernels.store_kv(k, v, k_cache, v_cache, slots)
     flat_k, flat_v = k_cache.view(-1, KV_HEADS, DIM), v_cache.view(-1, KV_HEADS, DIM)
     assert torch.equal(flat_k[37], k[0]) and torch.equal(flat_v[5], v[2])
-    written = torch.zeros(flat_k.shape[0], dtype=torch.bool)
+    written = torch.zeros(flat_k.shape[0], dtype=torch.bool, device=kernel_device)
     written[[37, 5]] = True
     assert not flat_k[~written].any() and not flat_v[~written].any()

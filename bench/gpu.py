@@ -116,7 +116,7 @@ class Rig:
         # Room for the largest decode batch, or for the one long prefill.
         pages = max(max_seqs * pages_for(decode_len, PAGE), pages_for(sizes.prefill, PAGE))
         self.cache = KVCache(self.layout, pages, device)
-        backend = resolve_backend("auto", device) if device.type == "cuda" else "triton"
+        backend = resolve_backend("auto", device, "bfloat16") if device.type == "cuda" else "triton"
         self.runner = build_runner(self.model, self.cache, backend, max_seqs, decode_len, device)
 
     def sequences(self, batch: int, context: int) -> list[Any]:
@@ -242,7 +242,7 @@ def greedy_agreement(device: torch.device, tokens: int) -> dict[str, Any]:
 
     prompts = ["The capital of France is", "def fibonacci(n):\n    "]
     backend = "auto" if device.type == "cuda" else "triton"
-    small = EngineConfig(kv_cache_gb=0.1, max_model_len=512)
+    small = EngineConfig(dtype="float32", kv_cache_gb=0.1, max_model_len=512)
     gpu = LLMEngine(replace(small, device=device.type, attention_backend=backend))
     cpu = LLMEngine(replace(small, device="cpu"))
     greedy = SamplingParams(max_tokens=tokens)

@@ -17,7 +17,7 @@ class ConfigError(ValueError):
 
 T = TypeVar("T")
 
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("none", "int8", "int4", "gguf")  # cluster/engine/quantization.py
 ATTENTION_BACKENDS = ("auto", "cpu", "triton", "flashinfer")  # cluster/engine/attention.py
@@ -28,7 +28,7 @@ class EngineConfig:
     """Everything one engine needs. `model` None means the bundled SmolLM2-135M-Instruct."""
 
     model: str | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU (cluster/engine/engine.py)
     quantization: str = "none"  # weights: none | int8 | int4 | gguf (the file's own blocks)
     device: str = "auto"
     attention_backend: str = "auto"  # cpu on CPU; CUDA: flashinfer if installed, else triton
@@ -365,6 +365,14 @@ class ServeConfig:
                 f"prefill.engine.{name}",
                 f"must equal decode.engine.{name} ({theirs!r}), got {ours!r}",
             )
+        # auto resolves per device, so two pools on different devices would hold different KV.
+        devices = self.prefill.engine.device, self.decode.engine.device
+        _check(
+            self.decode.engine.dtype != "auto" or devices[0] == devices[1],
+            "prefill.engine.dtype",
+            f"auto resolves per device: with prefill.engine.device {devices[0]!r} and "
+            f"decode.engine.device {devices[1]!r}, name the dtype (float32 or bfloat16)",
+        )
 
 
 def _is_number(value: object) -> bool:

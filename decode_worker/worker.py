@@ -69,7 +69,9 @@ class DecodeWorker:
         self.engine = LLMEngine(engine)
         self.epoch = uuid.uuid4().hex[:12]
         self.transfer = transfer
-        compat = compat_hash(self.engine.spec, engine.dtype, engine.page_size, engine.quantization)
+        compat = compat_hash(
+            self.engine.spec, self.engine.dtype, engine.page_size, engine.quantization
+        )
         self.endpoint = KVEndpoint(
             name,
             self.engine.cache,

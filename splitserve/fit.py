@@ -11,13 +11,14 @@ before it allocates its KV cache, and its ConfigError ends `serve`.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
 
 from cluster.config import ConfigError, EngineConfig, ServeConfig
 from cluster.engine.checkpoint import ModelSpec, read_spec
-from cluster.engine.engine import pick_device
+from cluster.engine.engine import pick_device, pick_dtype
 from cluster.engine.memory import device_memory, fits
 from cluster.engine.model_files import bundled_model_path
 from splitserve.capacity import BITS, weight_bytes
@@ -47,7 +48,8 @@ def check_fit(config: ServeConfig) -> None:
         if device.type == "cuda" and not torch.cuda.is_available():
             continue  # the workers fail on their own, saying so
         kv_bytes = engine.kv_cache_gb * 2**30
-        weights = engine_weight_bytes(spec, engine, path)
+        resolved = dataclasses.replace(engine, dtype=pick_dtype(engine.dtype, device))
+        weights = engine_weight_bytes(spec, resolved, path)
         too_big = fits(weights, kv_bytes, device_memory(device))
         if too_big:
             raise ConfigError(f"{phase}.engine.kv_cache_gb: one {phase} worker: {too_big}")

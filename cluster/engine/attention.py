@@ -61,14 +61,15 @@ class AttentionBackend(Protocol):
         ...
 
 
-def resolve_backend(name: str, device: torch.device) -> str:
-    """The backend `engine.attention_backend: name` means on `device`; ConfigError when
-    it cannot run there. auto: cpu on CPU; on CUDA FlashInfer if installed, else triton."""
+def resolve_backend(name: str, device: torch.device, dtype: str) -> str:
+    """The backend `engine.attention_backend: name` means on `device` at `dtype` (resolved,
+    not auto); ConfigError when it cannot run there. auto: cpu on CPU; on CUDA FlashInfer
+    if installed and the dtype is bfloat16 (it has no float32 kernels), else triton."""
     has = lambda module: importlib.util.find_spec(module) is not None
     if name == "auto":
         if device.type == "cpu":
             return "cpu"
-        return "flashinfer" if has("flashinfer") else "triton"
+        return "flashinfer" if has("flashinfer") and dtype == "bfloat16" else "triton"
     if name == "triton" and not has("triton"):
         raise ConfigError("attention_backend: triton is not installed (pip install triton)")
     if name == "flashinfer" and (device.type != "cuda" or not has("flashinfer")):
@@ -77,6 +78,8 @@ def resolve_backend(name: str, device: torch.device) -> str:
             f"device is {device.type}, flashinfer {'is' if has('flashinfer') else 'is not'} "
             f"installed"
         )
+    if name == "flashinfer" and dtype != "bfloat16":
+        raise ConfigError(f"attention_backend: flashinfer has no {dtype} kernels; use bfloat16")
     if name == "cpu" and device.type != "cpu":
         raise ConfigError(f"attention_backend: cpu runs on the CPU only, not {device.type}")
     return name

@@ -71,6 +71,16 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def pick_dtype(name: str, device: torch.device) -> str:
+    """The dtype `engine.dtype: name` means on `device`. auto: bfloat16 on CUDA (half the
+    weight bytes, tensor cores); float32 on the CPU, exact (the tests compare its tokens
+    with transformers'). Every user of an engine's dtype (its KV layout, the compatibility
+    hash, the fit check) reads this resolved name, never "auto"."""
+    if name != "auto":
+        return name
+    return "bfloat16" if device.type == "cuda" else "float32"
+
+
 @dataclass(frozen=True)
 class Reservation:
     """Pages held for a request whose prompt KV is written from elsewhere (page table order)."""
@@ -99,8 +109,9 @@ class LLMEngine:
         path = Path(config.model) if config.model else bundled_model_path()
         self.model_id = path.name if path.is_dir() else path.stem
         self.device = pick_device(config.device)
-        dtype = getattr(torch, config.dtype)
-        backend = resolve_backend(config.attention_backend, self.device)
+        self.dtype = pick_dtype(config.dtype, self.device)
+        dtype = getattr(torch, self.dtype)
+        backend = resolve_backend(config.attention_backend, self.device, self.dtype)
         started = time.perf_counter()
         self.spec, self.model = _load_model(path, config.quantization, dtype, self.device)
         self.tokenizer = Tokenizer.load(path)
@@ -131,7 +142,7 @@ class LLMEngine:
             "loaded %s (%s, quantization %s, %s, %s attention%s) in %.1fs: weights %.1f MiB "
             "resident",
             self.spec.name,
-            config.dtype,
+            self.dtype,
             config.quantization,
             self.device,
             backend,

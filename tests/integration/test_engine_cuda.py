@@ -1,4 +1,5 @@
-"""The same engine code on CUDA: greedy tokens equal the CPU engine's (runs where a GPU is)."""
+"""The same engine code on CUDA (runs where a GPU is): in float32 its greedy tokens equal
+the CPU engine's; by default it runs bfloat16."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from tests.helpers import assert_no_leak
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_greedy_matches_cpu(engine: LLMEngine, prompts: list[list[int]]):
-    gpu = LLMEngine(EngineConfig(device="cuda", kv_cache_gb=0.5))
+    gpu = LLMEngine(EngineConfig(dtype="float32", device="cuda", kv_cache_gb=0.5))
     greedy = SamplingParams(max_tokens=16)
     assert [c.token_ids for c in gpu.generate(prompts, greedy)] == [
         c.token_ids for c in engine.generate(prompts, greedy)
@@ -21,4 +22,13 @@ def test_cuda_greedy_matches_cpu(engine: LLMEngine, prompts: list[list[int]]):
     seeded = SamplingParams(max_tokens=16, temperature=0.8, seed=3)
     alone = gpu.generate([prompts[0]], seeded)[0].token_ids
     assert gpu.generate([prompts[1], prompts[0]], seeded)[1].token_ids == alone
+    assert_no_leak(gpu)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_runs_bfloat16_by_default(prompts: list[list[int]]):
+    gpu = LLMEngine(EngineConfig(device="cuda", kv_cache_gb=0.5))
+    assert gpu.dtype == "bfloat16" and gpu.cache.k.dtype == torch.bfloat16
+    [out] = gpu.generate([prompts[0]], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert len(out.token_ids) == 8
     assert_no_leak(gpu)

@@ -34,6 +34,7 @@ def test_triton_backend_greedy_tokens_equal_the_cpu_backend(
 ) -> None:
     cpu = make_engine("cpu-small", **ENGINE)
     assert triton_engine.runner.attention.name == "triton"
+    assert triton_engine.dtype == "float32"  # auto on the CPU: exact, as transformers
     assert cpu.runner.attention.name == "cpu"
     tok = cpu.tokenizer
     story = tok.encode("Once upon a time, in a small village by the sea, there lived an old")
@@ -90,7 +91,8 @@ def test_attention_backend_is_validated_naming_the_field() -> None:
 def test_cuda_graph_decode_matches_the_cpu_engine(
     engine: LLMEngine, prompts: list[list[int]]
 ) -> None:
-    gpu = LLMEngine(EngineConfig(device="cuda", attention_backend="triton", kv_cache_gb=0.5))
+    config = EngineConfig(dtype="float32", device="cuda", attention_backend="triton")
+    gpu = LLMEngine(replace(config, kv_cache_gb=0.5))
     assert gpu.runner.graphs is not None
     greedy = SamplingParams(max_tokens=16)
     with counting() as budget:

@@ -1,8 +1,10 @@
 """Attention: the bfloat16 CPU decode path (two matmuls) agrees with SDPA in float32, and
-prefills run SDPA's fused kernel on the engine's own shapes and match a reference."""
+prefills run SDPA's fused kernel on the engine's own shapes and match a reference. The
+backend and dtype an engine resolves `auto` to, per device."""
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import pytest
@@ -10,13 +12,45 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
+from cluster.config import ConfigError
+from cluster.engine.attention import resolve_backend
 from cluster.engine.attention_cpu import (
     CpuMetadata,
     PrefillChunk,
     _decode_attention,
     paged_attention,
 )
+from cluster.engine.engine import pick_dtype
 from cluster.engine.page_pool import pages_for
+
+CUDA, CPU = torch.device("cuda"), torch.device("cpu")
+
+
+def test_auto_dtype_is_bfloat16_on_cuda_and_float32_on_the_cpu() -> None:
+    assert pick_dtype("auto", CUDA) == "bfloat16"
+    assert pick_dtype("auto", CPU) == "float32"
+    assert pick_dtype("float32", CUDA) == "float32"
+    assert pick_dtype("bfloat16", CPU) == "bfloat16"
+
+
+@pytest.fixture
+def flashinfer_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """find_spec answers for flashinfer as on a GPU host that has it (it builds for CUDA only)."""
+    find_spec = importlib.util.find_spec
+    installed = lambda name, *args: (
+        find_spec("torch") if name == "flashinfer" else find_spec(name, *args)
+    )
+    monkeypatch.setattr(importlib.util, "find_spec", installed)
+
+
+def test_auto_backend_takes_flashinfer_only_where_it_has_kernels_for_the_dtype(
+    flashinfer_installed: None,
+) -> None:
+    assert resolve_backend("auto", CUDA, "bfloat16") == "flashinfer"
+    assert resolve_backend("auto", CUDA, "float32") == "triton"  # FlashInfer: no fp32 kernels
+    assert resolve_backend("auto", CPU, "bfloat16") == "cpu"
+    with pytest.raises(ConfigError, match="attention_backend: flashinfer has no float32 kernels"):
+        resolve_backend("flashinfer", CUDA, "float32")
 
 
 def test_bfloat16_decode_attention_matches_float32_sdpa() -> None:

@@ -21,7 +21,7 @@ from cluster.config import (
 
 def test_the_defaults_are_valid() -> None:
     config = EngineConfig()
-    assert (config.dtype, config.device, config.page_size) == ("float32", "auto", 16)
+    assert (config.dtype, config.device, config.page_size) == ("auto", "auto", 16)
 
 
 @pytest.mark.parametrize(
@@ -154,6 +154,12 @@ def test_a_pool_without_autoscale_keeps_its_replicas_and_one_with_it_moves_in_bo
     assert config.decode.scaling == ScalingConfig(max_replicas=3)
 
 
+def test_pools_on_different_devices_may_share_a_named_dtype() -> None:
+    engine = {"dtype": "float32"}
+    config = serve_config_from_dict({"engine": engine, "prefill": {"engine": {"device": "cpu"}}})
+    assert (config.prefill.engine.device, config.decode.engine.device) == ("cpu", "auto")
+
+
 def test_a_prefill_pool_of_zero_is_colocated_serving() -> None:
     config = serve_config_from_dict({"prefill": {"replicas": 0}})
     assert (config.prefill.scaling.min_replicas, config.prefill.scaling.max_replicas) == (0, 0)
@@ -192,7 +198,12 @@ def test_pool_engines_override_the_shared_engine_field_by_field() -> None:
         ),
         (
             {"prefill": {"engine": {"dtype": "bfloat16"}}},
-            "config.prefill.engine.dtype: must equal decode.engine.dtype ('float32')",
+            "config.prefill.engine.dtype: must equal decode.engine.dtype ('auto')",
+        ),
+        (
+            {"prefill": {"engine": {"device": "cpu"}}},
+            "config.prefill.engine.dtype: auto resolves per device: with prefill.engine.device "
+            "'cpu' and decode.engine.device 'auto', name the dtype",
         ),
         ({"engine": {"page_size": 0}}, "prefill.engine.page_size: must be an integer >= 1"),
         ({"router": {"policy": "random"}}, "router.policy: must be one of"),

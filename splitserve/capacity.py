@@ -113,7 +113,7 @@ def decode_bound(
         read,
         flops,
         read / (hw.bandwidth_gb_s * 1e9),
-        flops / (hw.bf16_tflops * 1e12),
+        flops / (hw.tflops * 1e12),
     )
 
 

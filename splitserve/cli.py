@@ -26,6 +26,7 @@ from cluster.config import (
     load_engine_config,
     load_serve_config,
 )
+from cluster.engine.cpu_isa import fast_dtype
 from cluster.engine.model_files import ModelLoadError
 from cluster.types import InvalidRequestError, SamplingParams
 
@@ -159,7 +160,7 @@ def _plan(args: argparse.Namespace) -> int:
         return _calibrate(args)
     spec = ARCHITECTURES.get(args.model) or read_spec(args.model)
     if args.hardware == "this" or args.measure:
-        hw = measure(refresh=args.measure)
+        hw = measure(args.measure_budget_s, refresh=args.measure)
     elif args.hardware in GPUS:
         hw = GPUS[args.hardware]
     else:
@@ -193,8 +194,15 @@ def _calibrate(args: argparse.Namespace) -> int:
         )
     model = None if args.model in ARCHITECTURES else args.model
     engine = load_engine_config(args.config) if args.config else EngineConfig()
-    engine = dataclasses.replace(engine, model=model, dtype=args.dtype, threads=args.threads)
-    cost = calibrate(engine)
+    dtype = fast_dtype("cpu") if args.dtype == "auto" else args.dtype
+    engine = dataclasses.replace(engine, model=model, dtype=dtype, threads=args.threads)
+    cost, run = calibrate(engine, args.budget_s)
+    if len(run.samples) < run.points:
+        print(
+            f"calibrate: stopped at the {args.budget_s:g} s budget after {len(run.samples)} "
+            f"of {run.points} points; the fit uses those",
+            file=sys.stderr,
+        )
     out = Path(args.out) if args.out else default_path()
     cost.save(out)
     print(f"{cost}\nwritten to {out}")
@@ -272,6 +280,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--hardware", default="A100", help="A100, H100, H200, L40S, B200, ... or this"
     )
     plan.add_argument("--measure", action="store_true", help="measure this machine (re-cache)")
+    plan.add_argument(
+        "--measure-budget-s",
+        type=float,
+        default=20.0,
+        help="seconds --measure may take (default %(default)g): bandwidth, then matmuls in "
+        "this CPU's fast dtype; it stops there with what it has and says so",
+    )
     plan.add_argument("--kv-cache-gb", type=float, default=40.0)
     plan.add_argument("--kv-dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
     plan.add_argument("--page-size", type=int, default=16)
@@ -297,7 +312,19 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--efficiency", type=float, default=0.5, help="of the roofline reached")
     sim.add_argument("--link-gb-s", type=float, default=25.0, help="KV transfer, per prefill")
     cal = plan.add_argument_group("calibrate (times the real engine here)")
-    cal.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    cal.add_argument(
+        "--dtype",
+        choices=["auto", *DTYPES],
+        default="auto",
+        help="auto: bfloat16 where this CPU has native bf16 (AVX512_BF16, AMX), else float32",
+    )
+    cal.add_argument(
+        "--budget-s",
+        type=float,
+        default=120.0,
+        help="seconds calibrate may take, the engine's start included (default "
+        "%(default)g); no grid point starts past it, and the fit uses what was timed",
+    )
     cal.add_argument("--threads", type=int, default=None)
     cal.add_argument("--out", default=None, help="default: ~/.cache/splitserve/step-cost.json")
     plan.set_defaults(func=_plan)

@@ -31,6 +31,7 @@ from splitserve.step_cost import Linear, Roofline, StepCost
 
 WEIGHTS = (("bf16", 16.0), ("int8", 8.0), ("int4", 4.0))
 KV_GB = (1, 10, 20, 40, 80)
+SHORT_DTYPE = {"bfloat16": "bf16", "float32": "fp32"}
 
 
 def report(
@@ -49,7 +50,8 @@ def report(
         f"{name}: {num_params(spec) / 1e9:.3g}B parameters; {spec.num_layers} layers, "
         f"{spec.num_kv_heads} KV heads of {spec.head_dim}",
         f"hardware {hw.name}: {hw.memory_gb:.0f} GB, {hw.bandwidth_gb_s:.0f} GB/s, "
-        f"{hw.bf16_tflops:.3g} bf16 TFLOP/s (ridge {hw.ridge_flop_per_byte:.0f} FLOP/byte)",
+        f"{hw.tflops:.3g} {SHORT_DTYPE[hw.compute_dtype]} TFLOP/s "
+        f"(ridge {hw.ridge_flop_per_byte:.0f} FLOP/byte)",
         "",
         "weights: "
         + ", ".join(f"{w} {weight_bytes(spec, bits) / 1e9:.3g} GB" for w, bits in WEIGHTS),

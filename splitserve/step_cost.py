@@ -63,7 +63,7 @@ class Roofline:
         s = self.spec
         flops = 2 * num_params(s) * new_tokens + 4 * s.num_layers * s.num_heads * s.head_dim * pairs
         memory = read / (self.hw.bandwidth_gb_s * 1e9)
-        compute = flops / (self.hw.bf16_tflops * 1e12)
+        compute = flops / (self.hw.tflops * 1e12)
         return np.maximum(memory, compute) / self.efficiency
 
     def seconds(self, contexts: Sequence[int], prefills: Sequence[Prefill]) -> float:

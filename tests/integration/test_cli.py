@@ -7,8 +7,10 @@ import sys
 from pathlib import Path
 
 from cluster.config import EngineConfig
+from cluster.engine.cpu_isa import fast_dtype
 from cluster.engine.engine import LLMEngine
 from cluster.types import SamplingParams
+from splitserve.plan import SHORT_DTYPE
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -35,11 +37,11 @@ def test_bad_field_exits_2_naming_it():
 
 
 def test_generate_serves_the_gguf_files_own_blocks() -> None:
-    engine = LLMEngine(EngineConfig(quantization="gguf", dtype="bfloat16", kv_cache_gb=0.05))
+    engine = LLMEngine(EngineConfig(quantization="gguf", dtype="float32", kv_cache_gb=0.05))
     expected = engine.generate(["The capital of France is"], SamplingParams(max_tokens=8))
     done = _run(
         "generate", "The capital of France is", "--max-tokens", "8", "--quantization", "gguf",
-        "--dtype", "bfloat16", "--kv-cache-gb", "0.05",
+        "--dtype", "float32", "--kv-cache-gb", "0.05",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout == expected[0].text + "\n"
@@ -59,12 +61,13 @@ def test_plan_capacity_reads_a_model_file_and_measures_this_machine(tmp_path: Pa
 
     done = subprocess.run(
         [sys.executable, "-m", "splitserve.cli", "plan", "capacity", "--model",
-         str(bundled_model_path()), "--hardware", "this", "--measure", "--kv-cache-gb", "1",
-         "--kv-dtype", "float32"],
+         str(bundled_model_path()), "--hardware", "this", "--measure", "--measure-budget-s",
+         "5", "--kv-cache-gb", "1", "--kv-dtype", "float32"],
         capture_output=True, text=True, timeout=300,
         env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "0.135B parameters" in done.stdout and "this machine" in done.stdout
+    assert f"{SHORT_DTYPE[fast_dtype('cpu')]} TFLOP/s" in done.stdout  # the fast dtype here
     assert "1 GiB holds 1456 pages = 23296 tokens" in done.stdout  # the engine's own figure
     assert (tmp_path / "splitserve" / "hardware.json").is_file()  # cached for next time

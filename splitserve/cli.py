@@ -314,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
     cal = plan.add_argument_group("calibrate (times the real engine here)")
     cal.add_argument(
         "--dtype",
-        choices=["auto", *DTYPES],
+        choices=DTYPES,
         default="auto",
         help="auto: bfloat16 where this CPU has native bf16 (AVX512_BF16, AMX), else float32",
     )

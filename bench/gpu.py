@@ -4,10 +4,10 @@ Prints, in one run (about 5 minutes on one H200):
 1. which attention kernel ran, and whether decode replays CUDA graphs;
 2. greedy tokens of the GPU engine against the CPU engine on the bundled model (float32);
 3. decode tok/s and its share of the HBM roofline (bytes of weights + KV read per step
-   over 4.8 TB/s) at batch 1, 8 and 64 with 2k-token contexts, on random weights in the
-   shapes of the bundled model and of Llama-3-8B (bfloat16);
-4. prefill TFLOP/s of an 8k-token prompt (matmuls and causal attention), against the
-   H200's dense bfloat16 peak;
+   over this GPU's published bandwidth) at batch 1, 8 and 64 with 2k-token contexts, on
+   random weights in the shapes of the bundled model and of Llama-3-8B (bfloat16);
+4. prefill TFLOP/s of an 8k-token prompt (matmuls and causal attention), against this
+   GPU's dense bfloat16 peak;
 5. host syncs, PyTorch ops, Triton launches and graph replays of one decode step;
 6. NIXL WRITE bandwidth between two processes' KV caches on the same GPU.
 
@@ -30,8 +30,29 @@ import torch
 
 RESULTS = Path(__file__).parent / "results"
 PAGE = 16  # tokens per KV page
-HBM_BYTES_S = 4.8e12  # H200
-DENSE_BF16_FLOPS = 989e12  # H200 SXM, dense
+
+
+@dataclass(frozen=True)
+class Peak:
+    """A GPU's published figures: HBM bandwidth and dense (not sparse) bfloat16 FLOP/s."""
+
+    name: str
+    memory_gb: float
+    bandwidth_gb_s: float
+    bf16_tflops: float
+
+
+# Matched by the words torch's device names contain (profile_of).
+PEAKS = (
+    Peak("H100 PCIe", 80, 2000, 756),
+    Peak("H100 NVL", 94, 3900, 835),
+    Peak("H100", 80, 3350, 989),
+    Peak("H200", 141, 4800, 989),
+    Peak("A100-40GB", 40, 1555, 312),
+    Peak("A100", 80, 2039, 312),
+    Peak("L40S", 48, 864, 362),
+    Peak("B200", 180, 8000, 2250),
+)
 
 
 @dataclass(frozen=True)
@@ -49,6 +70,23 @@ FULL = Sizes(("smollm2-135m", "llama-3-8b"), (1, 8, 64), 2048, 8192, 20, 16, 819
 DRY = Sizes(("tiny",), (1, 2), 48, 64, 2, 2, 256)
 
 
+def profile_of(device_name: str, memory_bytes: int) -> Peak | None:
+    """The published figures of the GPU torch names `device_name` with `memory_bytes` of
+    memory; None for one not known (no share is printed then)."""
+    base = lambda p: p.name.split("-")[0]  # "A100-40GB" is sold as an A100
+    named = [p for p in PEAKS if base(p) in device_name]
+    # The longest name that matches ("H100 PCIe" over "H100"), then the nearest memory.
+    fit = lambda p: (-len(base(p)), abs(p.memory_gb * 1e9 - memory_bytes))
+    return min(named, key=fit, default=None)
+
+
+def decode_bytes(spec: Any, weight_bytes: int, kv_bytes: int, item: int) -> int:
+    """Bytes one decode step reads: every weight, less an untied embedding table (the step
+    looks up one row a sequence; a tied one is read whole as the head), and the KV."""
+    embedding = 0 if spec.tie_embeddings else spec.vocab_size * spec.hidden_size * item
+    return weight_bytes - embedding + kv_bytes
+
+
 @dataclass(frozen=True)
 class Decode:
     model: str
@@ -56,14 +94,17 @@ class Decode:
     context: int
     step_s: float
     bytes_per_step: int
+    bandwidth_gb_s: float | None  # the device's published figure; None: not known
 
     @property
     def tokens_s(self) -> float:
         return self.batch / self.step_s
 
     @property
-    def roofline_share(self) -> float:
-        return self.bytes_per_step / HBM_BYTES_S / self.step_s
+    def roofline_share(self) -> float | None:
+        if self.bandwidth_gb_s is None:
+            return None
+        return self.bytes_per_step / (self.bandwidth_gb_s * 1e9) / self.step_s
 
 
 @dataclass(frozen=True)
@@ -72,10 +113,15 @@ class Prefill:
     tokens: int
     seconds: float
     flops: float
+    peak_tflops: float | None  # the device's dense bf16 figure; None: not known
 
     @property
     def tflops(self) -> float:
         return self.flops / self.seconds / 1e12
+
+    @property
+    def peak_share(self) -> float | None:
+        return None if self.peak_tflops is None else self.tflops / self.peak_tflops
 
 
 def spec_of(name: str) -> Any:
@@ -110,6 +156,11 @@ class Rig:
 
         dtype = torch.bfloat16
         self.spec, self.device = spec, device
+        self.profile = (
+            profile_of(torch.cuda.get_device_name(device), torch.cuda.mem_get_info(device)[1])
+            if device.type == "cuda"
+            else None
+        )
         self.model = LlamaModel(spec, random_weights(spec, dtype, device), dtype, device)
         self.layout = KVLayout.of(spec, PAGE, dtype)
         max_seqs, decode_len = max(sizes.batches), sizes.context + PAGE
@@ -199,11 +250,9 @@ def decode(rig: Rig, name: str, sizes: Sizes) -> list[Decode]:
         step()  # warm-up
         seconds = sorted(timed(step, rig.device) for _ in range(sizes.steps))
         kv = batch * sizes.context * rig.layout.bytes_per_token
-        out.append(
-            Decode(
-                name, batch, sizes.context, seconds[len(seconds) // 2], rig.model.weight_bytes + kv
-            )
-        )
+        read = decode_bytes(rig.spec, rig.model.weight_bytes, kv, rig.layout.dtype.itemsize)
+        bandwidth = rig.profile.bandwidth_gb_s if rig.profile else None
+        out.append(Decode(name, batch, sizes.context, seconds[len(seconds) // 2], read, bandwidth))
     return out
 
 
@@ -221,7 +270,8 @@ def prefill(rig: Rig, name: str, tokens: int) -> Prefill:
     vocab = s.vocab_size * s.hidden_size * (1 if s.tie_embeddings else 2)
     matmul = 2 * tokens * (rig.model.weight_bytes // 2 - vocab)
     attention = 2 * s.num_layers * s.num_heads * s.head_dim * tokens * tokens  # causal half
-    return Prefill(name, tokens, seconds, matmul + attention)
+    peak = rig.profile.bf16_tflops if rig.profile else None
+    return Prefill(name, tokens, seconds, matmul + attention, peak)
 
 
 def step_budget(rig: Rig, batch: int, context: int) -> dict[str, Any]:
@@ -272,6 +322,10 @@ def transfer(device: torch.device, tokens: int) -> float:
     return gbps
 
 
+def _percent(share: float | None) -> str:
+    return "n/a" if share is None else f"{share:.1%}"
+
+
 def report(results: dict[str, Any]) -> str:
     g = results["greedy"]
     dry = results["device"] == "cpu"
@@ -288,14 +342,14 @@ def report(results: dict[str, Any]) -> str:
     for d in results["decode"]:
         lines.append(
             f"{d['model']:<14}{d['batch']:>6}{d['context']:>8}{d['step_s'] * 1e3:>9.2f}"
-            f"{d['tokens_s']:>10.0f}{d['roofline_share'] * 100:>15.1f}%"
+            f"{d['tokens_s']:>10.0f}{_percent(d['roofline_share']):>16}"
         )
     lines.append("")
     for p in results["prefill"]:
         lines.append(
             f"prefill {p['model']} {p['tokens']} tokens: {p['seconds'] * 1e3:.1f} ms, "
             f"{p['tflops']:.1f} TFLOP/s "
-            f"({p['tflops'] * 1e12 / DENSE_BF16_FLOPS * 100:.1f}% of dense bf16 peak)"
+            f"({_percent(p['peak_share'])} of dense bf16 peak)"
         )
     for b in results["budget"]:
         lines.append(
@@ -334,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
             for d in decode(rig, name, sizes)
         ]
         p = prefill(rig, name, sizes.prefill)
-        results["prefill"].append({**asdict(p), "tflops": p.tflops})
+        results["prefill"].append({**asdict(p), "tflops": p.tflops, "peak_share": p.peak_share})
         results["budget"].append(
             {"model": name, **step_budget(rig, sizes.batches[-1], sizes.context)}
         )

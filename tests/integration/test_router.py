@@ -301,8 +301,10 @@ def test_cancelled_and_expired_streams_free_every_page(
 
     assert asyncio.run(cancel_after(2, "Tell me about the sea.")) == 2
     assert asyncio.run(cancel_after(1, _story("cancel", 20))) == 1  # remote prefill
+    # 4,000 tokens cannot come within the deadline on any CPU: each decode step of one
+    # stream reads the whole float32 model (540 MB), so 4,000 of them read 2 TB.
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        ask(address, "Tell me about mountains.", max_tokens=400, ignore_eos=True, timeout_s=0.5)
+        ask(address, "Tell me about mountains.", max_tokens=4000, ignore_eos=True, timeout_s=1)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     workers.assert_all_pages_free()
     assert all(r.app.router.pending == 0 for r in routers)
@@ -316,11 +318,11 @@ def test_past_max_pending_requests_are_refused_at_once(
     try:
         loop, busy = _hold_worker_busy(a.address)
         _until(a, lambda: a.app.router.pending == 1)  # the busy request holds the one slot
-        started = time.monotonic()
         with pytest.raises(grpc.aio.AioRpcError) as err:
             ask(a.address, "Hello there", max_tokens=4)
+        # Refused, not queued behind the busy request (which would have answered it).
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert time.monotonic() - started < 2
+        assert "max_pending" in (err.value.details() or "")
         assert busy.result(120).usage.completion_tokens == 120
         loop.call_soon_threadsafe(loop.stop)
     finally:

@@ -1,0 +1,227 @@
+"""The GPU path's first run (scripts/gpu-first-run): the checks that need a GPU, as steps.
+
+- `kernels`: the Triton kernels against float32 attention in bfloat16 and float32, GQA
+  groups of 4 and 3, and a cache of more than 2^31 elements; then split-K's cost per
+  split count (one Llama-3-8B layer, batch 64, 2k contexts).
+- `shapes`: Llama-3-8B shapes on random bfloat16 weights: decode at batch 1/8/64 against
+  the device's own bandwidth, 8k prefill against its bf16 peak, the host syncs of a decode
+  step (`torch.cuda.set_sync_debug_mode`), a profiler table of one batch-64 step, and NIXL
+  GPU-to-GPU GB/s when nixl is installed.
+
+Each prints its figures and "OK" or "WRONG" / "BELOW TARGET" per line. `--dry-run` runs the
+same code on the CPU at tiny sizes (Triton's interpreter): a check of the code, not a
+measurement; the timings and the > 2^31-element cache need a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+# Roofline targets of issue 27: decode's share of HBM bandwidth, prefill's of bf16 peak.
+TARGETS = {"decode batch 1": 0.7, "decode batch 64": 0.5, "prefill": 0.5}
+
+
+@dataclass(frozen=True)
+class Case:
+    dtype: torch.dtype
+    heads: int
+    kv_heads: int
+    head_dim: int
+    pages: int  # of 16 tokens: 140000 x 16 x 8 x 128 elements > 2^31
+
+
+GPU_CASES = (
+    Case(torch.bfloat16, 32, 8, 128, 140000),
+    Case(torch.bfloat16, 9, 3, 64, 4000),
+    Case(torch.float32, 9, 3, 64, 4000),
+)
+DRY_CASES = (Case(torch.bfloat16, 8, 2, 16, 40), Case(torch.float32, 6, 2, 16, 40))
+TOLERANCE = {torch.bfloat16: 3e-2, torch.float32: 1e-4}
+
+
+def reference(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor, n: int
+) -> torch.Tensor:
+    """Attention of q's rows, the last q.shape[0] of an n-token context, in float32 math."""
+    group = q.shape[1] // k_cache.shape[2]
+    k, v = (
+        c[pages].flatten(0, 1)[:n].float().repeat_interleave(group, 1) for c in (k_cache, v_cache)
+    )
+    s = torch.einsum("qhd,khd->hqk", q.float(), k) / math.sqrt(q.shape[2])
+    at = q.device
+    s = s.masked_fill(
+        torch.arange(n, device=at)[None] > torch.arange(n - len(q), n, device=at)[:, None],
+        -math.inf,
+    )
+    return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+
+
+def check_kernels(case: Case, lens: list[int], partition: int, block: int, dev: str) -> str:
+    """Decode and prefill of a ragged batch against `reference`: one line, OK or WRONG."""
+    from cluster.engine import paged_kernels as pk
+
+    dt, page = case.dtype, 16
+    k_cache = torch.randn(case.pages, page, case.kv_heads, case.head_dim, device=dev, dtype=dt)
+    v_cache = torch.randn_like(k_cache)
+    width, batch = -(-max(lens) // page), len(lens)
+    # Pages drawn from the whole cache: with 140000 pages some lie past 2^31 elements.
+    table = torch.randperm(case.pages, device=dev)[: batch * width].view(batch, width).int()
+    ints = lambda xs: torch.tensor(xs, device=dev, dtype=torch.int32)
+    q = torch.randn(batch, case.heads, case.head_dim, device=dev, dtype=dt)
+    out = torch.empty_like(q)
+    splits = -(-max(lens) // partition)
+    pk.paged_decode(q, k_cache, v_cache, table, ints(lens), splits, partition, out, block)
+    decode_err = max(
+        (out[i].float() - reference(q[i : i + 1], k_cache, v_cache, table[i].long(), n)[0])
+        .abs()
+        .max()
+        .item()
+        for i, n in enumerate(lens)
+    )
+    chunks = [min(n, 100) for n in lens]
+    starts = [0, *[sum(chunks[: i + 1]) for i in range(batch)]]
+    qp = torch.randn(starts[-1], case.heads, case.head_dim, device=dev, dtype=dt)
+    op = torch.empty_like(qp)
+    pk.paged_prefill(
+        qp, k_cache, v_cache, table, ints(lens), ints(starts), max(chunks), op, block, block
+    )
+    prefill_err = max(
+        (
+            op[starts[i] : starts[i + 1]].float()
+            - reference(qp[starts[i] : starts[i + 1]], k_cache, v_cache, table[i].long(), n)
+        )
+        .abs()
+        .max()
+        .item()
+        for i, n in enumerate(lens)
+    )
+    elements = k_cache.numel()
+    ok = max(decode_err, prefill_err) < TOLERANCE[dt]
+    return (
+        f"{str(dt).removeprefix('torch.')} H{case.heads}/KV{case.kv_heads} D{case.head_dim}, "
+        f"cache {elements:.2e} elements{' (> 2^31)' if elements > 2**31 else ''}: "
+        f"decode err {decode_err:.1e}, prefill err {prefill_err:.1e} {'OK' if ok else 'WRONG'}"
+    )
+
+
+def split_cost(dev: str) -> list[str]:
+    """paged_decode's time per layer at 9 (eager), 32 and 512 (a 131072-token graph) splits."""
+    from cluster.engine import paged_kernels as pk
+
+    batch, n, heads, kv_heads, dim = 64, 2048, 32, 8, 128
+    kc = torch.randn(batch * 128, 16, kv_heads, dim, device=dev, dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    table = torch.arange(batch * 128, device=dev, dtype=torch.int32).view(batch, 128)
+    lens = torch.full((batch,), n, device=dev, dtype=torch.int32)
+    q = torch.randn(batch, heads, dim, device=dev, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    lines = []
+    for splits in (9, 32, 512):
+        run = lambda s=splits: pk.paged_decode(q, kc, vc, table, lens, s, 256, out)
+        ms = cuda_ms(run, 20)
+        gb_s = 2 * batch * n * kv_heads * dim * 2 / ms / 1e6
+        lines.append(
+            f"paged_decode B{batch} ctx{n} splits {splits}: {ms * 1e3:.0f} us/layer, "
+            f"KV {gb_s:.0f} GB/s"
+        )
+    return lines
+
+
+def cuda_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def kernels(dry: bool) -> list[str]:
+    torch.manual_seed(0)
+    if dry:
+        return [check_kernels(c, [1, 17, 40], 32, 16, "cpu") for c in DRY_CASES]
+    lines = [
+        check_kernels(c, [1, 17, 255, 256, 257, 1000, 4097], 256, 64, "cuda") for c in GPU_CASES
+    ]
+    torch.cuda.empty_cache()
+    return lines + split_cost("cuda")
+
+
+def verdict(share: float | None, target: float) -> str:
+    if share is None:
+        return "(no published figure for this device)"
+    return f"{share:.0%} (target {target:.0%}) {'OK' if share >= target else 'BELOW TARGET'}"
+
+
+def shapes(dry: bool) -> list[str]:
+    from bench import gpu as g
+
+    dev = torch.device("cpu" if dry else "cuda")
+    if dry:
+        sizes = g.Sizes(("tiny",), (1, 2), 32, 32, 1, 0, 0)
+    else:
+        sizes = g.Sizes(("llama-3-8b",), (1, 8, 64), 2048, 8192, 10, 0, 0)
+    (name,) = sizes.models
+    rig = g.Rig(g.spec_of(name), dev, sizes)
+    lines = [
+        f"attention {rig.runner.attention.name} | CUDA graphs {rig.runner.graphs is not None} "
+        f"| weights {rig.model.weight_bytes / 1e9:.2f} GB | device figures {rig.profile}"
+    ]
+    for d in g.decode(rig, name, sizes):
+        target = TARGETS.get(f"decode batch {d.batch}")
+        share = "" if target is None else ": " + verdict(d.roofline_share, target)
+        lines.append(
+            f"decode B{d.batch}: {d.step_s * 1e3:.2f} ms/step, {d.tokens_s:.0f} tok/s{share}"
+        )
+    p = g.prefill(rig, name, sizes.prefill)
+    lines.append(
+        f"prefill {p.tokens}: {p.seconds * 1e3:.0f} ms, {p.tflops:.1f} TFLOP/s: "
+        + verdict(p.peak_share, TARGETS["prefill"])
+    )
+    batch = sizes.batches[-1]
+    seqs = rig.sequences(batch, sizes.context)
+    rig.decode_step(seqs)
+    if not dry:  # each host sync of the step warns, naming the op
+        torch.cuda.set_sync_debug_mode("warn")
+        rig.decode_step(seqs)
+        torch.cuda.set_sync_debug_mode(0)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if not dry:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        rig.decode_step(seqs)
+    sort = "cpu_time_total" if dry else "device_time_total"
+    lines.append(
+        f"one decode step at batch {batch}:\n"
+        + prof.key_averages().table(sort_by=sort, row_limit=25)
+    )
+    if dry:  # two more processes; `bench gpu --dry-run` checks this code on the CPU
+        lines.append("NIXL: skipped in a dry run")
+    elif importlib.util.find_spec("nixl") is None:
+        lines.append("NIXL: not installed here (carry its wheel in .whl/): GPU-to-GPU GB/s skipped")
+    else:
+        gb_s = g.transfer(dev, 256 if dry else 8192)
+        lines.append(f"NIXL WRITE, two processes, one {dev.type}: {gb_s:.1f} GB/s")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.first_run", description=__doc__)
+    parser.add_argument("step", choices=["kernels", "shapes"])
+    parser.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU")
+    args = parser.parse_args(argv)
+    lines = kernels(args.dry_run) if args.step == "kernels" else shapes(args.dry_run)
+    print("\n".join(lines), flush=True)
+    return 1 if any("WRONG" in line for line in lines) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

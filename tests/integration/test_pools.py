@@ -12,6 +12,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -138,8 +139,9 @@ def test_a_burst_of_long_prompts_grows_the_prefill_pool_and_idleness_shrinks_it(
 def test_a_drained_decode_worker_finishes_its_streams_or_moves_them_past_the_deadline(
     ray_workers: Any,
 ) -> None:
+    # A deadline no stream here comes near: the drained worker's streams finish there.
     scaling = ScalingConfig(
-        min_replicas=1, max_replicas=3, up_ticks=NEVER, down_ticks=NEVER, drain_timeout_s=6
+        min_replicas=1, max_replicas=3, up_ticks=NEVER, down_ticks=NEVER, drain_timeout_s=300
     )
     config = ServeConfig(
         prefill=PoolConfig(num_cpus=0, engine=ENGINE),
@@ -164,17 +166,16 @@ def test_a_drained_decode_worker_finishes_its_streams_or_moves_them_past_the_dea
         wait_until(lambda: _dead(drained), "the drained worker's actor to exit", 30)
         assert ask(h.address, "Hello", max_tokens=2).decode_worker == "drain-decode-0"
 
-        # Past drain_timeout_s the stream still running there moves to drain-decode-0 and
-        # ends there with the tokens it would have had.
+        # Past drain_timeout_s (now 10 ms: at once) the stream still running there moves to
+        # drain-decode-0 and ends there with the tokens it would have had.
+        pool.config = replace(pool.config, autoscale=replace(scaling, drain_timeout_s=0.01))
         assert h.call(pool.grow(registry), 300) == "drain-decode-2"
         requests = _Requests(h.address)
         for i in range(2):
             requests.send(f"Long story number {i}:", request_id=str(i), **LONG)
         busy = lambda: h.read(lambda: registry.in_flight("drain-decode-2")) >= 1
         wait_until(busy, "a request on decode-2", 30)
-        started = time.monotonic()
         h.call(pool.drain(registry, "drain-decode-2"))
-        assert 5 < time.monotonic() - started < 30
         requests.wait()
         assert not requests.errors, requests.errors
         assert [r.decode_worker for r in requests.replies] == ["drain-decode-0"] * 2

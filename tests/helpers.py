@@ -1,5 +1,6 @@
-"""Shared test helpers: the leak check every engine test ends with, and the one way tests
-wait: polling an observable predicate until a deadline, never a sleep then an assert."""
+"""Shared test helpers: the leak check every engine test ends with, the one way tests
+wait (polling an observable predicate until a deadline, never a sleep then an assert), and
+the mark for tests whose subject is bfloat16 compute."""
 
 from __future__ import annotations
 
@@ -7,9 +8,19 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
+import pytest
+
+from cluster.engine.cpu_isa import cpu, native_bf16
 from cluster.engine.engine import LLMEngine
 
 POLL_S = 0.02
+
+# A test that needs a dtype takes float32; one whose subject is bfloat16 compute on the
+# bundled model carries this mark: without native bf16 torch emulates it ~6x slower.
+needs_native_bf16 = pytest.mark.skipif(
+    not native_bf16(cpu()[1]),
+    reason="bfloat16 is emulated on this CPU (no AVX512_BF16, AMX-BF16 or Arm BF16)",
+)
 
 
 def assert_no_leak(engine: LLMEngine) -> None:

@@ -1,4 +1,5 @@
-"""Both pools on quantized weights (the GGUF's own blocks, bfloat16 activations and KV):
+"""Both pools on quantized weights (the GGUF's own blocks; float32 activations and KV, the
+mode that is fast on every CPU, and bfloat16 where this CPU computes it natively):
 disaggregated serving gives the same tokens as one colocated worker of the same mode."""
 
 from __future__ import annotations
@@ -9,19 +10,25 @@ import pytest
 
 from cluster.types import FinishReason, SamplingParams
 from router.dispatch import Dispatcher
+from tests.helpers import needs_native_bf16
 from tests.integration.disagg import collect, run
 from tests.integration.test_disagg import GREEDY, SEEDED, long_prompt
 
-GGUF = {"quantization": "gguf", "dtype": "bfloat16"}
+CASES = [
+    pytest.param("float32", GREEDY, id="float32-greedy"),
+    pytest.param("float32", SEEDED, id="float32-seeded"),
+    pytest.param("bfloat16", GREEDY, id="bfloat16-greedy", marks=needs_native_bf16),
+]
 
 
-@pytest.mark.parametrize("sp", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize(("dtype", "sp"), CASES)
 def test_gguf_pools_match_a_colocated_gguf_worker(
-    workers: Any, prompts: list[list[int]], sp: SamplingParams
+    workers: Any, prompts: list[list[int]], dtype: str, sp: SamplingParams
 ) -> None:
-    p = workers.prefill("prefill-gguf", engine=GGUF)
-    d = workers.decode("decode-gguf", engine=GGUF, local_prefill_tokens=0)
-    c = workers.decode("colocated-gguf", engine=GGUF)
+    gguf = {"quantization": "gguf", "dtype": dtype}
+    p = workers.prefill(f"prefill-gguf-{dtype}", engine=gguf)
+    d = workers.decode(f"decode-gguf-{dtype}", engine=gguf, local_prefill_tokens=0)
+    c = workers.decode(f"colocated-gguf-{dtype}", engine=gguf)
 
     async def go() -> None:
         disp = Dispatcher()

@@ -8,6 +8,7 @@ import torch
 
 from cluster.engine.engine import LLMEngine
 from cluster.types import FinishReason, SamplingParams
+from tests.helpers import needs_native_bf16
 
 
 def test_seeded_sampling_is_the_same_alone_and_in_a_batch(
@@ -67,6 +68,7 @@ def test_abort_frees_pages_in_every_state(engine: LLMEngine, prompts: list[list[
     assert engine.num_free_pages == free
 
 
+@needs_native_bf16
 def test_bfloat16_engine_answers(make_engine: Any):
     engine = make_engine("bf16", dtype="bfloat16", kv_cache_gb=0.25)
     chat = engine.tokenizer.apply_chat_template(

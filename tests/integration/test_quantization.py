@@ -120,7 +120,7 @@ def test_quantized_model_keeps_no_float_copy(mode: str, float32: LLMEngine) -> N
 
 
 def test_gguf_mode_batches_token_for_token() -> None:
-    quantized = _engine("gguf", dtype="bfloat16", max_num_batched_tokens=64)
+    quantized = _engine("gguf", max_num_batched_tokens=64)
     prompts = [quantized.tokenizer.encode(TEXT[i * 97 : i * 97 + 300]) for i in range(4)]
     greedy = SamplingParams(max_tokens=16)
     alone = [quantized.generate([p], greedy)[0].token_ids for p in prompts]

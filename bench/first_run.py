@@ -62,7 +62,7 @@ def reference(
     return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
 
 
-def check_kernels(case: Case, lens: list[int], partition: int, block: int, dev: str) -> str:
+def check_kernels(case: Case, lens: list[int], splits: int, block: int, dev: str) -> str:
     """Decode and prefill of a ragged batch against `reference`: one line, OK or WRONG."""
     from cluster.engine import paged_kernels as pk
 
@@ -75,8 +75,7 @@ def check_kernels(case: Case, lens: list[int], partition: int, block: int, dev: 
     ints = lambda xs: torch.tensor(xs, device=dev, dtype=torch.int32)
     q = torch.randn(batch, case.heads, case.head_dim, device=dev, dtype=dt)
     out = torch.empty_like(q)
-    splits = -(-max(lens) // partition)
-    pk.paged_decode(q, k_cache, v_cache, table, ints(lens), splits, partition, out, block)
+    pk.paged_decode(q, k_cache, v_cache, table, ints(lens), splits, out, block)
     decode_err = max(
         (out[i].float() - reference(q[i : i + 1], k_cache, v_cache, table[i].long(), n)[0])
         .abs()
@@ -111,7 +110,7 @@ def check_kernels(case: Case, lens: list[int], partition: int, block: int, dev: 
 
 
 def split_cost(dev: str) -> list[str]:
-    """paged_decode's time per layer at 9 (eager), 32 and 512 (a 131072-token graph) splits."""
+    """paged_decode's time per layer at 1, 8 and 32 splits (decode_splits picks 1 here)."""
     from cluster.engine import paged_kernels as pk
 
     batch, n, heads, kv_heads, dim = 64, 2048, 32, 8, 128
@@ -122,8 +121,8 @@ def split_cost(dev: str) -> list[str]:
     q = torch.randn(batch, heads, dim, device=dev, dtype=torch.bfloat16)
     out = torch.empty_like(q)
     lines = []
-    for splits in (9, 32, 512):
-        run = lambda s=splits: pk.paged_decode(q, kc, vc, table, lens, s, 256, out)
+    for splits in (1, 8, 32):
+        run = lambda s=splits: pk.paged_decode(q, kc, vc, table, lens, s, out)
         ms = cuda_ms(run, 20)
         gb_s = 2 * batch * n * kv_heads * dim * 2 / ms / 1e6
         lines.append(
@@ -147,9 +146,9 @@ def cuda_ms(fn: Callable[[], object], repeats: int) -> float:
 def kernels(dry: bool) -> list[str]:
     torch.manual_seed(0)
     if dry:
-        return [check_kernels(c, [1, 17, 40], 32, 16, "cpu") for c in DRY_CASES]
+        return [check_kernels(c, [1, 17, 40], 4, 16, "cpu") for c in DRY_CASES]
     lines = [
-        check_kernels(c, [1, 17, 255, 256, 257, 1000, 4097], 256, 64, "cuda") for c in GPU_CASES
+        check_kernels(c, [1, 17, 255, 256, 257, 1000, 4097], 32, 64, "cuda") for c in GPU_CASES
     ]
     torch.cuda.empty_cache()
     return lines + split_cost("cuda")

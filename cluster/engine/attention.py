@@ -96,7 +96,7 @@ def make_backend(
     if name == "triton":
         from cluster.engine.attention_triton import TritonBackend
 
-        return TritonBackend(device)
+        return TritonBackend(device, layout.num_kv_heads)
     assert name == "flashinfer", name
     from cluster.engine.attention_flashinfer import FlashInferBackend
 

@@ -24,19 +24,40 @@ class TritonMetadata:
     query_start: torch.Tensor  # [seqs + 1] int32
     num_decodes: int  # sequences [0, num_decodes) are decodes
     max_query_len: int  # the longest prefill chunk; 0 when there is none
-    num_splits: int  # decode partitions covering the longest decode context
+    num_splits: int  # partitions of each decode context (decode_splits)
+
+
+MAX_SPLITS = 32  # the reduce holds [splits, head_dim] float32 partials in registers
+MIN_PARTITION = 256  # tokens: shorter partitions cost more in partials than they add
+
+
+def decode_splits(batch: int, kv_heads: int, max_context: int, programs: int) -> int:
+    """Partitions per decode context (split-K): enough that batch x kv_heads x splits
+    programs reach `programs` (twice the GPU's SMs), none under MIN_PARTITION tokens of the
+    longest context, at most MAX_SPLITS. A large batch fills the GPU alone: one split."""
+    fill = -(-programs // max(1, batch * kv_heads))  # a step with no decode: 0 rows
+    return max(1, min(MAX_SPLITS, fill, -(-max_context // MIN_PARTITION)))
+
+
+def programs_for(device: torch.device) -> int:
+    """Decode programs that fill `device`: two per SM on a GPU; one on the CPU, where
+    Triton's interpreter runs the programs one after another."""
+    if device.type != "cuda":
+        return 1
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 class TritonBackend:
     name = "triton"
 
-    def __init__(self, device: torch.device, partition: int = 256, block: int = 64) -> None:
+    def __init__(self, device: torch.device, kv_heads: int, block: int = 64) -> None:
         self.device = device
-        self.partition = partition  # decode context tokens per program (split-K)
+        self.kv_heads = kv_heads
+        self.programs = programs_for(device)
         self.block = block  # query rows and keys per tile
 
-    def splits_for(self, max_context: int) -> int:
-        return max(1, -(-max_context // self.partition))
+    def splits(self, batch: int, max_context: int) -> int:
+        return decode_splits(batch, self.kv_heads, max_context, self.programs)
 
     def prepare(self, batch: StepBatch) -> TritonMetadata:
         nd, seqs = batch.num_decodes, batch.num_seqs
@@ -60,7 +81,7 @@ class TritonBackend:
             starts,
             nd,
             max(chunks, default=0),
-            self.splits_for(max(batch.context_lens[:nd], default=0)),
+            self.splits(nd, max(batch.context_lens[:nd], default=0)),
         )
 
     def forward(
@@ -84,7 +105,6 @@ class TritonBackend:
                 md.page_table[:nd],
                 md.context_lens[:nd],
                 md.num_splits,
-                self.partition,
                 out[:nd],
                 self.block,
             )

@@ -111,12 +111,13 @@ class DecodeGraphs:
         self.inputs[off["slots"] : off["lens"]] = PADDING_SLOT  # capture writes no page
         self.inputs[off["starts"] : off["table"]] = torch.arange(self.seg.rows + 1)
         self.host.copy_(self.inputs)
-        splits = attention.splits_for(max_model_len)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         pool = torch.cuda.graph_pool_handle()
         for b in reversed(self.buckets):  # largest first: the smaller ones reuse its memory
-            step = self._step(model, attention, cache, b, splits)
+            # A split count per bucket, fixed in its graph: each sequence's partitions
+            # follow from its own length (paged_kernels), so any context fits it.
+            step = self._step(model, attention, cache, b, attention.splits(b, max_model_len))
             step()  # compiles the kernels outside the capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):

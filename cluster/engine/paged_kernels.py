@@ -10,8 +10,11 @@ inputs multiply in IEEE float32 (no TF32), so a float32 engine matches the CPU o
   captured decode graph) writes nothing.
 - `paged_decode`: one query token per sequence. A program takes one sequence, one KV
   head (its query heads as the rows of one matrix: GQA shares every key load) and one
-  partition of the context (split-K, so a single long sequence still fills the GPU);
-  `_decode_reduce` merges the partitions. A sequence of length 0 yields zeros.
+  of `num_splits` partitions of the context (split-K, so a single long sequence still
+  fills the GPU); each sequence's partition length follows from its own length, so a
+  split count fixed by a CUDA graph fits any context, and a partition past the end
+  returns at once, storing nothing. `_decode_reduce` merges the partitions a sequence
+  used. A sequence of length 0 yields zeros.
 - `paged_prefill`: a chunk of queries attends to the pages before it (prefix hits,
   earlier chunks) and to itself causally; its own K/V are already in the cache.
 
@@ -89,51 +92,71 @@ def _attend(
 
 
 @triton.jit
+def _partition(length, num_splits, BLOCK_N: tl.constexpr):
+    """Tokens per partition of a `length`-token context in `num_splits`: whole key blocks."""
+    return tl.maximum(tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N), 1) * BLOCK_N
+
+
+@triton.jit
 def _decode_kernel(
     q, k_cache, v_cache, table, lens, part_acc, part_max, part_sum,
-    stride_q, stride_table, scale, partition, num_splits, kv_heads,
+    stride_q, stride_table, scale, num_splits, kv_heads,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     split = tl.program_id(2)
     length = tl.load(lens + b)
+    partition = _partition(length, num_splits, BLOCK_N)
     start = split * partition
-    end = tl.minimum(length, start + partition)
-    rows = tl.arange(0, GROUP_PAD)
-    dims = tl.arange(0, D)
-    qmask = rows < GROUP
-    heads = h * GROUP + rows
-    qv = tl.load(
-        q + b * stride_q + heads[:, None] * D + dims[None, :], mask=qmask[:, None], other=0
-    )
-    qv = qv.to(DOT)
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, D], tl.float32)
-    table_row = table + b.to(tl.int64) * stride_table
-    for n0 in range(start, end, BLOCK_N):
-        kpos = n0 + tl.arange(0, BLOCK_N)
-        kmask = kpos < end
-        offs = _key_offsets(table_row, kpos, kmask, h, PAGE, kv_heads, D)
-        m_i, l_i, acc = _attend(
-            qv, k_cache, v_cache, offs, kmask, kmask[None, :], m_i, l_i, acc, scale, DOT, PRECISION
+    if start < length:  # a partition past the context stores nothing: the reduce skips it
+        end = tl.minimum(length, start + partition)
+        rows = tl.arange(0, GROUP_PAD)
+        dims = tl.arange(0, D)
+        qmask = rows < GROUP
+        heads = h * GROUP + rows
+        qv = tl.load(
+            q + b * stride_q + heads[:, None] * D + dims[None, :], mask=qmask[:, None], other=0
         )
-    part = (b * (kv_heads * GROUP) + heads) * num_splits + split
-    tl.store(part_acc + part[:, None] * D + dims[None, :], acc, mask=qmask[:, None])
-    tl.store(part_max + part, m_i, mask=qmask)
-    tl.store(part_sum + part, l_i, mask=qmask)
+        qv = qv.to(DOT)
+        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, D], tl.float32)
+        table_row = table + b * stride_table
+        for n0 in range(start, end, BLOCK_N):
+            kpos = n0 + tl.arange(0, BLOCK_N)
+            kmask = kpos < end
+            offs = _key_offsets(table_row, kpos, kmask, h, PAGE, kv_heads, D)
+            m_i, l_i, acc = _attend(
+                qv,
+                k_cache,
+                v_cache,
+                offs,
+                kmask,
+                kmask[None, :],
+                m_i,
+                l_i,
+                acc,
+                scale,
+                DOT,
+                PRECISION,
+            )
+        part = (b * (kv_heads * GROUP) + heads) * num_splits + split
+        tl.store(part_acc + part[:, None] * D + dims[None, :], acc, mask=qmask[:, None])
+        tl.store(part_max + part, m_i, mask=qmask)
+        tl.store(part_sum + part, l_i, mask=qmask)
 
 
 @triton.jit
 def _decode_reduce(
-    part_acc, part_max, part_sum, out, lens, stride_out, partition, num_splits, heads,
-    D: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    part_acc, part_max, part_sum, out, lens, stride_out, num_splits, heads,
+    D: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    used = tl.cdiv(tl.load(lens + b), partition)
+    length = tl.load(lens + b)
+    used = tl.cdiv(length, _partition(length, num_splits, BLOCK_N))
     splits = tl.arange(0, SPLITS_PAD)
     smask = splits < used
     part = (b * heads + h) * num_splits + splits
@@ -153,27 +176,26 @@ def paged_decode(
     v_cache: torch.Tensor,
     table: torch.Tensor,  # [B, width] page ids (int32)
     lens: torch.Tensor,  # [B] context lengths, this token included (int32)
-    num_splits: int,  # partitions of `partition` tokens; covers the longest context
-    partition: int,
+    num_splits: int,  # partitions of each context (attention_triton.decode_splits)
     out: torch.Tensor,  # [B, heads, head_dim] contiguous, q's dtype: the attention output
     block_n: int = 64,
 ) -> None:
     batch, heads, dim = q.shape
     page, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
-    assert q.stride(1) == dim and q.stride(2) == 1 and partition % block_n == 0
+    assert q.stride(1) == dim and q.stride(2) == 1
     part_acc = q.new_empty((batch, heads, num_splits, dim), dtype=torch.float32)
     part_max = q.new_empty((batch, heads, num_splits), dtype=torch.float32)
     part_sum = torch.empty_like(part_max)
     _decode_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, table, lens, part_acc, part_max, part_sum,
-        q.stride(0), table.stride(0), dim**-0.5, partition, num_splits, kv_heads,
+        q.stride(0), table.stride(0), dim**-0.5, num_splits, kv_heads,
         group, max(16, triton.next_power_of_2(group)), dim, page, block_n, *_dot_types(q),
     )  # fmt: skip
     assert out.is_contiguous()
     _decode_reduce[(batch, heads)](
-        part_acc, part_max, part_sum, out, lens, out.stride(0), partition, num_splits, heads,
-        dim, triton.next_power_of_2(num_splits),
+        part_acc, part_max, part_sum, out, lens, out.stride(0), num_splits, heads,
+        dim, triton.next_power_of_2(num_splits), block_n,
     )  # fmt: skip
 
 

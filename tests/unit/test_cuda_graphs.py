@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("triton")
 
 from cluster.engine.attention import StepBatch
-from cluster.engine.attention_triton import TritonBackend, TritonMetadata
+from cluster.engine.attention_triton import MAX_SPLITS, TritonBackend, TritonMetadata, decode_splits
 from cluster.engine.cuda_graphs import (
     PADDING_SLOT,
     Segments,
@@ -27,6 +27,17 @@ def test_buckets_are_powers_of_two_up_to_max_num_seqs() -> None:
     buckets = bucket_sizes(48)
     assert [bucket_for(n, buckets) for n in (1, 3, 8, 9, 33, 48)] == [1, 4, 8, 16, 48, 48]
     assert bucket_for(49, buckets) is None  # runs eagerly
+
+
+def test_each_bucket_splits_the_context_only_as_far_as_it_fills_the_gpu() -> None:
+    """Llama-3-8B (8 KV heads) on an H100 (132 SMs: 264 programs), graphs captured for
+    max_model_len 131072: a split count per bucket, not one of 512 for every bucket."""
+    splits = {b: decode_splits(b, 8, 131072, 264) for b in (1, 2, 4, 8, 16, 32, 64, 256)}
+    assert splits == {1: MAX_SPLITS, 2: 17, 4: 9, 8: 5, 16: 3, 32: 2, 64: 1, 256: 1}
+    # Eager steps size for the longest context in the step: 2k tokens, 8 partitions at most.
+    assert decode_splits(1, 8, 2048, 264) == 8
+    assert decode_splits(1, 8, 1, 264) == 1
+    assert decode_splits(0, 8, 0, 264) == 1  # a step of prefills only
 
 
 def _decode_step(lens: list[int], page_size: int) -> tuple[StepBatch, list[int], torch.Tensor]:
@@ -76,7 +87,7 @@ def test_padding_rows_write_no_page_and_attend_to_nothing(kernel_device: torch.d
     )
     q = torch.randn(4, 4, 16, device=kernel_device)
     k, v = torch.randn(2, 4, 2, 16, device=kernel_device).unbind()
-    out = TritonBackend(kernel_device, partition=64, block=16).forward(0, q, k, v, cache, metadata)
+    out = TritonBackend(kernel_device, kv_heads=2, block=16).forward(0, q, k, v, cache, metadata)
     changed = (cache.k[0] != before_k[0]).any(-1).any(-1).flatten().nonzero().flatten()
     assert changed.tolist() == sorted(slots.tolist())  # the real rows only
     assert torch.equal(cache.v[0].flatten(0, 1)[slots], v[:2])

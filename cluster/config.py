@@ -275,6 +275,10 @@ class RouterConfig:
     # on multi-turn (README, serving benchmark).
     prefill_by_cost: bool = False
     max_pending: int = 256  # requests in flight; past it, RESOURCE_EXHAUSTED at once
+    # ... and per client (its key, else its address); null: no limit per client.
+    max_pending_per_client: int | None = None
+    tokenize_threads: int = 1  # threads tokenizing long inputs (short ones: on the loop)
+    max_tokenize_queue: int = 64  # long inputs waiting for them; past it, RESOURCE_EXHAUSTED
     max_tokens: int = 4096  # the most a request may ask for
     max_message_bytes: int = 4 * 2**20
     session_ttl_s: float = 3600.0  # how long Redis keeps a session's placement
@@ -316,6 +320,8 @@ class RouterConfig:
             "max_pending",
             "max_tokens",
             "max_message_bytes",
+            "tokenize_threads",
+            "max_tokenize_queue",
         ):
             value = getattr(self, name)
             least = 0 if name in ("affinity_slack_tokens", "max_migrations") else 1
@@ -324,6 +330,12 @@ class RouterConfig:
                 name,
                 f"must be an integer >= {least}, got {value!r}",
             )
+        _check(
+            self.max_pending_per_client is None
+            or (_is_int(self.max_pending_per_client) and self.max_pending_per_client >= 1),
+            "max_pending_per_client",
+            f"must be an integer >= 1 or null, got {self.max_pending_per_client!r}",
+        )
         for name in ("session_ttl_s", "redis_timeout_s", "stats_interval_s", "grace_s"):
             value = getattr(self, name)
             _check(_is_number(value) and value > 0, name, f"must be a number > 0, got {value!r}")

@@ -19,6 +19,7 @@ from router.placement import PlacementStore
 from router.policy import PolicyConfig, PolicyName
 from router.router import Router
 from router.server import GenerationServicer, RouterServer
+from router.tokenize_pool import TokenizePool
 from router.workers import WorkerRegistry
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ class RouterApp:
     metrics: RouterMetrics
     metrics_http: Any | None  # the /metrics HTTP server, if one was asked for
     http: OpenAIFrontDoor | None  # the OpenAI-compatible API, if one was asked for
+    tokenize: TokenizePool
 
     @property
     def address(self) -> str:
@@ -48,6 +50,7 @@ class RouterApp:
             self.metrics_http.shutdown()
             self.metrics_http.server_close()
         await self.router.dispatcher.close()
+        self.tokenize.close()
         await self.workers.stop()
         if self.placements is not None:
             await self.placements.close()
@@ -87,9 +90,11 @@ async def start_router(
         config.max_pending,
         max_migrations=config.max_migrations,
         migration_wait_s=config.migration_wait_s,
+        max_pending_per_client=config.max_pending_per_client,
     )
     metrics = RouterMetrics(workers)
-    servicer = GenerationServicer(router, tokenizer, info, config, metrics)
+    pool = TokenizePool(config.tokenize_threads, config.max_tokenize_queue)
+    servicer = GenerationServicer(router, tokenizer, info, config, metrics, pool)
     server = RouterServer(servicer, config)
     await server.start()
     await server.set_serving(bool(workers.snapshot().decode))
@@ -111,6 +116,7 @@ async def start_router(
             config.max_tokens,
             metrics,
             lambda: bool(workers.snapshot().decode),
+            pool,
         )
         await http.start(config.host, config.http_port, config.grace_s)
         log.info("router: OpenAI-compatible HTTP API on %s/v1", http.address)
@@ -127,4 +133,4 @@ async def start_router(
         len(decode),
         info.name,
     )
-    return RouterApp(server, router, workers, placements, metrics, metrics_http, http)
+    return RouterApp(server, router, workers, placements, metrics, metrics_http, http, pool)

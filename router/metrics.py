@@ -34,6 +34,13 @@ class RouterMetrics:
         self.requests = Counter(
             "splitserve_requests", "Requests by how they ended", ["status"], registry=r
         )
+        self.refusals = Counter(
+            "splitserve_refused_requests",
+            "Requests refused by a limit before any work, by the limit (max_pending, "
+            "max_pending_per_client, max_tokenize_queue)",
+            ["limit"],
+            registry=r,
+        )
         self.ttft = Histogram(
             "splitserve_time_to_first_token_seconds", "Arrival to first token", buckets=LATENCY_S,
             registry=r,

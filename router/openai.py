@@ -6,8 +6,10 @@ ending in `data: [DONE]`, or one JSON body), GET /v1/models, /health and /metric
 A body becomes the gRPC API's GenerateRequest and is checked by the same `prepare`, so
 both front doors accept and refuse the same requests with the same messages. Errors
 have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a bad
-field (the message and `param` name it), 404 for another model's name, 429 when the
-router is full, 503 with no live decode worker, 500 when a worker failed the request.
+field (the message and `param` name it), 404 for another model's name, 429 when a limit
+refuses it, naming it (the router is full, the client is past its own limit: by its
+`Authorization` header if it sends one, else by its address; or the tokenization queue
+is full), 503 with no live decode worker, 500 when a worker failed the request.
 A stream that fails after its first event ends with an error event, never `[DONE]`. A
 client that disconnects has its request aborted on every worker (its pages are freed).
 The session header `X-Session-Id` gives a conversation's turns the same worker.
@@ -31,6 +33,7 @@ from cluster.types import FinishReason, InvalidRequestError, ModelInfo, TokenDel
 from router.metrics import RouterMetrics
 from router.request import Prepared, prepare_off_loop, shown
 from router.router import Final, Overloaded, RequestFailed, Router, Unavailable
+from router.tokenize_pool import TokenizePool
 from splitserve.v1 import splitserve_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -219,8 +222,10 @@ class OpenAIFrontDoor:
         max_tokens: int,
         metrics: RouterMetrics,
         serving: Callable[[], bool],
+        pool: TokenizePool,
     ) -> None:
         self.router = router
+        self.pool = pool
         self.tokenizer = tokenizer
         self.model = model
         self.max_tokens = max_tokens
@@ -281,9 +286,10 @@ class OpenAIFrontDoor:
         status = "cancelled"  # unless it ends otherwise: the client went away
         try:
             try:
-                with self.router.in_flight():  # before tokenizing: a flood is refused here
+                with self.router.in_flight(_client(request)):  # before tokenizing
                     response, status = await self._answer(request, chat)
             except Overloaded as e:
+                self.metrics.refusals.labels(e.limit).inc()
                 raise HTTPError(429, str(e), "rate_limit_exceeded") from None
             return response
         except HTTPError as e:
@@ -314,7 +320,7 @@ class OpenAIFrontDoor:
                     "model_not_found",
                     "model",
                 )
-            args = (call.request, self.tokenizer, self.model, self.max_tokens)
+            args = (call.request, self.tokenizer, self.model, self.max_tokens, self.pool)
             return call, await prepare_off_loop(*args)
         except InvalidRequestError as e:
             raise invalid(e) from None
@@ -431,6 +437,13 @@ class OpenAIFrontDoor:
         else:
             choice["text"] = delta.text
         return choice
+
+
+def _client(request: web.Request) -> str:
+    """Who sent the request, for the per-client limit: its key (`Authorization`) if it
+    sent one, else its address."""
+    key = request.headers.get("Authorization")
+    return f"key {key}" if key else f"peer {request.remote}"
 
 
 async def _event(response: web.StreamResponse, payload: dict[str, Any]) -> None:

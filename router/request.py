@@ -6,14 +6,19 @@ a message that names it, which the servicer answers with INVALID_ARGUMENT.
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import math
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from cluster.engine.tokenizer import Tokenizer
 from cluster.types import InvalidRequestError, ModelInfo, RequestId, SamplingParams
+from router.token_count import CHUNK_CHARS, count_tokens
 from splitserve.v1 import splitserve_pb2 as pb
+
+if TYPE_CHECKING:  # it refuses with the router's Overloaded, and the router imports this
+    from router.tokenize_pool import TokenizePool
 
 ROLES = ("system", "user", "assistant")
 MAX_MESSAGES = 1024
@@ -71,14 +76,19 @@ def shown(value: str, limit: int = SHOWN_CHARS) -> str:
 
 
 async def prepare_off_loop(
-    msg: pb.GenerateRequest, tokenizer: Tokenizer, model: ModelInfo, max_tokens_limit: int
+    msg: pb.GenerateRequest,
+    tokenizer: Tokenizer,
+    model: ModelInfo,
+    max_tokens_limit: int,
+    pool: TokenizePool,
 ) -> Prepared:
-    """`prepare` without holding up the event loop: a long input is tokenized on a thread
-    (milliseconds); a short one here (tens of microseconds, less than the hop)."""
-    args = (msg, tokenizer, model, max_tokens_limit)
-    if msg.ByteSize() <= INLINE_BYTES:
-        return prepare(*args)
-    return await asyncio.to_thread(prepare, *args)
+    """`prepare` without holding up the event loop: a long input is tokenized in the pool,
+    shortest first (milliseconds); a short one here (tens of microseconds, less than the
+    hop)."""
+    size = msg.ByteSize()
+    if size <= INLINE_BYTES:
+        return prepare(msg, tokenizer, model, max_tokens_limit)
+    return await pool.run(size, functools.partial(prepare, msg, tokenizer, model, max_tokens_limit))
 
 
 def _id(value: str, name: str) -> str | None:
@@ -111,9 +121,12 @@ def _prompt_ids(msg: pb.GenerateRequest, tokenizer: Tokenizer, model: ModelInfo)
     elif kind == "text":
         if not msg.text:
             raise InvalidRequestError("text: must not be empty")
+        _refuse_past_context(tokenizer, msg.text, True, model, kind)
         ids = tokenizer.encode(msg.text)
     else:
-        ids = tokenizer.encode_chat(_messages(msg.chat))
+        text = tokenizer.apply_chat_template(_messages(msg.chat))
+        _refuse_past_context(tokenizer, text, False, model, kind)
+        ids = tokenizer.encode(text, special_tokens=False)
     if not ids:
         raise InvalidRequestError(f"{kind}: the prompt has no tokens")
     if len(ids) >= model.max_model_len:
@@ -122,6 +135,21 @@ def _prompt_ids(msg: pb.GenerateRequest, tokenizer: Tokenizer, model: ModelInfo)
             f"{model.max_model_len} tokens, one of them for the reply"
         )
     return ids
+
+
+def _refuse_past_context(
+    tokenizer: Tokenizer, text: str, special_tokens: bool, model: ModelInfo, kind: str
+) -> None:
+    """A long text that cannot fit is refused once its count passes the context, before it
+    is tokenized whole (router/token_count.py)."""
+    if len(text) <= CHUNK_CHARS:
+        return  # one chunk: tokenized whole, then checked
+    limit = model.max_model_len
+    if count_tokens(tokenizer, text, limit, special_tokens) >= limit:
+        raise InvalidRequestError(
+            f"{kind}: the prompt is more than {limit - 1} tokens; the model's context is "
+            f"{limit} tokens, one of them for the reply"
+        )
 
 
 def _messages(chat: pb.Chat) -> list[dict[str, str]]:

@@ -1,9 +1,11 @@
 """The router: one prepared request in, its token stream out, placed by the policy.
 
 Life of a request here:
-1. Past `max_pending` requests in flight it is refused at once (Overloaded). A front
-   door takes the request's slot (`in_flight`) before it tokenizes the input, so a
-   flood of long inputs is refused there too instead of piling up work.
+1. Past `max_pending` requests in flight, or past `max_pending_per_client` of its
+   client's (a key, else an address, as the front door names it), it is refused at once
+   (Overloaded, naming the limit). A front door takes the request's slot (`in_flight`)
+   before it tokenizes the input, so a flood of long inputs is refused there too instead
+   of piling up work.
 2. Its session's placement is read from Redis (a hint; Redis down means no hint).
 3. The policy picks a decode worker and maybe a prefill worker from the last loads.
 4. The Dispatcher runs it on them and streams its deltas; the trace records when it
@@ -25,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +53,11 @@ log = logging.getLogger(__name__)
 
 
 class Overloaded(Exception):
-    """Too many requests in flight: try again later."""
+    """Refused by a limit (`limit`, its config name) before any work: try again later."""
+
+    def __init__(self, limit: str, why: str) -> None:
+        super().__init__(why)
+        self.limit = limit
 
 
 class Unavailable(Exception):
@@ -103,11 +110,14 @@ class Router:
         dispatcher: Dispatcher | None = None,
         max_migrations: int = 3,
         migration_wait_s: float = 30.0,
+        max_pending_per_client: int | None = None,
     ) -> None:
         self.policy = policy
         self.workers = workers
         self.placements = placements
         self.max_pending = max_pending
+        self.max_pending_per_client = max_pending_per_client
+        self.clients: Counter[str] = Counter()  # requests in flight per client
         self.max_migrations = max_migrations
         self.migration_wait_s = migration_wait_s
         self.dispatcher = dispatcher or Dispatcher()
@@ -116,15 +126,28 @@ class Router:
         self._tasks: set[asyncio.Task[Any]] = set()
 
     @contextlib.contextmanager
-    def in_flight(self) -> Iterator[None]:
-        """Hold one of the `max_pending` in-flight slots for the block; Overloaded if none."""
+    def in_flight(self, client: str = "") -> Iterator[None]:
+        """Hold one of the `max_pending` in-flight slots for the block, one of `client`'s
+        `max_pending_per_client`; Overloaded naming the limit if there is none."""
         if self.pending >= self.max_pending:
-            raise Overloaded(f"{self.pending} requests in flight, the limit is {self.max_pending}")
+            raise Overloaded(
+                "max_pending", f"max_pending: {self.pending} requests in flight, the router's limit"
+            )
+        mine, most = self.clients[client], self.max_pending_per_client
+        if most is not None and mine >= most:
+            raise Overloaded(
+                "max_pending_per_client",
+                f"max_pending_per_client: {mine} requests of this client in flight, its limit",
+            )
         self.pending += 1
+        self.clients[client] += 1
         try:
             yield
         finally:
             self.pending -= 1
+            self.clients[client] -= 1
+            if not self.clients[client]:
+                del self.clients[client]
 
     async def generate(
         self, p: Prepared, admitted: bool = False

@@ -2,9 +2,11 @@
 
 Status codes: a bad field, or a message that does not parse, is INVALID_ARGUMENT (the
 message names the field; unparsable messages are logged at most once a minute), a full
-router is RESOURCE_EXHAUSTED, no live decode worker is UNAVAILABLE, a request a worker failed is
-INTERNAL, one the server aborted (shutdown) is ABORTED. A client that cancels, or
-whose deadline passes, has its request aborted on every worker.
+router (max_pending), a client past its own limit (max_pending_per_client: by its
+`authorization` metadata if it sends one, else by its address) or a full tokenization
+queue is RESOURCE_EXHAUSTED naming the limit, no live decode worker is UNAVAILABLE, a
+request a worker failed is INTERNAL, one the server aborted (shutdown) is ABORTED. A
+client that cancels, or whose deadline passes, has its request aborted on every worker.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from cluster.types import FinishReason, InvalidRequestError, ModelInfo, TokenDel
 from router.metrics import RouterMetrics
 from router.request import prepare_off_loop
 from router.router import Final, Overloaded, RequestFailed, Router, Unavailable
+from router.tokenize_pool import TokenizePool
 from router.unparsable import RateLimitedLog, Unparsable, parse_generate
 from splitserve.v1 import splitserve_pb2 as pb
 from splitserve.v1 import splitserve_pb2_grpc as pb_grpc
@@ -43,9 +46,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         model: ModelInfo,
         config: RouterConfig,
         metrics: RouterMetrics,
+        pool: TokenizePool,
     ) -> None:
         self.router = router
         self.metrics = metrics
+        self.pool = pool
         self.tokenizer = tokenizer
         self.model = model
         self.config = config
@@ -63,8 +68,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     f"Generate: a {request.num_bytes}-byte message did not parse: {request.why}"
                 )
                 raise InvalidRequestError(f"request: not a GenerateRequest: {request.why}")
-            with self.router.in_flight():  # before tokenizing: a flood is refused here
-                args = (request, self.tokenizer, self.model, self.config.max_tokens)
+            with self.router.in_flight(_client(context)):  # before tokenizing
+                args = (request, self.tokenizer, self.model, self.config.max_tokens, self.pool)
                 prepared = await prepare_off_loop(*args)
                 last: float | None = None
                 async for delta, final in self.router.generate(prepared, admitted=True):
@@ -75,6 +80,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             code, why = grpc.StatusCode.INVALID_ARGUMENT, str(getattr(e, "cause", e))
         except Overloaded as e:
             code, why = grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
+            self.metrics.refusals.labels(e.limit).inc()
         except Unavailable as e:
             code, why = grpc.StatusCode.UNAVAILABLE, str(e)
         except RequestFailed as e:
@@ -120,6 +126,16 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             routing_policy=self.router.policy.name.value,
             placement_available=placements is not None and placements.available,
         )
+
+
+def _client(context: grpc.aio.ServicerContext) -> str:
+    """Who sent the call, for the per-client limit: its key (`authorization` metadata)
+    if it sent one, else its address without the port."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            return f"key {value}"
+    peer = context.peer().removeprefix("ipv4:").removeprefix("ipv6:")
+    return f"peer {peer.rsplit(':', 1)[0].strip('[]')}"
 
 
 def _response(delta: TokenDelta, final: Final | None) -> pb.GenerateResponse:

@@ -48,8 +48,9 @@ class Tokenizer:
         hf.save_pretrained(str(cached))
         return Tokenizer(hf)
 
-    def encode(self, text: str) -> list[int]:
-        ids: list[int] = self.hf.encode(text)
+    def encode(self, text: str, special_tokens: bool = True) -> list[int]:
+        """`special_tokens`: with those the tokenizer adds around a text (a BOS)."""
+        ids: list[int] = self.hf.encode(text, add_special_tokens=special_tokens)
         return ids
 
     def decode(self, ids: list[int]) -> str:
@@ -68,10 +69,7 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """The rendered template's ids, no special tokens added: a template that writes its
         own BOS (Llama 3's) gets one, as transformers' `apply_chat_template` gives it."""
-        ids: list[int] = self.hf.encode(
-            self.apply_chat_template(messages), add_special_tokens=False
-        )
-        return ids
+        return self.encode(self.apply_chat_template(messages), special_tokens=False)
 
     @property
     def eos_token_id(self) -> int | None:

@@ -16,8 +16,10 @@ from redis import Redis
 
 from cluster.engine.engine import LLMEngine
 from cluster.types import RequestId, SamplingParams
+from router import request
 from router.request import MAX_CHARS_PER_TOKEN
 from router.server import UNPARSABLE_LOG_EVERY_S
+from router.token_count import count_tokens
 from splitserve.client import Client
 from splitserve.redis_server import EmbeddedRedis
 from tests.helpers import until, wait_until
@@ -335,22 +337,22 @@ def test_a_flood_of_long_texts_is_bounded_by_max_pending_and_a_short_request_get
 ) -> None:
     a = routers[0]
     servicer = a.app.server.servicer
-    tokenizer = servicer.tokenizer
-    encode, lock = tokenizer.encode, threading.Lock()
+    lock = threading.Lock()
     active, peak = [0], [0]
 
-    def counted(text: str) -> list[int]:
+    def counted(*args: Any) -> int:
         with lock:
             active[0] += 1
             peak[0] = max(peak[0], active[0])
         try:
-            return encode(text)
+            return count_tokens(*args)
         finally:
             with lock:
                 active[0] -= 1
 
-    monkeypatch.setattr(tokenizer, "encode", counted)
-    # Just under the character limit: tokenized (~65k tokens) before it is refused.
+    monkeypatch.setattr(request, "count_tokens", counted)
+    # Just under the character limit, and no space to cut it at: counted whole (~65k
+    # tokens) before it is refused.
     huge = "x" * (servicer.model.max_model_len * MAX_CHARS_PER_TOKEN - 16)
 
     async def one(client: Client, prompt: str) -> grpc.StatusCode:

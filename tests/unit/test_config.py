@@ -209,6 +209,12 @@ def test_pool_engines_override_the_shared_engine_field_by_field() -> None:
         ({"router": {"policy": "random"}}, "router.policy: must be one of"),
         ({"router": {"port": 70000}}, "router.port: must be an integer in [0, 65535]"),
         ({"router": {"max_pending": 0}}, "router.max_pending: must be an integer >= 1"),
+        (
+            {"router": {"max_pending_per_client": 0}},
+            "router.max_pending_per_client: must be an integer >= 1 or null",
+        ),
+        ({"router": {"tokenize_threads": 0}}, "router.tokenize_threads: must be an integer >= 1"),
+        ({"router": {"max_tokenize_queue": -1}}, "router.max_tokenize_queue: must be an integer"),
         ({"router": {"grace_s": 0}}, "router.grace_s: must be a number > 0"),
         ({"router": {"seq_cost_tokens": 0}}, "router.seq_cost_tokens: must be an integer >= 1"),
         ({"router": {"colour": "red"}}, "router.colour: unknown field"),

@@ -24,6 +24,21 @@ def kernel_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--nightly", action="store_true", help="also run the nightly tier (marked nightly)"
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--nightly"):
+        return
+    later = pytest.mark.skip(reason="nightly tier: `scripts/test --nightly` runs it")
+    for item in items:
+        if "nightly" in item.keywords:
+            item.add_marker(later)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _return_freed_memory() -> Iterator[None]:
     """After each module, hand the memory its engines and models freed back to the OS:

@@ -87,6 +87,7 @@ def _kill_9(handle: Any) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.nightly  # the slowest scenarios: one of the run's minutes each
 def test_a_burst_of_long_prompts_grows_the_prefill_pool_and_idleness_shrinks_it(
     ray_workers: Any,
 ) -> None:
@@ -136,6 +137,7 @@ def test_a_burst_of_long_prompts_grows_the_prefill_pool_and_idleness_shrinks_it(
         h.stop()
 
 
+@pytest.mark.nightly  # the slowest scenarios: one of the run's minutes each
 def test_a_drained_decode_worker_finishes_its_streams_or_moves_them_past_the_deadline(
     ray_workers: Any,
 ) -> None:

@@ -6,7 +6,8 @@ for it, stream its tokens back, abort it.
 2. With a KVTarget back, the prefill worker is asked to prefill into it; its first
    token is streamed the moment it is sampled, before the KV has landed.
 3. The decode worker's per-step batches carry the rest (and the first token again,
-   which is dropped here). One task per decode worker long-polls those batches.
+   which is dropped here). One task per decode worker long-polls those batches and
+   hands them out DELIVER_SLICE streams per turn of the event loop.
 4. A failed prefill worker (dead, incompatible, transport error) is reported to the
    decode worker, which recomputes or fails the request per its policy.
 5. The stream ends with a delta that has a finish reason; leaving the stream early
@@ -46,6 +47,11 @@ from cluster.types import (
 )
 
 log = logging.getLogger(__name__)
+
+# A decode step's deltas wake this many streams per turn of the event loop, so that a
+# new request (its admission, or its refusal) waits behind a slice of a step's token
+# delivery, not behind all of it (hundreds of streams' framing and writes).
+DELIVER_SLICE = 8
 
 
 @dataclass
@@ -256,7 +262,9 @@ class Dispatcher:
                 for _, stream in lost:
                     stream.queue.put_nowait(f"decode worker failed: {e}")
                 return
-            for delta in deltas:
+            for i, delta in enumerate(deltas):
+                if i and i % DELIVER_SLICE == 0:
+                    await asyncio.sleep(0)  # the front doors get the loop between slices
                 to = self._streams.get(delta.request_id)
                 if to is None:
                     continue

@@ -28,7 +28,7 @@ from cluster.engine.model import LlamaModel
 from cluster.engine.model_files import bundled_model_path
 from cluster.engine.page_pool import PagePool, pages_for
 from cluster.engine.quantization import QuantizationError
-from cluster.engine.runner import build_runner
+from cluster.engine.runner import build_runner, workspace_bytes
 from cluster.engine.sampler import sample, skip_draws
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.sequence import Sequence
@@ -113,13 +113,22 @@ class LLMEngine:
         dtype = getattr(torch, self.dtype)
         backend = resolve_backend(config.attention_backend, self.device, self.dtype)
         started = time.perf_counter()
+        memory = device_memory(self.device)  # before the weights: what other processes left
         self.spec, self.model = _load_model(path, config.quantization, dtype, self.device)
         self.tokenizer = Tokenizer.load(path)
         spec = self.spec
         self.max_model_len = min(config.max_model_len or spec.max_position, spec.max_position)
         self.layout = KVLayout.of(spec, config.page_size, dtype)
         kv_bytes = config.kv_cache_gb * 2**30
-        too_big = fits(self.model.weight_bytes, kv_bytes, device_memory(self.device))
+        workspace = workspace_bytes(
+            spec,
+            dtype.itemsize,
+            backend,
+            self.device,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+        )
+        too_big = fits(self.model.weight_bytes, kv_bytes, memory, workspace_bytes=workspace)
         if too_big:
             raise ConfigError(f"kv_cache_gb: {too_big}")
         num_pages = self.layout.pages_for(kv_bytes)

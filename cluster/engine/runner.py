@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from cluster.engine.attention import AttentionBackend, StepBatch, make_backend
+from cluster.engine.checkpoint import ModelSpec
 from cluster.engine.kv_cache import KVCache
 from cluster.engine.model import LlamaModel
 from cluster.engine.page_pool import pages_for
@@ -104,6 +105,45 @@ class ModelRunner:
         return inputs.sampled, logits
 
 
+def captures_graphs(backend: str, device: torch.device) -> bool:
+    """Whether a runner on `backend` replays CUDA graphs for its decode steps."""
+    return backend == "triton" and device.type == "cuda"
+
+
+def workspace_bytes(
+    spec: ModelSpec,
+    item: int,  # bytes per activation value
+    backend: str,
+    device: torch.device,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+) -> int:
+    """What a runner allocates besides weights and KV at its widest step, an upper bound:
+    activations of max_num_batched_tokens rows (residual and its norm, q/k/v, attention's
+    output, the MLP's gate, up and their product), float32 logits of max_num_seqs rows
+    and the sampler's probabilities, and the backend's scratch (Triton's split-K
+    partials, FlashInfer's workspace). CUDA graphs hold their own copy for their largest
+    bucket, in a pool no eager step reuses."""
+    per_row = (
+        2 * spec.hidden_size
+        + (2 * spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
+        + 3 * spec.intermediate_size
+    ) * item
+    logits = 2 * max_num_seqs * spec.vocab_size * 4
+    scratch = 0
+    if backend == "triton":
+        from cluster.engine.attention_triton import MAX_SPLITS
+
+        scratch = max_num_seqs * spec.num_heads * MAX_SPLITS * (spec.head_dim + 2) * 4
+    elif backend == "flashinfer":
+        from cluster.engine.attention_flashinfer import WORKSPACE_BYTES
+
+        scratch = WORKSPACE_BYTES
+    eager = max(max_num_batched_tokens, max_num_seqs) * per_row + logits + scratch
+    graphs = max_num_seqs * per_row + logits + scratch
+    return eager + (graphs if captures_graphs(backend, device) else 0)
+
+
 def build_runner(
     model: LlamaModel,
     cache: KVCache,
@@ -115,7 +155,7 @@ def build_runner(
     """A runner on `backend`; with triton on CUDA its decode steps are CUDA graphs."""
     attention = make_backend(backend, cache.layout, model.spec.num_heads, device)
     graphs = None
-    if backend == "triton" and device.type == "cuda":
+    if captures_graphs(backend, device):
         from cluster.engine.attention_triton import TritonBackend
         from cluster.engine.cuda_graphs import DecodeGraphs
 

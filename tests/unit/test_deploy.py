@@ -113,7 +113,8 @@ def test_a_worker_fits_the_gpu_the_deploy_files_name(phase: str) -> None:
     spec = ARCHITECTURES[ARCHITECTURE[Path(engine.model).name]]
     weights = engine_weight_bytes(spec, engine, Path(engine.model))
     assert _named_gpus() == {"L40S"}
-    gpu = DeviceMemory("L40S", int(GPUS["L40S"].memory_gb * 1e9))
+    memory = int(GPUS["L40S"].memory_gb * 1e9)
+    gpu = DeviceMemory("L40S", memory, memory)
     assert fits(weights, engine.kv_cache_gb * 2**30, gpu) is None
 
 

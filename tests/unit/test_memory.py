@@ -1,14 +1,15 @@
-"""An engine's weights + KV cache against its device's memory, in hand-computed numbers."""
+"""An engine's weights + workspace + KV cache against its device's free memory, in
+hand-computed numbers."""
 
 from __future__ import annotations
 
 import torch
 
 from cluster.engine.memory import DeviceMemory, device_memory, fits
+from cluster.engine.runner import workspace_bytes
 from splitserve.capacity import ARCHITECTURES, weight_bytes
-from splitserve.hardware import GPUS
 
-L40S = DeviceMemory("L40S", int(GPUS["L40S"].memory_gb * 1e9))  # 48.0 GB
+L40S = DeviceMemory("L40S", 48 * 10**9, 48 * 10**9)  # 48.0 GB, none of it taken
 LLAMA_8B_BF16 = weight_bytes(ARCHITECTURES["llama-3-8b"], 16)  # 8.03e9 x 2 = 16.06 GB
 
 
@@ -37,7 +38,7 @@ def test_weights_that_alone_overflow_the_device_say_so() -> None:
 
 
 def test_headroom_is_the_share_of_memory_left_free() -> None:
-    device = DeviceMemory("d", 100)
+    device = DeviceMemory("d", 100, 100)
     assert fits(45, 45, device) is None  # 90 of 100 with the default 10% headroom
     assert fits(45, 46, device) is not None
     assert fits(45, 50, device, headroom=0) is None
@@ -49,3 +50,39 @@ def test_a_cpu_engine_counts_this_hosts_ram() -> None:
         total_kib = int(next(line for line in f if line.startswith("MemTotal:")).split()[1])
     assert host.name == "this host's RAM"
     assert abs(host.total_bytes - total_kib * 1024) < 0.05 * host.total_bytes
+
+
+def test_a_second_worker_on_a_gpu_counts_what_the_first_one_holds() -> None:
+    """An 80 GB H100 where a prefill worker already holds 50 GB: 30 GB free, less 8 GB of
+    headroom, is 22 GB; the 8B model and 10 GiB of KV (26.8 GB) would pass against the
+    total (72 GB) and die of a CUDA OOM."""
+    shared = DeviceMemory("cuda:0 (NVIDIA H100 80GB HBM3)", 80 * 10**9, 30 * 10**9)
+    why = fits(LLAMA_8B_BF16, 10 * 2**30, shared)
+    assert why == (
+        "weights 16.1 GB + KV cache 10.7 GB (kv_cache_gb 10) = 26.8 GB exceed the 30.0 GB "
+        "free less 10% of cuda:0 (NVIDIA H100 80GB HBM3)'s 80.0 GB (22.0 GB); "
+        "kv_cache_gb 5.5 at most would fit"
+    )
+    assert fits(LLAMA_8B_BF16, 5.5 * 2**30, shared) is None
+
+
+def test_the_workspace_counts_split_k_partials_and_a_second_copy_for_cuda_graphs() -> None:
+    """Llama-3-8B in bf16, 256 sequences, 8192 batched tokens. Per activation row:
+    2 x 4096 + (64 + 16) x 128 + 3 x 14336 = 61440 values, 122880 bytes; logits and
+    probabilities: 2 x 256 x 128256 x 4 bytes; Triton's partials: 256 sequences x 32
+    heads x 32 splits x 130 x 4 bytes."""
+    llama = ARCHITECTURES["llama-3-8b"]
+    row, logits, partials = 122880, 2 * 256 * 128256 * 4, 256 * 32 * 32 * 130 * 4
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    eager = 8192 * row + logits + partials  # 1.007 + 0.263 + 0.136 GB
+    assert workspace_bytes(llama, 2, "triton", cpu, 256, 8192) == eager
+    graphs = 256 * row + logits + partials  # 0.031 + 0.263 + 0.136 GB
+    assert workspace_bytes(llama, 2, "triton", cuda, 256, 8192) == eager + graphs
+    assert workspace_bytes(llama, 2, "cpu", cpu, 256, 8192) == 8192 * row + logits
+    # ... and the fit check counts it: 1.8 GB less room for KV than without it.
+    h100 = DeviceMemory("H100", 80 * 10**9, 80 * 10**9)
+    kv = 72 * 10**9 - LLAMA_8B_BF16 - eager - graphs + 10**8  # 0.1 GB too much
+    assert fits(LLAMA_8B_BF16, kv, h100) is None
+    assert "workspace 1.8 GB" in (
+        fits(LLAMA_8B_BF16, kv, h100, workspace_bytes=eager + graphs) or ""
+    )

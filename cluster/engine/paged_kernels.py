@@ -19,6 +19,12 @@ inputs multiply in IEEE float32 (no TF32), so a float32 engine matches the CPU o
   earlier chunks) and to itself causally; its own K/V are already in the cache.
 
 On a CPU tensor they run under Triton's interpreter (TRITON_INTERPRET=1), as the tests do.
+
+Triton compiles a variant of a kernel per specialisation of its arguments (an integer
+== 1 or divisible by 16, a pointer 16-byte aligned). The arguments that change from step
+to step (the page table's width, the split count, and the pointers into a step's packed
+int32 buffer, at any 4-byte offset) are not specialised: each new combination would
+compile a variant, 0.5-2 s, on the engine thread while it serves.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ def _dot_types(x: torch.Tensor) -> tuple[tl.dtype, str]:
     return tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16, "tf32"
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slots"])
 def _store_kv_kernel(
     k, v, k_cache, v_cache, slots, stride_k, stride_v, ROW: tl.constexpr, BLOCK: tl.constexpr
 ):
@@ -97,7 +103,10 @@ def _partition(length, num_splits, BLOCK_N: tl.constexpr):
     return tl.maximum(tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N), 1) * BLOCK_N
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=["stride_table", "num_splits"],
+    do_not_specialize_on_alignment=["table", "lens"],
+)
 def _decode_kernel(
     q, k_cache, v_cache, table, lens, part_acc, part_max, part_sum,
     stride_q, stride_table, scale, num_splits, kv_heads,
@@ -148,7 +157,7 @@ def _decode_kernel(
         tl.store(part_sum + part, l_i, mask=qmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["lens"])
 def _decode_reduce(
     part_acc, part_max, part_sum, out, lens, stride_out, num_splits, heads,
     D: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -199,7 +208,10 @@ def paged_decode(
     )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=["stride_table"],
+    do_not_specialize_on_alignment=["table", "lens", "query_start"],
+)
 def _prefill_kernel(
     q, k_cache, v_cache, out, table, lens, query_start,
     stride_q, stride_qh, stride_out, stride_table, scale, kv_heads,

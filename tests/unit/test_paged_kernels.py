@@ -5,6 +5,8 @@ one (bfloat16 then multiplies in bfloat16), else under Triton's interpreter on t
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -137,3 +139,29 @@ def test_store_kv_writes_each_token_to_its_slot_and_skips_padding(
     written = torch.zeros(flat_k.shape[0], dtype=torch.bool, device=kernel_device)
     written[[37, 5]] = True
     assert not flat_k[~written].any() and not flat_v[~written].any()
+
+
+def _unspecialised(kernel: Any) -> tuple[set[str], set[str]]:
+    """(integers, pointers' alignment) a kernel compiles no variant for."""
+    if hasattr(kernel, "params"):  # compiled Triton
+        ints = {p.name for p in kernel.params if p.do_not_specialize}
+        return ints, {p.name for p in kernel.params if p.do_not_specialize_on_alignment}
+    flags = kernel.kwargs  # Triton's interpreter keeps the decorator's arguments
+    ints, pointers = flags["do_not_specialize"], flags["do_not_specialize_on_alignment"]
+    return set(ints or ()), set(pointers or ())
+
+
+def test_what_changes_from_step_to_step_compiles_no_new_variant() -> None:
+    """The page table's width and the split count vary by step, and the step's packed
+    int32 buffer (attention_triton.prepare) puts the table, lengths and query offsets at
+    any 4-byte offset: none of them may pick a compiled variant."""
+    assert _unspecialised(paged_kernels._decode_kernel) == (
+        {"stride_table", "num_splits"},
+        {"table", "lens"},
+    )
+    assert _unspecialised(paged_kernels._decode_reduce) == ({"num_splits"}, {"lens"})
+    assert _unspecialised(paged_kernels._prefill_kernel) == (
+        {"stride_table"},
+        {"table", "lens", "query_start"},
+    )
+    assert _unspecialised(paged_kernels._store_kv_kernel) == (set(), {"slots"})

@@ -3,6 +3,10 @@
 Greedy rows take the argmax together. Sampled rows are filtered together
 (temperature, top-k, top-p, min-p) and draw together; only a seeded row draws from
 its own request's generator, so it picks the same tokens alone or in any batch.
+
+On a GPU the host waits only once, for the tokens: the rows' parameters reach the device
+from pinned memory without blocking (a copy from pageable memory, as `torch.tensor(...,
+device=cuda)` or indexing with a list makes, first waits for the whole forward pass).
 """
 
 from __future__ import annotations
@@ -20,14 +24,11 @@ def sample(
     generators: Sequence[torch.Generator | None],
 ) -> tuple[list[int], list[float] | None]:
     """Token per row and, when any row asked for them, the chosen tokens' logprobs."""
-    rows = logits.shape[0]
-    tokens = torch.empty(rows, dtype=torch.long, device=logits.device)
-    greedy = [i for i, p in enumerate(params) if p.greedy]
+    tokens = logits.argmax(dim=-1)  # every row: greedy ones are done, sampled ones redrawn
     sampled = [i for i, p in enumerate(params) if not p.greedy]
-    if greedy:
-        tokens[greedy] = logits[greedy].argmax(dim=-1)
     if sampled:
-        probs = _filtered_probs(logits[sampled], [params[i] for i in sampled])
+        rows = to_device(sampled, torch.long, logits.device)
+        probs = _filtered_probs(logits.index_select(0, rows), [params[i] for i in sampled])
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; one draw per token.
         noise = torch.empty_like(probs)
         own = [(row, g) for row, i in enumerate(sampled) if (g := generators[i]) is not None]
@@ -35,13 +36,21 @@ def sample(
             noise.exponential_()
         for row, g in own:  # seeded rows (all of them when served): in place, no copy
             noise[row].exponential_(generator=g)
-        tokens[sampled] = (probs / noise).argmax(dim=-1)
+        tokens.index_copy_(0, rows, (probs / noise).argmax(dim=-1))
     # Everything above stays on the logits' device; one copy brings the results back.
     if not any(p.logprobs for p in params):
         return tokens.tolist(), None
     chosen = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
     ids, logprobs = torch.stack((tokens.double(), chosen.double())).tolist()  # ids exact < 2^53
     return [int(t) for t in ids], logprobs
+
+
+def to_device(
+    values: list[int] | list[float], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """Host values on `device`, copied without the host waiting (pinned on a GPU)."""
+    host = torch.tensor(values, dtype=dtype)
+    return (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
 
 
 def skip_draws(generator: torch.Generator, vocab_size: int, n: int) -> None:
@@ -55,16 +64,16 @@ def skip_draws(generator: torch.Generator, vocab_size: int, n: int) -> None:
 
 def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     device = logits.device
-    temps = torch.tensor([p.temperature for p in params], device=device)
+    temps = to_device([p.temperature for p in params], torch.float32, device)
     logits = logits / temps[:, None]
     if any(p.top_k for p in params):
         vocab = logits.shape[1]
-        ks = torch.tensor([p.top_k or vocab for p in params], device=device).clamp(max=vocab)
+        ks = to_device([p.top_k or vocab for p in params], torch.long, device).clamp(max=vocab)
         kth = logits.sort(dim=-1, descending=True).values.gather(1, (ks - 1)[:, None])
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if any(p.top_p < 1 for p in params):
-        top_p = torch.tensor([p.top_p for p in params], device=device)
+        top_p = to_device([p.top_p for p in params], torch.float32, device)
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         # Keeps the smallest set reaching top_p; a row at 1 keeps all (a float cumsum can pass 1).
@@ -72,7 +81,7 @@ def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
     if any(p.min_p for p in params):
-        min_p = torch.tensor([p.min_p for p in params], device=device)
+        min_p = to_device([p.min_p for p in params], torch.float32, device)
         floor = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
         probs = probs.masked_fill(probs < floor, 0.0)
     return probs

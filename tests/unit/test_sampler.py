@@ -1,9 +1,15 @@
-"""sample(): greedy rows, filtered seeded draws, batch independence and logprobs."""
+"""sample(): greedy rows, filtered seeded draws, batch independence and logprobs, and
+what it costs the host."""
 
 from __future__ import annotations
 
-import torch
+from typing import Any
 
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from bench.step_budget import counting
 from cluster.engine.sampler import _filtered_probs, sample
 from cluster.types import GREEDY_TEMPERATURE, SamplingParams
 
@@ -138,3 +144,39 @@ def test_a_temperature_near_zero_picks_the_argmax_and_below_the_epsilon_is_greed
         assert params.greedy == (temperature <= GREEDY_TEMPERATURE)
         tokens, _ = sample(logits, [params] * 3, [seeded(s) for s in range(3)])
         assert tokens == logits.argmax(dim=-1).tolist(), temperature
+
+
+def test_an_all_greedy_batch_is_one_argmax_and_one_copy_back() -> None:
+    logits = random_logits(8, 50)
+    with counting() as budget:
+        tokens, _ = sample(logits, [GREEDY] * 8, [None] * 8)
+    assert tokens == logits.argmax(dim=-1).tolist()
+    assert (budget.ops, budget.syncs) == (1, ["tolist"])
+
+
+class _Copies(TorchDispatchMode):
+    """The copies ops make to another device, with their non_blocking flags."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies: list[tuple[torch.device, bool]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default and "device" in kwargs:
+            self.copies.append((kwargs["device"], kwargs.get("non_blocking", False)))
+        return func(*args, **kwargs)
+
+
+def test_the_rows_parameters_reach_the_device_without_the_host_waiting() -> None:
+    """On a device the host does not hold (meta: shapes only, no data) every value the
+    sampler sends over shows as a copy: the sampled rows, their temperatures, top-k, top-p
+    and min-p, each non-blocking. The copy back of the tokens is the step's one wait."""
+    meta = torch.device("meta")
+    params = [GREEDY, SamplingParams(temperature=0.8, top_k=5, top_p=0.9, min_p=0.1)] * 2
+    mode = _Copies()
+    with pytest.raises(NotImplementedError, match="meta tensor"), mode:
+        sample(torch.empty(4, 50, device=meta), params, [None] * 4)  # fails copying back
+    to_meta = [blocking for device, blocking in mode.copies if device == meta]
+    assert to_meta == [True] * 5
+    assert mode.copies[-1] == (torch.device("cpu"), False)  # the tokens, to the host

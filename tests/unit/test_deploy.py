@@ -206,3 +206,101 @@ def test_the_probes_ask_the_router_on_ports_it_listens_on() -> None:
         assert HEAD[probe]["grpc"] == {"port": router.port}  # grpc.health.v1, router/server.py
     liveness = HEAD["livenessProbe"]["httpGet"]
     assert liveness == {"path": "/v1/models", "port": router.http_port}  # router/openai.py
+
+
+# --- what KubeRay, the kubelet and the AMI make of them -------------------------------------
+
+LAUNCHER = yaml.safe_load((DEPLOY / "ray-cluster.yaml").read_text())
+# vCPUs and GiB of the instance types the files name (AWS's published sizes).
+INSTANCES = {"m6i.2xlarge": (8, 32), "g6e.2xlarge": (8, 64)}
+CONTAINERS = [c for pod in [HEAD_POD, *WORKER_PODS] for c in pod["containers"]]
+
+
+def _gib(quantity: str) -> float:
+    assert quantity.endswith("Gi"), quantity
+    return float(quantity.removesuffix("Gi"))
+
+
+def test_the_ray_version_is_the_images_and_the_launchers_and_pyproject_allows_it() -> None:
+    version = RAYCLUSTER["spec"]["rayVersion"]
+    assert _pin(_dockerfile("cuda"), r"ray\[default\]") == version
+    assert _pin((DEPLOY / "ray-cluster.yaml").read_text(), r"ray\[default\]") == version
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    [ray] = [Requirement(r) for r in project["dependencies"] if Requirement(r).name == "ray"]
+    assert version in ray.specifier
+
+
+def test_every_container_declares_its_probes_over_http_or_grpc() -> None:
+    """KubeRay injects its own exec probes (they run wget, which the image lacks) only into
+    containers that declare none."""
+    for container in CONTAINERS:
+        for probe in ("readinessProbe", "livenessProbe"):
+            assert set(container[probe]) & {"httpGet", "grpc"}, (container["name"], probe)
+            assert "exec" not in container[probe]
+    for pod in WORKER_PODS:
+        [worker] = pod["containers"]
+        for probe in ("readinessProbe", "livenessProbe"):
+            get = worker[probe]["httpGet"]  # the dashboard agent on every Ray node
+            assert get == {"path": "/api/local_raylet_healthz", "port": 52365}
+
+
+def test_each_pod_fits_its_instance_with_headroom_for_the_kubelet() -> None:
+    types = {
+        name: t["node_config"]["InstanceType"]
+        for name, t in LAUNCHER["available_node_types"].items()
+    }
+    pods = [(HEAD_POD, RAYCLUSTER["spec"]["headGroupSpec"], types[LAUNCHER["head_node_type"]])]
+    pods += [
+        (g["template"]["spec"], g, types[f"{g['groupName'].split('-')[0]}_gpu"])
+        for g in RAYCLUSTER["spec"]["workerGroupSpecs"]
+    ]
+    for pod, group, instance in pods:
+        [container] = pod["containers"]
+        vcpus, gib = INSTANCES[instance]
+        requests, limits = container["resources"]["requests"], container["resources"]["limits"]
+        assert requests == limits  # Guaranteed: not the first evicted under pressure
+        assert float(requests["cpu"]) <= vcpus - 0.5, instance  # kubelet, kube-proxy, CNI
+        assert _gib(requests["memory"]) <= 0.9 * gib, instance
+        assert float(group["rayStartParams"]["num-cpus"]) <= float(requests["cpu"])
+
+
+def test_gpu_pods_tolerate_the_gpu_taint() -> None:
+    for pod in WORKER_PODS:
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
+            "tolerations"
+        ]
+
+
+def test_every_container_runs_as_the_images_non_root_user() -> None:
+    for container in CONTAINERS:
+        context = container["securityContext"]
+        assert context["runAsNonRoot"] is True and context["runAsUser"] == 1000
+        assert context["allowPrivilegeEscalation"] is False
+    for target in ("cpu", "cuda"):
+        assert "useradd --create-home --uid 1000" in _dockerfile(target)
+        assert re.search(r"^USER 1000$", _dockerfile(target), re.M)
+
+
+def test_ray_asks_for_a_token_from_a_kubernetes_secret_on_every_pod() -> None:
+    for container in CONTAINERS:
+        env = {e["name"]: e for e in container["env"]}
+        assert env["RAY_AUTH_MODE"]["value"] == "token"
+        ref = env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": "splitserve-ray-token", "key": "token"}
+    steps = (ROOT / "docs" / "deploy.md").read_text()
+    assert "kubectl create secret generic splitserve-ray-token --from-literal=token=" in steps
+
+
+def test_the_launcher_installs_into_a_python_311_venv_with_the_images_pins() -> None:
+    setup = "\n".join(LAUNCHER["setup_commands"])
+    assert "python3.11 -m venv ~/venv" in setup
+    assert _pin(setup, "torch") == _pin((ROOT / "scripts" / "setup").read_text(), "torch")
+    assert not re.search(r"(^|\s)(python3|pip3?) ", setup.replace("python3.11 ", ""))
+    for phase in ("head_start_ray_commands", "worker_start_ray_commands"):
+        assert all(c.startswith("~/venv/bin/ray ") for c in LAUNCHER[phase])
+
+
+def test_the_docs_name_the_kuberay_version_the_manifest_needs() -> None:
+    steps = (ROOT / "docs" / "deploy.md").read_text()
+    assert "KubeRay operator (1.2 or later" in steps
+    assert "(1.1 or later)" not in steps

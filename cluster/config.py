@@ -220,7 +220,9 @@ class PoolConfig:
 
     replicas: int = 1
     num_cpus: float = 1.0
-    num_gpus: float = 0.0
+    # None: one GPU per worker whose engine runs on CUDA (cluster/actor_options.py); 0 on a
+    # cluster with GPUs hides them from the worker.
+    num_gpus: float | None = None
     # Custom Ray resources each worker asks for, e.g. {prefill_node: 1} so a phase lands
     # on its own node type (deploy/ declares them on the nodes).
     resources: dict[str, float] = field(default_factory=dict)
@@ -240,9 +242,22 @@ class PoolConfig:
             f"must be within autoscale's [min_replicas, max_replicas] = [{low}, {high}], "
             f"got {self.replicas}",
         )
-        for name in ("num_cpus", "num_gpus"):
-            value = getattr(self, name)
-            _check(_is_number(value) and value >= 0, name, f"must be a number >= 0, got {value!r}")
+        _check(
+            _is_number(self.num_cpus) and self.num_cpus >= 0,
+            "num_cpus",
+            f"must be a number >= 0, got {self.num_cpus!r}",
+        )
+        _check(
+            self.num_gpus is None or (_is_number(self.num_gpus) and self.num_gpus >= 0),
+            "num_gpus",
+            f"must be a number >= 0 or null, got {self.num_gpus!r}",
+        )
+        _check(
+            self.num_gpus != 0 or self.engine.device != "cuda",
+            "num_gpus",
+            "0 gives each worker no GPU, but engine.device is cuda: leave num_gpus null "
+            "(one each) or give a share (0.5: two workers on one GPU)",
+        )
         _check(isinstance(self.resources, dict), "resources", "must be a mapping")
         for key, value in self.resources.items():
             _check(

@@ -29,6 +29,7 @@ from typing import Any, cast
 
 import ray
 
+from cluster.actor_options import actor_options
 from cluster.config import EngineConfig, TransferConfig
 from cluster.engine.engine import LLMEngine
 from cluster.protocol import KVEvents, PrefillHandle, PrefillStats
@@ -199,11 +200,12 @@ def spawn(
     engine: EngineConfig,
     transfer: TransferConfig,
     num_cpus: float = 1,
-    num_gpus: float = 0,
+    num_gpus: float | None = None,  # None: one GPU if the engine runs on CUDA (actor_options)
     resources: dict[str, float] | None = None,
 ) -> PrefillHandle:
     """Start a PrefillWorker actor named `name`; returns its Ray actor handle."""
     actor: Any = ray.remote(PrefillWorker)
-    options = {"name": name, "num_cpus": num_cpus, "num_gpus": num_gpus}
-    handle = actor.options(**options, resources=resources or {}).remote(name, engine, transfer)
+    gpus = ray.cluster_resources().get("GPU", 0.0)
+    options = actor_options(name, num_cpus, num_gpus, engine.device, resources or {}, gpus)
+    handle = actor.options(**options).remote(name, engine, transfer)
     return cast(PrefillHandle, handle)

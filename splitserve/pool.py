@@ -44,7 +44,7 @@ class Role(Generic[H]):
     """What a pool does differently for each phase's workers."""
 
     phase: Phase
-    spawn: Callable[[str, EngineConfig, TransferConfig, float, float, dict[str, float]], H]
+    spawn: Callable[[str, EngineConfig, TransferConfig, float, float | None, dict[str, float]], H]
     add: Callable[[WorkerRegistry, str, H], Awaitable[None]]  # the router routes to it
     move_off: Callable[[H, str], Awaitable[int]]  # past the drain deadline (why): how many
 

@@ -191,6 +191,11 @@ def test_pool_engines_override_the_shared_engine_field_by_field() -> None:
             "config.decode.replicas: must be at least 1",
         ),
         ({"prefill": {"num_cpus": -1}}, "prefill.num_cpus: must be a number >= 0"),
+        ({"prefill": {"num_gpus": -1}}, "prefill.num_gpus: must be a number >= 0 or null"),
+        (
+            {"decode": {"num_gpus": 0, "engine": {"device": "cuda"}}},
+            "decode.num_gpus: 0 gives each worker no GPU, but engine.device is cuda",
+        ),
         ({"prefill": {"engine": {"dtype": "int3"}}}, "prefill.engine.dtype: must be one of"),
         (
             {"decode": {"engine": {"quantization": "int4"}}},

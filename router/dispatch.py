@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 # A decode step's deltas wake this many streams per turn of the event loop, so that a
 # new request (its admission, or its refusal) waits behind a slice of a step's token
 # delivery, not behind all of it (hundreds of streams' framing and writes).
-DELIVER_SLICE = 8
+DELIVER_SLICE = 4
 
 
 @dataclass

@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 SESSION_HEADER = "X-Session-Id"
 FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
 MAX_BODY_BYTES = 4 * 2**20
+# Connections the kernel holds for accept(): aiohttp's 128 dropped part of a burst of new
+# clients, who waited a 1 s SYN retransmit to be refused; the kernel caps it (somaxconn).
+BACKLOG = 4096
 
 
 class HTTPError(Exception):
@@ -251,7 +254,7 @@ class OpenAIFrontDoor:
             self.app(), access_log=None, handler_cancellation=True, shutdown_timeout=grace_s
         )
         await self.runner.setup()
-        site = web.TCPSite(self.runner, host, port)
+        site = web.TCPSite(self.runner, host, port, backlog=BACKLOG)
         await site.start()
         bound = self.runner.addresses[0]
         self.address = f"http://{bound[0]}:{bound[1]}"

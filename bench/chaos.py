@@ -22,6 +22,10 @@ requests (first divergence), recovery times, the extra latency of requests in fl
 kill (and of the others, for the batching cost alone), and the pages at the end
 (bench/chaos_report.py). `--kills 0 --no-redis-kill` is the control: the same load with no
 fault, the floor of wrong tokens from batching alone.
+
+`--scenario overload` and `--scenario flood` put the front doors under pressure instead
+(bench/chaos_pressure.py): refusals timed at 3x `max_pending` while every accepted stream
+runs, and a flood of near-limit inputs against a normal client's latency.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from typing import Any
 import grpc
 
 from bench.chaos_faults import Victim, kill_valkey, kill_worker, pages, workers
+from bench.chaos_pressure import flood, overload, pressure_doc, pressure_table
 from bench.chaos_report import Fault, Outcome, WorkerPages, message_class, summarize, table
 from bench.process import Served, splitserve
 from bench.serve_workload import VOCAB_SIZE
@@ -59,7 +64,7 @@ def make_mix(args: argparse.Namespace) -> list[Request]:
 
 
 def serve_doc(args: argparse.Namespace) -> dict[str, Any]:
-    engine = {"dtype": args.dtype, "kv_cache_gb": args.kv_cache_gb, "threads": 1}
+    engine = {"dtype": args.dtype, "kv_cache_gb": args.kv_cache_gb or 0.25, "threads": 1}
     return {
         "engine": engine,
         "prefill": {"replicas": args.prefill},
@@ -183,6 +188,16 @@ async def run(args: argparse.Namespace, served: Served) -> dict[str, Any]:
     }
 
 
+async def _scenario(args: argparse.Namespace, served: Served) -> dict[str, Any]:
+    if args.scenario == "overload":
+        targets = {"grpc": served.address, "http": served.http_url or ""}
+        doors = args.doors.split(",")
+        return {"overload": [await overload(d, targets[d], served.pid, args) for d in doors]}
+    if args.scenario == "flood":
+        return {"flood": await flood(served.address, served.pid, args)}
+    return await run(args, served)
+
+
 def _record(o: Outcome, start: float) -> dict[str, Any]:
     """One loaded request for the JSON: its tokens' count, not the tokens."""
     return {
@@ -205,10 +220,16 @@ def _tree() -> dict[str, Any]:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="splitserve bench chaos", description=__doc__.split("\n")[0])
+    p.add_argument("--scenario", choices=["kills", "overload", "flood"], default="kills")
     p.add_argument("--prefill", type=int, default=2, help="prefill workers (the pool's size)")
     p.add_argument("--decode", type=int, default=2, help="decode workers (the pool's size)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--kv-cache-gb", type=float, default=0.25, help="per worker")
+    p.add_argument(
+        "--kv-cache-gb",
+        type=float,
+        default=None,
+        help="per worker (default: 0.25; overload and flood 1.5, for every stream at once)",
+    )
     p.add_argument("--mix", type=int, default=48, help="distinct requests in the mix")
     p.add_argument("--prompt-min", type=int, default=16)
     p.add_argument("--prompt-median", type=int, default=100)
@@ -235,6 +256,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--settle-s", type=float, default=60.0, help="for pages to come back")
     p.add_argument("--seed", type=int, default=0)
+    pressure = p.add_argument_group("overload and flood (bench/chaos_pressure.py)")
+    pressure.add_argument("--max-pending", type=int, default=256, help="the router's limit")
+    pressure.add_argument(
+        "--max-pending-per-client", type=int, default=None, help="the router's per-client limit"
+    )
+    pressure.add_argument("--doors", default="grpc,http", help="overload: front doors, in turn")
+    pressure.add_argument("--prompt-tokens", type=int, default=16)
+    pressure.add_argument("--distinct", type=int, default=4, help="overload: distinct prompts")
+    pressure.add_argument("--stream-tokens", type=int, default=32, help="overload: per stream")
+    pressure.add_argument("--normal", type=int, default=16, help="flood: idle normal requests")
+    pressure.add_argument("--normal-tokens", type=int, default=16)
+    pressure.add_argument("--flood-senders", type=int, default=32)
+    pressure.add_argument("--flood-s", type=float, default=15.0)
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--log-dir", default=None, help="the server's config and log (default: tmp)")
     args = p.parse_args(argv)
@@ -251,12 +285,16 @@ def main(argv: list[str] | None = None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"server config and log: {log_dir}", file=sys.stderr)
     tree = _tree()  # as the server starts: the tree may change while it runs
-    with splitserve("chaos", serve_doc(args), log_dir) as served:
-        result = asyncio.run(run(args, served))
+    doc = serve_doc(args) if args.scenario == "kills" else pressure_doc(args)
+    with splitserve("chaos", doc, log_dir) as served:
+        result = asyncio.run(_scenario(args, served))
     result["command"] = shlex.join(["splitserve", "bench", "chaos", *argv])
-    result["serve_config"] = serve_doc(args)
+    result["serve_config"] = doc
     result["tree"] = tree
-    print(table(f"chaos ({args.kills} kills, {args.concurrency} streams)", result["summary"]))
+    if args.scenario == "kills":
+        print(table(f"chaos ({args.kills} kills, {args.concurrency} streams)", result["summary"]))
+    else:
+        print(pressure_table(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0

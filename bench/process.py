@@ -55,11 +55,12 @@ def child(
 class Served:
     """A running `splitserve serve`: its gRPC address, its process id (Ray's workers and
     the embedded valkey-server are among that process's descendants) and, when its config
-    turns them on, its Prometheus metrics' URL."""
+    turns them on, its Prometheus metrics' URL and its OpenAI HTTP API's base URL."""
 
     address: str
     pid: int
     metrics_url: str | None = None
+    http_url: str | None = None
 
 
 @contextmanager
@@ -76,6 +77,7 @@ def splitserve(name: str, doc: dict[str, Any], log_dir: Path) -> Iterator[Served
     with child(cmd, subprocess.PIPE) as proc:
         address: list[str] = []
         metrics: list[str] = []
+        http: list[str] = []
         ready = threading.Event()
 
         def drain() -> None:  # keep its log, and the pipe from filling
@@ -86,6 +88,8 @@ def splitserve(name: str, doc: dict[str, Any], log_dir: Path) -> Iterator[Served
                     log.flush()
                     if m := re.search(r"Prometheus metrics on (\S+/metrics)", line):
                         metrics.append(m.group(1))
+                    if m := re.search(r"OpenAI-compatible HTTP API on (\S+)/v1", line):
+                        http.append(m.group(1))
                     if m := re.search(r"serving on (\S+);", line):
                         address.append(m.group(1))
                         ready.set()
@@ -94,4 +98,6 @@ def splitserve(name: str, doc: dict[str, Any], log_dir: Path) -> Iterator[Served
         threading.Thread(target=drain, daemon=True).start()
         if not ready.wait(300) or not address:
             raise DidNotStart(name, log_path)
-        yield Served(address[0], proc.pid, metrics[0] if metrics else None)
+        yield Served(
+            address[0], proc.pid, metrics[0] if metrics else None, http[0] if http else None
+        )

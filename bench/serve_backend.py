@@ -142,7 +142,7 @@ class OpenAIBackend:
                     status = f"HTTP_{r.status}"
                     await r.read()
                 else:
-                    async for at, event in _events(r.content):
+                    async for at, event in sse_events(r.content):
                         if "error" in event:
                             status = "STREAM_ERROR"
                             break
@@ -164,7 +164,7 @@ class OpenAIBackend:
         return record, reply
 
 
-async def _events(stream: aiohttp.StreamReader) -> AsyncIterator[tuple[float, dict[str, Any]]]:
+async def sse_events(stream: aiohttp.StreamReader) -> AsyncIterator[tuple[float, dict[str, Any]]]:
     """Server-sent events' JSON payloads up to `[DONE]`, each with its arrival time."""
     async for line in stream:
         at = time.perf_counter()

@@ -1,7 +1,9 @@
 """`splitserve bench chaos` in its smallest form: a real `splitserve serve` with one prefill
 and one decode worker, 4 streams of short requests, one kill -9 of the prefill worker.
 A dead prefill worker loses nothing (its decode workers recompute), so every request
-completes with the idle run's tokens, the pool replaces the worker and no page is held."""
+completes with the idle run's tokens, the pool replaces the worker and no page is held.
+Then the pressure scenarios in small: 4 streams and 8 + 8 refusals on each front door;
+a 2-second flood of near-limit texts beside a normal client."""
 
 from __future__ import annotations
 
@@ -36,3 +38,30 @@ def test_one_prefill_kill_loses_no_request_and_leaks_no_page(tmp_path: Path) -> 
     assert fault["recovered_s"] > 0
     assert s["pages_all_free"] is True
     assert {p["worker"] for p in s["pages"]} == {"decode-0", "prefill-1"}
+
+
+PRESSURE = ["--max-pending", "4", "--distinct", "1", "--prompt-tokens", "8", "--kv-cache-gb", "0.2"]
+
+
+def test_overload_refuses_every_request_past_max_pending_on_both_doors_and_streams_right(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "overload.json"
+    argv = ["--scenario", "overload", *PRESSURE, "--stream-tokens", "128"]
+    assert main([*argv, "--json", str(out), "--log-dir", str(tmp_path)]) == 0
+    grpc_run, http_run = json.loads(out.read_text())["overload"]
+    for run, refused in ((grpc_run, "RESOURCE_EXHAUSTED"), (http_run, "HTTP_429")):
+        assert (run["streams"], run["streams_ok"], run["streams_wrong_output"]) == (4, 4, 0)
+        for mode in ("at_once", "one_by_one"):
+            assert run["burst"][mode]["by_status"] == {refused: 8}, (run["door"], mode)
+
+
+def test_a_flood_is_refused_and_the_normal_client_is_served(tmp_path: Path) -> None:
+    out = tmp_path / "flood.json"
+    argv = ["--scenario", "flood", *PRESSURE, "--max-pending-per-client", "2"]
+    argv += ["--flood-senders", "4", "--flood-s", "2", "--normal", "2", "--normal-tokens", "4"]
+    assert main([*argv, "--json", str(out), "--log-dir", str(tmp_path)]) == 0
+    flood = json.loads(out.read_text())["flood"]
+    assert set(flood["flood_by_status"]) <= {"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"}
+    assert flood["flood_by_status"]["INVALID_ARGUMENT"] >= 1
+    assert flood["normal_failed"] == 0 and flood["normal_during_ms"] is not None

@@ -24,7 +24,6 @@ from bench.compare import CONFIGS, RESULTS
 from bench.serve_workload import load_workload, make_conversations
 from cluster.config import EngineConfig, serve_config_from_dict
 from cluster.engine.checkpoint import read_spec
-from cluster.engine.cpu_isa import fast_dtype
 from cluster.engine.model_files import bundled_model_path
 from router.policy import PolicyConfig, PolicyName
 from splitserve.calibrate import calibrate
@@ -150,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.calibration:
         costs = {t: Linear.load(Path(f)) for t, f in zip((1, 2), args.calibration, strict=True)}
     else:
-        engine = EngineConfig(dtype=fast_dtype("cpu"))
+        engine = EngineConfig()  # the auto modes, as served
         costs = {t: calibrate(dataclasses.replace(engine, threads=t), 900)[0] for t in (1, 2)}
     found = {p.stem.removeprefix("compare-"): p for p in RESULTS.glob("compare-*.json")}
     if "chat" not in found:

@@ -19,7 +19,7 @@ T = TypeVar("T")
 
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
-QUANTIZATIONS = ("none", "int8", "int4", "gguf")  # cluster/engine/quantization.py
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")  # cluster/engine/quantization.py
 ATTENTION_BACKENDS = ("auto", "cpu", "triton", "flashinfer")  # cluster/engine/attention.py
 
 
@@ -28,8 +28,11 @@ class EngineConfig:
     """Everything one engine needs. `model` None means the bundled SmolLM2-135M-Instruct."""
 
     model: str | None = None
-    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU (cluster/engine/engine.py)
-    quantization: str = "none"  # weights: none | int8 | int4 | gguf (the file's own blocks)
+    # auto: bfloat16 on CUDA and on a CPU with native bf16, else float32 (engine.pick_dtype)
+    dtype: str = "auto"
+    # weights: none | int8 | int4 | gguf (the file's own blocks) | auto: gguf for a GGUF on
+    # the CPU, else none (engine.pick_quantization)
+    quantization: str = "auto"
     device: str = "auto"
     attention_backend: str = "auto"  # cpu on CPU; CUDA: flashinfer if installed, else triton
     kv_cache_gb: float = 1.0
@@ -394,12 +397,13 @@ class ServeConfig:
             )
         # auto resolves per device, so two pools on different devices would hold different KV.
         devices = self.prefill.engine.device, self.decode.engine.device
-        _check(
-            self.decode.engine.dtype != "auto" or devices[0] == devices[1],
-            "prefill.engine.dtype",
-            f"auto resolves per device: with prefill.engine.device {devices[0]!r} and "
-            f"decode.engine.device {devices[1]!r}, name the dtype (float32 or bfloat16)",
-        )
+        for name, named in (("dtype", "float32 or bfloat16"), ("quantization", "none or gguf")):
+            _check(
+                getattr(self.decode.engine, name) != "auto" or devices[0] == devices[1],
+                f"prefill.engine.{name}",
+                f"auto resolves per device: with prefill.engine.device {devices[0]!r} and "
+                f"decode.engine.device {devices[1]!r}, name the {name} ({named})",
+            )
 
 
 def _is_number(value: object) -> bool:

@@ -71,7 +71,7 @@ class DecodeWorker:
         self.epoch = uuid.uuid4().hex[:12]
         self.transfer = transfer
         compat = compat_hash(
-            self.engine.spec, self.engine.dtype, engine.page_size, engine.quantization
+            self.engine.spec, self.engine.dtype, engine.page_size, self.engine.quantization
         )
         self.endpoint = KVEndpoint(
             name,

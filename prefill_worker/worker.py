@@ -57,7 +57,9 @@ class PrefillWorker:
         self.endpoint = KVEndpoint(
             name,
             self.engine.cache,
-            compat_hash(self.engine.spec, self.engine.dtype, engine.page_size, engine.quantization),
+            compat_hash(
+                self.engine.spec, self.engine.dtype, engine.page_size, self.engine.quantization
+            ),
             transfer.ucx_devices,
             transfer.ucx_transports,
             transfer.progress_thread,

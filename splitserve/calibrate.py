@@ -23,6 +23,7 @@ PREFILL_GRID = (16, 64, 256, 512, 1024, 2048)
 
 @dataclass(frozen=True)
 class Calibration:
+    modes: str  # the engine's dtype and weights, as it resolved them
     samples: list[Sample]
     points: int  # of the whole grid; fewer samples: the budget ran out first
     seconds: float  # spent, the engine's start included
@@ -89,16 +90,15 @@ def measure(
         if clock() - start >= budget_s:
             break
         samples.append(point())
-    return Calibration(samples, len(plan), clock() - start)
+    return Calibration(f"{engine.dtype} {engine.quantization}", samples, len(plan), clock() - start)
 
 
 def calibrate(
     config: EngineConfig, budget_s: float, repeats: int = 3
 ) -> tuple[Linear, Calibration]:
     """The fitted step cost and what it was fitted to."""
-    model = config.model or "bundled"
-    source = f"{model} {config.dtype} {config.quantization}, {config.threads} threads"
     run = measure(config, budget_s, repeats)
+    source = f"{config.model or 'bundled'} {run.modes}, {config.threads} threads"
     if len(run.samples) < 2:
         raise ConfigError(
             f"budget_s: {budget_s:g} s ran out after {len(run.samples)} timed steps (the "

@@ -26,7 +26,6 @@ from cluster.config import (
     load_engine_config,
     load_serve_config,
 )
-from cluster.engine.cpu_isa import fast_dtype
 from cluster.engine.model_files import ModelLoadError
 from cluster.types import InvalidRequestError, SamplingParams
 
@@ -194,8 +193,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         )
     model = None if args.model in ARCHITECTURES else args.model
     engine = load_engine_config(args.config) if args.config else EngineConfig()
-    dtype = fast_dtype("cpu") if args.dtype == "auto" else args.dtype
-    engine = dataclasses.replace(engine, model=model, dtype=dtype, threads=args.threads)
+    engine = dataclasses.replace(engine, model=model, dtype=args.dtype, threads=args.threads)
     cost, run = calibrate(engine, args.budget_s)
     if len(run.samples) < run.points:
         print(
@@ -305,7 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
     sim.add_argument("--slo-tpot", type=float, default=0.1, help="seconds")
     sim.add_argument("--config", default=None, help="a serve YAML: pools, engines, policy")
-    sim.add_argument("--quantization", choices=QUANTIZATIONS, default="none")
+    sim.add_argument(  # the simulated model's weights: no device here for auto to read
+        "--quantization", choices=[q for q in QUANTIZATIONS if q != "auto"], default="none"
+    )
     sim.add_argument(
         "--calibration", default=None, help="step costs from `plan calibrate` (else roofline)"
     )
@@ -316,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         choices=DTYPES,
         default="auto",
-        help="auto: bfloat16 where this CPU has native bf16 (AVX512_BF16, AMX), else float32",
+        help="auto (the engine's: bfloat16 where this CPU has native bf16, else float32)",
     )
     cal.add_argument(
         "--budget-s",
@@ -362,12 +362,19 @@ named architectures: smollm2-135m, llama-3-8b, llama-3-70b, qwen2-7b, mistral-7b
 
 
 def _engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dtype", choices=DTYPES, default=None, help="activations and KV")
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=None,
+        help="activations and KV (default auto: bfloat16 on a GPU and on a CPU with native "
+        "bf16, else float32)",
+    )
     parser.add_argument(
         "--quantization",
         choices=QUANTIZATIONS,
         default=None,
-        help="weights: int8/int4 quantized at load, gguf the file's own blocks (default none)",
+        help="weights: int8/int4 quantized at load, gguf the file's own blocks, none float "
+        "(default auto: gguf for a GGUF file on the CPU, else none)",
     )
 
 

@@ -11,27 +11,30 @@ before it allocates its KV cache, and its ConfigError ends `serve`.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import torch
 
 from cluster.config import ConfigError, EngineConfig, ServeConfig
 from cluster.engine.checkpoint import ModelSpec, read_spec
-from cluster.engine.engine import pick_device, pick_dtype
+from cluster.engine.engine import pick_device, pick_dtype, pick_quantization
 from cluster.engine.memory import device_memory, fits
 from cluster.engine.model_files import bundled_model_path
 from splitserve.capacity import BITS, weight_bytes
 
 
 def engine_weight_bytes(spec: ModelSpec, engine: EngineConfig, path: Path) -> float:
-    """The weights one engine holds: a GGUF's own blocks in gguf mode (the file's size),
-    else every parameter at the dtype's or the quantization's nominal bits (int8 / int4
-    group scales, and int4's 8-bit vocabulary, add a few percent: the headroom's share)."""
-    if engine.quantization == "gguf":
+    """The weights one engine holds, its auto modes resolved for its device: a GGUF's own
+    blocks in gguf mode (the file's size), else every parameter at the dtype's or the
+    quantization's nominal bits (int8 / int4 group scales, and int4's 8-bit vocabulary, add
+    a few percent: the headroom's share)."""
+    device = pick_device(engine.device)
+    quantization = pick_quantization(engine.quantization, path, device)
+    if quantization == "gguf":
         return path.stat().st_size
-    bits = BITS[engine.dtype if engine.quantization == "none" else engine.quantization]
-    return weight_bytes(spec, bits)
+    return weight_bytes(
+        spec, BITS[pick_dtype(engine.dtype, device) if quantization == "none" else quantization]
+    )
 
 
 def check_fit(config: ServeConfig) -> None:
@@ -48,8 +51,7 @@ def check_fit(config: ServeConfig) -> None:
         if device.type == "cuda" and not torch.cuda.is_available():
             continue  # the workers fail on their own, saying so
         kv_bytes = engine.kv_cache_gb * 2**30
-        resolved = dataclasses.replace(engine, dtype=pick_dtype(engine.dtype, device))
-        weights = engine_weight_bytes(spec, resolved, path)
+        weights = engine_weight_bytes(spec, engine, path)
         too_big = fits(weights, kv_bytes, device_memory(device))
         if too_big:
             raise ConfigError(f"{phase}.engine.kv_cache_gb: one {phase} worker: {too_big}")

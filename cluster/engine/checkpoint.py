@@ -248,6 +248,13 @@ def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
     return default if f is None else f.contents()
 
 
+def gguf_blocks_servable(path: Path) -> bool:
+    """Whether gguf mode can serve the file as stored: every quantized tensor in a block
+    type with a kernel here (GGUF_BLOCKS; K-quants have none yet). Reads the header only."""
+    kinds = {t.tensor_type.name for t in open_gguf(path).tensors}
+    return kinds - {"F32", "F16", "BF16"} <= GGUF_BLOCKS.keys()
+
+
 def read_spec(path: str | Path) -> ModelSpec:
     """The model's shape alone, from its config or GGUF metadata: no weights are read."""
     p = Path(path)

@@ -20,7 +20,8 @@ import torch
 
 from cluster.config import ConfigError, EngineConfig
 from cluster.engine.attention import resolve_backend
-from cluster.engine.checkpoint import ModelSpec, load_checkpoint
+from cluster.engine.checkpoint import ModelSpec, gguf_blocks_servable, load_checkpoint
+from cluster.engine.cpu_isa import BF16_FLAGS, cpu, fast_dtype, isa, native_bf16
 from cluster.engine.kv_cache import KVCache, KVLayout
 from cluster.engine.kv_sink import KVSink, PageHolds, PromptDone, layer_hook
 from cluster.engine.memory import device_memory, fits
@@ -73,12 +74,46 @@ def pick_device(name: str) -> torch.device:
 
 def pick_dtype(name: str, device: torch.device) -> str:
     """The dtype `engine.dtype: name` means on `device`. auto: bfloat16 on CUDA (half the
-    weight bytes, tensor cores); float32 on the CPU, exact (the tests compare its tokens
-    with transformers'). Every user of an engine's dtype (its KV layout, the compatibility
-    hash, the fit check) reads this resolved name, never "auto"."""
+    weight bytes, tensor cores) and on a CPU with native bf16 arithmetic; float32 on any
+    other CPU, where torch emulates bf16 several times slower (cluster/engine/cpu_isa.py).
+    The rule reads the CPU's flags, never a timing, so every worker on a host resolves it
+    alike: their KV must match. Every user of an engine's dtype (its KV layout, the
+    compatibility hash, the fit check) reads this resolved name, never "auto"."""
     if name != "auto":
         return name
-    return "bfloat16" if device.type == "cuda" else "float32"
+    return fast_dtype(device.type)
+
+
+def pick_quantization(name: str, path: Path, device: torch.device) -> str:
+    """The weight mode `engine.quantization: name` means for the model at `path`. auto: a
+    GGUF file's own blocks as stored (gguf) on the CPU, whose kernels read them, when each
+    block type has a kernel; float weights (none) otherwise: a checkpoint directory, a GPU,
+    a GGUF of K-quants. Read from the file, never timed: every worker resolves it alike."""
+    if name != "auto":
+        return name
+    gguf = path.suffix == ".gguf" and path.is_file() and device.type == "cpu"
+    return "gguf" if gguf and gguf_blocks_servable(path) else "none"
+
+
+def describe_modes(config: EngineConfig, dtype: str, quantization: str, device: str) -> str:
+    """What the start-up line says of the modes: each as chosen, and why when auto chose."""
+    parts = [dtype]
+    if config.dtype == "auto":
+        flags = cpu()[1]
+        why = (
+            "a GPU"
+            if device == "cuda"
+            else f"native bf16: {' '.join(sorted(flags & BF16_FLAGS))}"
+            if native_bf16(flags)
+            else f"bf16 would be emulated: {isa(flags)}"
+        )
+        parts = [f"dtype auto: {dtype} ({why})"]
+    if config.quantization == "auto":
+        why = "the GGUF's blocks as stored" if quantization == "gguf" else "float weights"
+        parts.append(f"quantization auto: {quantization} ({why})")
+    else:
+        parts.append(f"quantization {quantization}")
+    return ", ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -110,11 +145,12 @@ class LLMEngine:
         self.model_id = path.name if path.is_dir() else path.stem
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
+        self.quantization = pick_quantization(config.quantization, path, self.device)
         dtype = getattr(torch, self.dtype)
         backend = resolve_backend(config.attention_backend, self.device, self.dtype)
         started = time.perf_counter()
         memory = device_memory(self.device)  # before the weights: what other processes left
-        self.spec, self.model = _load_model(path, config.quantization, dtype, self.device)
+        self.spec, self.model = _load_model(path, self.quantization, dtype, self.device)
         self.tokenizer = Tokenizer.load(path)
         spec = self.spec
         self.max_model_len = min(config.max_model_len or spec.max_position, spec.max_position)
@@ -148,11 +184,9 @@ class LLMEngine:
         self._live: dict[RequestId, _Live] = {}
         self._ids = itertools.count()
         log.info(
-            "loaded %s (%s, quantization %s, %s, %s attention%s) in %.1fs: weights %.1f MiB "
-            "resident",
+            "loaded %s (%s, %s, %s attention%s) in %.1fs: weights %.1f MiB resident",
             self.spec.name,
-            self.dtype,
-            config.quantization,
+            describe_modes(config, self.dtype, self.quantization, self.device.type),
             self.device,
             backend,
             ", CUDA-graph decode" if self.runner.graphs else "",

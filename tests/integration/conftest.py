@@ -41,9 +41,14 @@ def engines() -> Iterator[dict[str, LLMEngine]]:
     built.clear()
 
 
+# Exact by default: tests compare tokens with transformers and between paths, in float32
+# on float weights; a test of another mode names it.
+EXACT = {"dtype": "float32", "quantization": "none"}
+
+
 def _build(engines: dict[str, LLMEngine], name: str, **overrides: Any) -> LLMEngine:
     if name not in engines:
-        engines[name] = LLMEngine(EngineConfig(**overrides))
+        engines[name] = LLMEngine(EngineConfig(**{**EXACT, **overrides}))
     engine = engines[name]
     assert_no_leak(engine)
     return engine
@@ -158,7 +163,7 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
 # --- real Ray workers ----------------------------------------------------------------------
 
 # A small token budget makes prompts of a few hundred tokens prefill in several chunks.
-WORKER_ENGINE = {"kv_cache_gb": 0.2, "threads": 1, "max_num_batched_tokens": 256}
+WORKER_ENGINE = {**EXACT, "kv_cache_gb": 0.2, "threads": 1, "max_num_batched_tokens": 256}
 
 
 class Workers:

@@ -19,14 +19,19 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_generate_prints_what_the_engine_generates(engine: LLMEngine):
+def test_generate_prints_what_the_engine_generates_in_the_auto_modes() -> None:
+    engine = LLMEngine(EngineConfig(kv_cache_gb=0.05))  # the defaults: auto, auto
+    assert (engine.dtype, engine.quantization) == (fast_dtype("cpu"), "gguf")
     prompt = "What is the capital of France?"
     chat = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     expected = engine.generate([chat], SamplingParams(max_tokens=12))[0].text
-    done = _run("generate", prompt, "--chat", "--max-tokens", "12")
+    done = _run("generate", prompt, "--chat", "--max-tokens", "12", "--kv-cache-gb", "0.05")
     assert done.returncode == 0, done.stderr
     assert done.stdout == expected + "\n"
     assert "KV cache:" in done.stderr and "pages of 16 tokens" in done.stderr
+    # The start-up line says what auto chose and why.
+    assert f"dtype auto: {fast_dtype('cpu')} (" in done.stderr
+    assert "quantization auto: gguf (the GGUF's blocks as stored)" in done.stderr
 
 
 def test_bad_field_exits_2_naming_it():

@@ -21,7 +21,13 @@ from cluster.types import SamplingParams
 from tests.helpers import assert_no_leak
 
 # Small enough for the interpreter: a 40-token budget cuts the long prompt into chunks.
-ENGINE = dict(kv_cache_gb=0.05, max_num_batched_tokens=40, max_model_len=256)
+ENGINE = dict(
+    dtype="float32",
+    quantization="none",
+    kv_cache_gb=0.05,
+    max_num_batched_tokens=40,
+    max_model_len=256,
+)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +76,9 @@ def test_one_decode_step_syncs_once_and_its_ops_do_not_grow_with_the_batch(
     tiny_llama_dir: Path,
 ) -> None:
     # Two layers of GQA: the interpreter's time goes to kernels, not to what is counted.
-    config = EngineConfig(model=str(tiny_llama_dir), attention_backend="triton", device="cpu")
+    config = EngineConfig(
+        model=str(tiny_llama_dir), dtype="float32", attention_backend="triton", device="cpu"
+    )
     engine = LLMEngine(replace(config, kv_cache_gb=0.01))
     ops4, launches4, syncs4 = _decode_budget(engine, 4)
     ops8, launches8, syncs8 = _decode_budget(engine, 8)

@@ -47,7 +47,7 @@ def test_logits_match_transformers(which: str, request: pytest.FixtureRequest):
     from transformers import AutoModelForCausalLM
 
     path: Path = request.getfixturevalue(which)
-    engine = LLMEngine(EngineConfig(model=str(path), kv_cache_gb=0.01))
+    engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", kv_cache_gb=0.01))
     ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ids = torch.randint(0, 49152, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.inference_mode():
@@ -64,7 +64,7 @@ def test_logits_match_transformers(which: str, request: pytest.FixtureRequest):
 def test_generate_on_a_hf_checkpoint(tiny_llama_dir: Path):
     from transformers import AutoModelForCausalLM
 
-    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), kv_cache_gb=0.01))
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", kv_cache_gb=0.01))
     ref_model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     prompt = engine.tokenizer.encode("Hello there, tiny model")
     done = engine.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True))[0]

@@ -62,7 +62,8 @@ def _perplexity(logits: torch.Tensor, ids: list[int]) -> float:
 
 
 def _engine(quantization: str, **overrides: Any) -> LLMEngine:
-    return LLMEngine(EngineConfig(quantization=quantization, kv_cache_gb=0.05, **overrides))
+    config = {"dtype": "float32", "kv_cache_gb": 0.05, **overrides}
+    return LLMEngine(EngineConfig(quantization=quantization, **config))
 
 
 @pytest.fixture(scope="module")

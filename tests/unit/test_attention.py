@@ -20,17 +20,9 @@ from cluster.engine.attention_cpu import (
     _decode_attention,
     paged_attention,
 )
-from cluster.engine.engine import pick_dtype
 from cluster.engine.page_pool import pages_for
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
-
-
-def test_auto_dtype_is_bfloat16_on_cuda_and_float32_on_the_cpu() -> None:
-    assert pick_dtype("auto", CUDA) == "bfloat16"
-    assert pick_dtype("auto", CPU) == "float32"
-    assert pick_dtype("float32", CUDA) == "float32"
-    assert pick_dtype("bfloat16", CPU) == "bfloat16"
 
 
 @pytest.fixture

@@ -155,7 +155,7 @@ def test_a_pool_without_autoscale_keeps_its_replicas_and_one_with_it_moves_in_bo
 
 
 def test_pools_on_different_devices_may_share_a_named_dtype() -> None:
-    engine = {"dtype": "float32"}
+    engine = {"dtype": "float32", "quantization": "none"}
     config = serve_config_from_dict({"engine": engine, "prefill": {"engine": {"device": "cpu"}}})
     assert (config.prefill.engine.device, config.decode.engine.device) == ("cpu", "auto")
 
@@ -209,6 +209,11 @@ def test_pool_engines_override_the_shared_engine_field_by_field() -> None:
             {"prefill": {"engine": {"device": "cpu"}}},
             "config.prefill.engine.dtype: auto resolves per device: with prefill.engine.device "
             "'cpu' and decode.engine.device 'auto', name the dtype",
+        ),
+        (
+            {"engine": {"dtype": "float32"}, "prefill": {"engine": {"device": "cpu"}}},
+            "config.prefill.engine.quantization: auto resolves per device: with "
+            "prefill.engine.device 'cpu' and decode.engine.device 'auto', name the quantization",
         ),
         ({"engine": {"page_size": 0}}, "prefill.engine.page_size: must be an integer >= 1"),
         ({"router": {"policy": "random"}}, "router.policy: must be one of"),

@@ -28,7 +28,10 @@ def test_a_kv_cache_larger_than_this_hosts_ram_is_refused_before_anything_starts
     tmp_path: Path, started: list[Any], capsys: pytest.CaptureFixture[str]
 ) -> None:
     config = tmp_path / "serve.yaml"
-    config.write_text("engine: {device: cpu}\ndecode:\n  engine: {kv_cache_gb: 100000}\n")
+    config.write_text(
+        "engine: {device: cpu, dtype: float32, quantization: none}\n"
+        "decode:\n  engine: {kv_cache_gb: 100000}\n"
+    )
     assert main(["serve", "--config", str(config)]) == 2
     assert started == []
     [line] = capsys.readouterr().err.splitlines()

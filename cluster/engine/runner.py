@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from cluster.engine.attention import AttentionBackend, StepBatch, make_backend
+from cluster.engine.block_table import BlockTables
 from cluster.engine.checkpoint import ModelSpec
 from cluster.engine.kv_cache import KVCache
 from cluster.engine.model import LlamaModel
@@ -36,13 +37,13 @@ class StepInputs:
     logits_rows: list[int]  # their rows
 
 
-def lay_out(step: Step, page_size: int) -> StepInputs:
+def lay_out(step: Step, page_size: int, tables: BlockTables) -> StepInputs:
     """The step as token ids, positions and the attention layout, decodes first."""
     ps, nd = page_size, len(step.decodes)
     seqs = [(s, 1) for s in step.decodes] + list(step.prefills)
     context_lens = [s.num_computed + n for s, n in seqs]
     width = max(pages_for(c, ps) for c in context_lens)
-    table = torch.tensor([s.pages[:width] + [0] * (width - len(s.pages[:width])) for s, _ in seqs])
+    table = tables.table([s for s, _ in seqs], width)
     ids = [s.token_ids[s.num_computed] for s in step.decodes]
     pos = torch.tensor(context_lens[:nd], dtype=torch.long) - 1
     positions = [pos]
@@ -72,12 +73,14 @@ class ModelRunner:
         cache: KVCache,
         attention: AttentionBackend,
         device: torch.device,
+        max_model_len: int,
         graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
         self.cache = cache
         self.attention = attention
         self.device = device
+        self.tables = BlockTables(pages_for(max_model_len, cache.layout.page_size))
         self.graphs = graphs
 
     def run(
@@ -87,7 +90,7 @@ class ModelRunner:
 
         `on_layer(i)` runs as soon as layer i's KV for this step is in the cache.
         """
-        inputs = lay_out(step, self.cache.layout.page_size)
+        inputs = lay_out(step, self.cache.layout.page_size, self.tables)
         if self.graphs is not None and not step.prefills and on_layer is None:
             logits = self.graphs.run(inputs.batch, inputs.ids, inputs.positions)
             if logits is not None:
@@ -161,4 +164,4 @@ def build_runner(
 
         assert isinstance(attention, TritonBackend)
         graphs = DecodeGraphs(model, attention, cache, max_num_seqs, max_model_len, device)
-    return ModelRunner(model, cache, attention, device, graphs)
+    return ModelRunner(model, cache, attention, device, max_model_len, graphs)

@@ -3,10 +3,10 @@
 A decode step of n sequences runs the graph of the smallest bucket >= n. Its inputs
 are one int32 buffer on the device (ids, positions, slots, context lengths, query
 offsets, page table, each a segment sized for the largest bucket), filled from a
-pinned host copy in one transfer; the graph writes its logits into a buffer of its
-own. Rows past n are padding: slot -1 (the store kernel writes nothing, so no page
-is touched) and context length 0 (attention yields zeros). Sampling runs after the
-replay, on the device (cluster/engine/sampler.py).
+pinned host copy in one transfer of the part the step reads; the graph writes its
+logits into a buffer of its own. Rows past n are padding: slot -1 (the store kernel
+writes nothing, so no page is touched) and context length 0 (attention yields zeros).
+Sampling runs after the replay, on the device (cluster/engine/sampler.py).
 
 Capture needs a GPU and the triton backend (its kernels take their sizes from these
 buffers, never from the host); elsewhere the runner runs each step eagerly.
@@ -60,6 +60,11 @@ class Segments:
     @property
     def size(self) -> int:
         return 5 * self.rows + 1 + self.rows * self.width
+
+    def read(self, rows: int, width: int) -> int:
+        """How much of the buffer a step of `rows` sequences with `width` pages each reads:
+        its leading part, up to the last row's last page (the replay copies no more)."""
+        return self.offsets()["table"] + (rows - 1) * self.width + width
 
 
 def fill(
@@ -151,6 +156,7 @@ class DecodeGraphs:
             return None
         # The previous step's copy has landed: its sampled tokens came back to the host.
         fill(self.host, self.seg, batch, ids, positions, bucket)
-        self.inputs.copy_(self.host, non_blocking=True)
+        read = self.seg.read(len(ids), batch.page_table.shape[1])
+        self.inputs[:read].copy_(self.host[:read], non_blocking=True)
         self.graphs[bucket].replay()
         return self.logits[bucket][: len(ids)]

@@ -63,6 +63,16 @@ def test_fill_pads_rows_to_the_bucket_with_no_slot_and_no_context() -> None:
     assert table.tolist() == [[3, 7, 0, 0], [5, 1, 2, 0], [9, 0, 0, 0], [0, 0, 0, 0]]
 
 
+def test_a_replay_copies_the_part_of_the_buffer_its_step_reads() -> None:
+    """Graphs for 64 rows and a 131072-token context (8192 pages a row): a step of 3
+    sequences 2k tokens long reads the 321 leading values (ids, positions, slots, lens,
+    query offsets) and 2 full rows plus 128 pages of the table, not all 524,609."""
+    seg = Segments(rows=64, width=8192)
+    assert seg.size == 5 * 64 + 1 + 64 * 8192
+    assert seg.read(3, 128) == 321 + 2 * 8192 + 128
+    assert seg.read(64, 8192) == seg.size
+
+
 def test_padding_rows_write_no_page_and_attend_to_nothing(kernel_device: torch.device) -> None:
     layout = KVLayout(num_layers=1, num_kv_heads=2, head_dim=16, page_size=16, dtype=torch.float32)
     cache = KVCache(layout, num_pages=12, device=kernel_device)

@@ -68,8 +68,32 @@ def _load_model(
 
 def pick_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        why = cpu_torch_on_gpu_host(torch.version.cuda, _nvidia_gpus())
+        if why:
+            log.warning("%s", why)
+        return torch.device("cpu")
     return torch.device(name)
+
+
+def cpu_torch_on_gpu_host(torch_cuda: str | None, nvidia_gpus: int) -> str | None:
+    """Why device auto takes the CPU of a host with NVIDIA GPUs when torch is a CPU build
+    (as a pip index or a pin can choose: scripts/setup's torch==2.13.0 is one where pip
+    reads the CPU index); None otherwise."""
+    if torch_cuda is not None or nvidia_gpus == 0:
+        return None
+    return (
+        f"device auto: this host has {nvidia_gpus} NVIDIA GPU(s) but torch "
+        f"{torch.__version__} is a CPU build, so the engine runs on the CPU; install a CUDA "
+        f"build (pip install torch --index-url https://download.pytorch.org/whl/cu128)"
+    )
+
+
+def _nvidia_gpus() -> int:
+    """GPUs the NVIDIA driver lists (Linux); 0 without the driver."""
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return len(list(gpus.iterdir())) if gpus.is_dir() else 0
 
 
 def pick_dtype(name: str, device: torch.device) -> str:

@@ -64,7 +64,11 @@ def make_mix(args: argparse.Namespace) -> list[Request]:
 
 
 def serve_doc(args: argparse.Namespace) -> dict[str, Any]:
-    engine = {"dtype": args.dtype, "kv_cache_gb": args.kv_cache_gb or 0.25, "threads": 1}
+    # Float weights: every stream's tokens are checked against the same request served
+    # alone, and only float weights keep a request's tokens whatever its batch (gguf's
+    # kernel rounds differently with the batch's rows).
+    engine = {"dtype": args.dtype, "quantization": "none", "kv_cache_gb": args.kv_cache_gb or 0.25,
+              "threads": 1}  # fmt: skip
     return {
         "engine": engine,
         "prefill": {"replicas": args.prefill},

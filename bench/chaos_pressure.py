@@ -56,8 +56,8 @@ def pressure_doc(args: argparse.Namespace) -> dict[str, Any]:
     if args.max_pending_per_client is not None:
         router["max_pending_per_client"] = args.max_pending_per_client
     return {
-        "engine": {"dtype": args.dtype, "kv_cache_gb": args.kv_cache_gb or 1.5, "threads": 1,
-                   "max_num_seqs": seqs},
+        "engine": {"dtype": args.dtype, "quantization": "none",  # token checks: chaos.py
+                   "kv_cache_gb": args.kv_cache_gb or 1.5, "threads": 1, "max_num_seqs": seqs},
         "prefill": {"replicas": 1},
         "decode": {"replicas": 1},
         "router": router,

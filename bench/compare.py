@@ -131,7 +131,9 @@ VLLM_SETUP = {
     "chunked_prefill": True,
 }
 
-_ENGINE = {"kv_cache_gb": 1.0, "dtype": "bfloat16"}
+# The weights vLLM serves (its HF copy of the GGUF, dequantized), as the recorded runs did;
+# not quantization auto, which would serve the GGUF's 4-bit blocks.
+_ENGINE = {"kv_cache_gb": 1.0, "dtype": "bfloat16", "quantization": "none"}
 CONFIGS: dict[str, dict[str, Any]] = {
     "disaggregated": {
         "prefill": {"engine": {**_ENGINE, "threads": 1, "cpu_cores": [0]}},

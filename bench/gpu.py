@@ -292,7 +292,7 @@ def greedy_agreement(device: torch.device, tokens: int) -> dict[str, Any]:
 
     prompts = ["The capital of France is", "def fibonacci(n):\n    "]
     backend = "auto" if device.type == "cuda" else "triton"
-    small = EngineConfig(dtype="float32", kv_cache_gb=0.1, max_model_len=512)
+    small = EngineConfig(dtype="float32", quantization="none", kv_cache_gb=0.1, max_model_len=512)
     gpu = LLMEngine(replace(small, device=device.type, attention_backend=backend))
     cpu = LLMEngine(replace(small, device="cpu"))
     greedy = SamplingParams(max_tokens=tokens)

@@ -5,6 +5,9 @@ head_dim], so token slot `page * page_size + offset` holds kv_heads * head_dim c
 values. Keys are found through `table[seq, pos // page_size]`: no gather copy, no mask
 tensor. Scores, softmax and accumulators are float32 whatever the input dtype; float32
 inputs multiply in IEEE float32 (no TF32), so a float32 engine matches the CPU one.
+Scores are kept in base-2 units (scaled by log2 e once) so the softmax takes exp2, and
+only the blocks that hold the context's end (decode) or the causal diagonal (prefill)
+are masked; the blocks before them load and score unmasked.
 
 - `store_kv`: this step's new K/V into their slots; a slot of -1 (a padding row of a
   captured decode graph) writes nothing.
@@ -29,9 +32,13 @@ compile a variant, 0.5-2 s, on the engine thread while it serves.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
+
+LOG2E = math.log2(math.e)  # scores times this: exp(x) = exp2(x * log2 e)
 
 
 def _dot_types(x: torch.Tensor) -> tuple[tl.dtype, str]:
@@ -82,17 +89,25 @@ def _key_offsets(table_row, kpos, kmask, kv_head, PAGE: tl.constexpr, KV_HEADS, 
 @triton.jit
 def _attend(
     qv, k_cache, v_cache, offs, kmask, valid, m_i, l_i, acc, scale,
-    DOT: tl.constexpr, PRECISION: tl.constexpr,
+    DOT: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
-    """One block of keys into the running softmax (max m_i, sum l_i, weighted values acc)
-    of the query rows qv; `valid` [rows, keys] masks scores out."""
-    kt = tl.load(k_cache + offs, mask=kmask[:, None], other=0).to(DOT)
+    """One block of keys into the running softmax (max m_i, sum l_i, weighted values acc,
+    in base 2) of the query rows qv. MASKED: `kmask` [keys] limits the loads and `valid`
+    [rows, keys] the scores; else every key of the block is there and visible."""
+    if MASKED:
+        kt = tl.load(k_cache + offs, mask=kmask[:, None], other=0).to(DOT)
+    else:
+        kt = tl.load(k_cache + offs).to(DOT)
     s = tl.dot(qv, tl.trans(kt), input_precision=PRECISION) * scale
-    s = tl.where(valid, s, float("-inf"))
+    if MASKED:
+        s = tl.where(valid, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    p = tl.exp(s - m_new[:, None])
-    alpha = tl.exp(m_i - m_new)
-    vt = tl.load(v_cache + offs, mask=kmask[:, None], other=0).to(DOT)
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    if MASKED:
+        vt = tl.load(v_cache + offs, mask=kmask[:, None], other=0).to(DOT)
+    else:
+        vt = tl.load(v_cache + offs).to(DOT)
     acc = acc * alpha[:, None] + tl.dot(p.to(DOT), vt, input_precision=PRECISION)
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 
@@ -133,24 +148,23 @@ def _decode_kernel(
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, D], tl.float32)
         table_row = table + b * stride_table
-        for n0 in range(start, end, BLOCK_N):
+        full = start + (end - start) // BLOCK_N * BLOCK_N  # blocks wholly in the context
+        for n0 in range(start, full, BLOCK_N):
+            kpos = n0 + tl.arange(0, BLOCK_N)
+            kmask = kpos < end  # all true here: only the table's load takes it
+            offs = _key_offsets(table_row, kpos, kmask, h, PAGE, kv_heads, D)
+            m_i, l_i, acc = _attend(
+                qv, k_cache, v_cache, offs, kmask, kmask[None, :], m_i, l_i, acc, scale, DOT,
+                PRECISION, False,
+            )  # fmt: skip
+        for n0 in range(full, end, BLOCK_N):  # the context's last, partial block
             kpos = n0 + tl.arange(0, BLOCK_N)
             kmask = kpos < end
             offs = _key_offsets(table_row, kpos, kmask, h, PAGE, kv_heads, D)
             m_i, l_i, acc = _attend(
-                qv,
-                k_cache,
-                v_cache,
-                offs,
-                kmask,
-                kmask[None, :],
-                m_i,
-                l_i,
-                acc,
-                scale,
-                DOT,
-                PRECISION,
-            )
+                qv, k_cache, v_cache, offs, kmask, kmask[None, :], m_i, l_i, acc, scale, DOT,
+                PRECISION, True,
+            )  # fmt: skip
         part = (b * (kv_heads * GROUP) + heads) * num_splits + split
         tl.store(part_acc + part[:, None] * D + dims[None, :], acc, mask=qmask[:, None])
         tl.store(part_max + part, m_i, mask=qmask)
@@ -171,7 +185,7 @@ def _decode_reduce(
     part = (b * heads + h) * num_splits + splits
     m = tl.load(part_max + part, mask=smask, other=float("-inf"))
     top = tl.maximum(tl.max(m, 0), -3.0e38)  # finite when no partition is used: no NaN
-    weight = tl.where(smask, tl.exp(m - top), 0.0)
+    weight = tl.where(smask, tl.exp2(m - top), 0.0)
     total = tl.sum(tl.load(part_sum + part, mask=smask, other=0.0) * weight, 0)
     dims = tl.arange(0, D)
     acc = tl.load(part_acc + part[:, None] * D + dims[None, :], mask=smask[:, None], other=0.0)
@@ -198,7 +212,7 @@ def paged_decode(
     part_sum = torch.empty_like(part_max)
     _decode_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, table, lens, part_acc, part_max, part_sum,
-        q.stride(0), table.stride(0), dim**-0.5, num_splits, kv_heads,
+        q.stride(0), table.stride(0), dim**-0.5 * LOG2E, num_splits, kv_heads,
         group, max(16, triton.next_power_of_2(group)), dim, page, block_n, *_dot_types(q),
     )  # fmt: skip
     assert out.is_contiguous()
@@ -240,14 +254,26 @@ def _prefill_kernel(
         acc = tl.zeros([BLOCK_M, D], tl.float32)
         table_row = table + s.to(tl.int64) * stride_table
         end = tl.minimum(length, offset + first + BLOCK_M)  # causal: no key past the last row
-        for n0 in range(0, end, BLOCK_N):
+        # Keys before the block's first row are visible to all its rows: unmasked blocks.
+        full = (offset + first) // BLOCK_N * BLOCK_N
+        kv_head = head // GROUP
+        for n0 in range(0, full, BLOCK_N):
+            kpos = n0 + tl.arange(0, BLOCK_N)
+            kmask = kpos < end  # all true here: only the table's load takes it
+            offs = _key_offsets(table_row, kpos, kmask, kv_head, PAGE, kv_heads, D)
+            m_i, l_i, acc = _attend(
+                qv, k_cache, v_cache, offs, kmask, kmask[None, :], m_i, l_i, acc, scale, DOT,
+                PRECISION, False,
+            )  # fmt: skip
+        for n0 in range(full, end, BLOCK_N):  # the diagonal: causal masks
             kpos = n0 + tl.arange(0, BLOCK_N)
             kmask = kpos < end
-            offs = _key_offsets(table_row, kpos, kmask, head // GROUP, PAGE, kv_heads, D)
-            valid = (kpos[None, :] <= (offset + rows)[:, None]) & kmask[None, :]  # causal
+            offs = _key_offsets(table_row, kpos, kmask, kv_head, PAGE, kv_heads, D)
+            valid = (kpos[None, :] <= (offset + rows)[:, None]) & kmask[None, :]
             m_i, l_i, acc = _attend(
-                qv, k_cache, v_cache, offs, kmask, valid, m_i, l_i, acc, scale, DOT, PRECISION
-            )
+                qv, k_cache, v_cache, offs, kmask, valid, m_i, l_i, acc, scale, DOT, PRECISION,
+                True,
+            )  # fmt: skip
         o = acc / l_i[:, None]
         dst = out + tokens[:, None] * stride_out + head * D + dims[None, :]
         tl.store(dst, o.to(out.dtype.element_ty), mask=rmask[:, None])
@@ -271,6 +297,6 @@ def paged_prefill(
     grid = (table.shape[0], heads, triton.cdiv(max_query_len, block_m))
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, table, lens, query_start,
-        q.stride(0), q.stride(1), out.stride(0), table.stride(0), dim**-0.5, kv_heads,
+        q.stride(0), q.stride(1), out.stride(0), table.stride(0), dim**-0.5 * LOG2E, kv_heads,
         heads // kv_heads, dim, page, block_m, block_n, *_dot_types(q),
     )  # fmt: skip

@@ -19,7 +19,9 @@ are masked; the blocks before them load and score unmasked.
   returns at once, storing nothing. `_decode_reduce` merges the partitions a sequence
   used. A sequence of length 0 yields zeros.
 - `paged_prefill`: a chunk of queries attends to the pages before it (prefix hits,
-  earlier chunks) and to itself causally; its own K/V are already in the cache.
+  earlier chunks) and to itself causally; its own K/V are already in the cache. A
+  program takes a run of tokens and one KV head, its GQA group's query heads as rows
+  of the tile, so the group shares every key load.
 
 On a CPU tensor they run under Triton's interpreter (TRITON_INTERPRET=1), as the tests do.
 
@@ -229,23 +231,27 @@ def paged_decode(
 def _prefill_kernel(
     q, k_cache, v_cache, out, table, lens, query_start,
     stride_q, stride_qh, stride_out, stride_table, scale, kv_heads,
-    GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+    GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
+    TOKENS: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     s = tl.program_id(0)
-    head = tl.program_id(1)
-    first = tl.program_id(2) * BLOCK_M
+    kv_head = tl.program_id(1)
+    first = tl.program_id(2) * TOKENS
     q0 = tl.load(query_start + s)
     num_q = tl.load(query_start + s + 1) - q0
     if first < num_q:
         length = tl.load(lens + s)
         offset = length - num_q  # cached tokens before this chunk
-        rows = first + tl.arange(0, BLOCK_M)
-        rmask = rows < num_q
+        # Row r is query head kv_head * GROUP + r % GROUP of token first + r // GROUP: the
+        # group's heads share every key load, as in decode.
+        r = tl.arange(0, BLOCK_M)
+        rows = first + r // GROUP
+        heads = kv_head * GROUP + r % GROUP
+        rmask = (r < TOKENS * GROUP) & (rows < num_q)
         dims = tl.arange(0, D)
         tokens = (q0 + rows).to(tl.int64)
         qv = tl.load(
-            q + tokens[:, None] * stride_q + head * stride_qh + dims[None, :],
+            q + tokens[:, None] * stride_q + heads[:, None] * stride_qh + dims[None, :],
             mask=rmask[:, None],
             other=0,
         ).to(DOT)
@@ -253,10 +259,9 @@ def _prefill_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
         table_row = table + s.to(tl.int64) * stride_table
-        end = tl.minimum(length, offset + first + BLOCK_M)  # causal: no key past the last row
-        # Keys before the block's first row are visible to all its rows: unmasked blocks.
+        end = tl.minimum(length, offset + first + TOKENS)  # causal: no key past the last row
+        # Keys before the block's first token are visible to all its rows: unmasked blocks.
         full = (offset + first) // BLOCK_N * BLOCK_N
-        kv_head = head // GROUP
         for n0 in range(0, full, BLOCK_N):
             kpos = n0 + tl.arange(0, BLOCK_N)
             kmask = kpos < end  # all true here: only the table's load takes it
@@ -275,7 +280,7 @@ def _prefill_kernel(
                 True,
             )  # fmt: skip
         o = acc / l_i[:, None]
-        dst = out + tokens[:, None] * stride_out + head * D + dims[None, :]
+        dst = out + tokens[:, None] * stride_out + heads[:, None] * D + dims[None, :]
         tl.store(dst, o.to(out.dtype.element_ty), mask=rmask[:, None])
 
 
@@ -288,15 +293,17 @@ def paged_prefill(
     query_start: torch.Tensor,  # [S + 1] chunk s is rows [query_start[s], query_start[s+1])
     max_query_len: int,
     out: torch.Tensor,  # [N, heads, head_dim], q's dtype: rows of the chunks are written
-    block_m: int = 64,
+    block_m: int = 64,  # rows of a program's tile: tokens x the GQA group's query heads
     block_n: int = 64,
 ) -> None:
     heads, dim = q.shape[1], q.shape[2]
     page, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    assert out.stride(1) == dim and out.stride(2) == 1
-    grid = (table.shape[0], heads, triton.cdiv(max_query_len, block_m))
+    group = heads // kv_heads
+    tokens = block_m // group
+    assert out.stride(1) == dim and out.stride(2) == 1 and tokens >= 1
+    grid = (table.shape[0], kv_heads, triton.cdiv(max_query_len, tokens))
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, table, lens, query_start,
         q.stride(0), q.stride(1), out.stride(0), table.stride(0), dim**-0.5 * LOG2E, kv_heads,
-        heads // kv_heads, dim, page, block_m, block_n, *_dot_types(q),
+        group, dim, page, block_m, tokens, block_n, *_dot_types(q),
     )  # fmt: skip

@@ -61,19 +61,20 @@ def test_a_text_past_the_context_is_refused_having_counted_about_a_context_of_it
     assert whole > 3 * max_model_len  # tokenized whole, it would cost several contexts
     assert max_model_len <= counted < max_model_len + CHUNK_CHARS  # stopped a chunk past
 
-    async def send() -> grpc.aio.AioRpcError:
+    async def send(prompt: Any) -> grpc.aio.AioRpcError:
         async with grpc.aio.insecure_channel(router.address) as channel:
-            call = pb_grpc.GenerationStub(channel).Generate(request(text, max_tokens=4))
+            call = pb_grpc.GenerationStub(channel).Generate(request(prompt, max_tokens=4))
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 async for _ in call:
                     pass
             return refused.value
 
-    refused = asyncio.run(send())
-    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert (refused.details() or "").startswith(
-        f"text: the prompt is more than {max_model_len - 1}"
-    )
+    chat = [{"role": "user", "content": text}]
+    for prompt, kind in ((text, "text"), (chat, "chat")):
+        refused = asyncio.run(send(prompt))
+        assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+        why = refused.details() or ""
+        assert why.startswith(f"{kind}: the prompt is more than {max_model_len - 1} tokens"), why
     assert router.app.http is not None
     body = json.dumps({"prompt": text, "max_tokens": 4}).encode()
     post = urllib.request.Request(router.app.http.address + "/v1/completions", data=body)

@@ -1,13 +1,16 @@
 """A Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache.
 
 The numerics follow transformers' LlamaModel step for step (RMSNorm in float32,
-rotate-half RoPE, SDPA), so greedy output is token-identical in float32.
+rotate-half RoPE, SDPA), so greedy output is token-identical in float32. On CUDA the
+residual add with the RMSNorm after it, and silu(gate) * up, run as one fused Triton
+kernel each (cluster/engine/layer_kernels.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -62,6 +65,11 @@ class LlamaModel:
         """Build from checkpoint weights, taking (and dropping) them from `weights` one
         by one so no float copy outlives its quantized form."""
         self.spec = spec
+        self.kernels: ModuleType | None = None  # layer_kernels, on CUDA (its torch has triton)
+        if device.type == "cuda":
+            from cluster.engine import layer_kernels
+
+            self.kernels = layer_kernels
 
         def take(name: str) -> torch.Tensor | GroupQuant:
             if name not in weights:
@@ -164,8 +172,12 @@ class LlamaModel:
         sin = self.signed_sin[positions].unsqueeze(1)
         x = self.embed(input_ids)
         n = x.shape[0]
+        mlp: torch.Tensor | None = None  # the previous layer's MLP output, not yet added
         for i, layer in enumerate(self.layers):
-            h = F.rms_norm(x, norm, layer.input_norm, s.rms_norm_eps)
+            if mlp is None:
+                h = F.rms_norm(x, norm, layer.input_norm, s.rms_norm_eps)
+            else:
+                x, h = self._add_norm(x, mlp, layer.input_norm)
             qkv = layer.qkv(h)
             # q and k rotated together: one RoPE over all heads of both.
             qk = rotate(qkv[:, : nq + nkv].view(n, -1, s.head_dim), cos, sin)
@@ -174,9 +186,25 @@ class LlamaModel:
             a = attention.forward(i, q, k, v, cache, metadata)
             if on_layer is not None:
                 on_layer(i)
-            x = x + layer.o(a.reshape(n, nq))
-            h = F.rms_norm(x, norm, layer.post_norm, s.rms_norm_eps)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
-        x = F.rms_norm(x[logits_rows], norm, self.norm, s.rms_norm_eps)
+            x, h = self._add_norm(x, layer.o(a.reshape(n, nq)), layer.post_norm)
+            mlp = layer.down(self._silu_mul(layer.gate_up(h)))
+        assert mlp is not None
+        x = x[logits_rows] + mlp[logits_rows]
+        x = F.rms_norm(x, norm, self.norm, s.rms_norm_eps)
         return self.lm_head(x).float()
+
+    def _add_norm(
+        self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, RMSNorm(x + delta) * weight)."""
+        if self.kernels is not None:  # x += delta in place
+            return x, self.kernels.add_rms_norm(x, delta, weight, self.spec.rms_norm_eps)
+        x = x + delta
+        return x, F.rms_norm(x, (self.spec.hidden_size,), weight, self.spec.rms_norm_eps)
+
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            out: torch.Tensor = self.kernels.silu_mul(gate_up)
+            return out
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up

@@ -1,0 +1,73 @@
+"""Triton kernels that fuse a decoder layer's elementwise steps on a GPU, one launch each
+where PyTorch takes two or three (and a round trip through memory between them):
+
+- `silu_mul`: the MLP's silu(gate) * up, from the fused gate_up projection's output;
+- `add_rms_norm`: the residual add and the RMSNorm after it, x += delta in place and the
+  normed row out, in float32 inside as transformers' LlamaRMSNorm computes it.
+
+The model uses them on CUDA (cluster/engine/model.py); on a CPU tensor they run under
+Triton's interpreter, as the tests do.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _silu_mul_kernel(gate_up, out, stride_in, stride_out, inner, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < inner
+    gate = tl.load(gate_up + row * stride_in + cols, mask=m, other=0).to(tl.float32)
+    up = tl.load(gate_up + row * stride_in + inner + cols, mask=m, other=0).to(tl.float32)
+    y = gate * tl.sigmoid(gate) * up
+    tl.store(out + row * stride_out + cols, y.to(out.dtype.element_ty), mask=m)
+
+
+def silu_mul(gate_up: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """silu(gate) * up of gate_up [N, 2 * inner] (gate first): [N, inner]."""
+    rows, inner = gate_up.shape[0], gate_up.shape[1] // 2
+    assert gate_up.stride(1) == 1
+    out = torch.empty(rows, inner, dtype=gate_up.dtype, device=gate_up.device)
+    block = min(block, triton.next_power_of_2(inner))
+    _silu_mul_kernel[(rows, triton.cdiv(inner, block))](
+        gate_up, out, gate_up.stride(0), out.stride(0), inner, block
+    )
+    return out
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x, delta, weight, h, stride_x, stride_d, stride_h, hidden, eps, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    m = cols < hidden
+    total = tl.load(x + row * stride_x + cols, mask=m, other=0).to(tl.float32)
+    total += tl.load(delta + row * stride_d + cols, mask=m, other=0).to(tl.float32)
+    residual = total.to(x.dtype.element_ty)  # the sum as PyTorch's add would round it
+    tl.store(x + row * stride_x + cols, residual, mask=m)
+    v = residual.to(tl.float32)
+    normed = v * tl.rsqrt(tl.sum(v * v, 0) / hidden + eps)
+    w = tl.load(weight + cols, mask=m, other=0).to(tl.float32)
+    tl.store(h + row * stride_h + cols, (normed * w).to(h.dtype.element_ty), mask=m)
+
+
+def add_rms_norm(
+    x: torch.Tensor,  # [N, hidden], the residual stream: x += delta, in place
+    delta: torch.Tensor,  # [N, hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+) -> torch.Tensor:
+    """RMSNorm(x + delta) * weight, [N, hidden] in x's dtype; x holds x + delta after."""
+    rows, hidden = x.shape
+    assert x.stride(1) == delta.stride(1) == 1 and weight.is_contiguous()
+    h = torch.empty_like(x)
+    _add_rms_norm_kernel[(rows,)](
+        x, delta, weight, h, x.stride(0), delta.stride(0), h.stride(0), hidden, eps,
+        triton.next_power_of_2(hidden),
+    )  # fmt: skip
+    return h

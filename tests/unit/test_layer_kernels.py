@@ -1,0 +1,45 @@
+"""The fused layer kernels against the PyTorch ops they replace, float32 and bfloat16 (on
+the GPU when there is one, else under Triton's interpreter)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+layer_kernels = pytest.importorskip("cluster.engine.layer_kernels")
+
+# bfloat16 keeps 8 bits of mantissa: relative error up to 2^-8 per rounding.
+TOLERANCE = {
+    torch.float32: {"rtol": 1e-5, "atol": 1e-6},
+    torch.bfloat16: {"rtol": 2**-7, "atol": 1e-2},
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_is_silu_of_the_gate_half_times_the_up_half(
+    dtype: torch.dtype, kernel_device: torch.device
+) -> None:
+    # 70 columns a half: two column blocks of 64, the second ragged.
+    gate_up = torch.randn(5, 140, generator=torch.Generator().manual_seed(0))
+    gate_up = gate_up.to(kernel_device, dtype)
+    got = layer_kernels.silu_mul(gate_up, block=64)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    assert got.dtype == dtype and got.shape == (5, 70)
+    torch.testing.assert_close(got.float(), F.silu(gate) * up, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_adds_in_place_and_norms_the_sum(
+    dtype: torch.dtype, kernel_device: torch.device
+) -> None:
+    g = torch.Generator().manual_seed(1)
+    x, delta = (torch.randn(4, 96, generator=g).to(kernel_device, dtype) for _ in range(2))
+    weight = (torch.rand(96, generator=g) + 0.5).to(kernel_device, dtype)
+    total = x + delta  # as the residual add rounds it
+    want = F.rms_norm(total.float(), (96,), weight.float(), 1e-5)
+    h = layer_kernels.add_rms_norm(x, delta, weight, 1e-5)
+    # Equal in float32; in bfloat16 within its rounding (the interpreter's casts truncate).
+    torch.testing.assert_close(x.float(), total.float(), **TOLERANCE[dtype])
+    assert h.dtype == dtype
+    torch.testing.assert_close(h.float(), want, **TOLERANCE[dtype])

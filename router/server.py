@@ -28,8 +28,8 @@ from router.request import prepare_off_loop
 from router.router import Final, Overloaded, RequestFailed, Router, Unavailable
 from router.tokenize_pool import TokenizePool
 from router.unparsable import RateLimitedLog, Unparsable, parse_generate
-from splitserve.v1 import splitserve_pb2 as pb
-from splitserve.v1 import splitserve_pb2_grpc as pb_grpc
+from splitserve_api.v1 import splitserve_pb2 as pb
+from splitserve_api.v1 import splitserve_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
-from splitserve.v1 import splitserve_pb2 as pb
+from splitserve_api.v1 import splitserve_pb2 as pb
 
 
 @dataclass(frozen=True)

@@ -1,1 +1,2 @@
-"""splitserve's public client side: the gRPC API (splitserve.v1) and a Python client."""
+"""splitserve, the product: the command line, the control plane, the planner and the
+Python client (the gRPC API it speaks is splitserve_api.v1, generated from proto/)."""

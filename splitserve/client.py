@@ -17,8 +17,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitserve.v1 import splitserve_pb2 as pb
-from splitserve.v1 import splitserve_pb2_grpc as pb_grpc
+from splitserve_api.v1 import splitserve_pb2 as pb
+from splitserve_api.v1 import splitserve_pb2_grpc as pb_grpc
 
 Prompt = str | Sequence[int] | Sequence[dict[str, str]]
 

@@ -20,7 +20,7 @@ import pytest
 from router.request import MAX_CHARS_PER_TOKEN
 from router.token_count import CHUNK_CHARS, count_tokens
 from splitserve.client import request
-from splitserve.v1 import splitserve_pb2_grpc as pb_grpc
+from splitserve_api.v1 import splitserve_pb2_grpc as pb_grpc
 from tests.helpers import wait_until
 from tests.integration.router_harness import RouterHarness
 

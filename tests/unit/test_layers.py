@@ -1,9 +1,8 @@
 """Imports point down a floor (DESIGN.md's layout), read from the source with `ast`.
 
 Floors, lowest first; a module may import its own floor and the floors below:
-1. cluster (types, config, protocol, engine, transfer) and splitserve.v1, the
-   code generated from proto/ (it imports nothing of ours; it lives under splitserve/
-   because its import path is the public API's proto package).
+1. cluster (types, config, protocol, engine, transfer) and splitserve_api, the
+   code generated from proto/ (it imports nothing of ours).
 2. decode_worker, prefill_worker: the two roles.
 3. router (dispatch included). It reaches the workers through Ray with cluster.protocol's
    types, so it imports neither of them, and they do not import each other.
@@ -26,6 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {
     "cluster": 1,
+    "splitserve_api": 1,
     "decode_worker": 2,
     "prefill_worker": 2,
     "router": 3,
@@ -34,7 +34,6 @@ PACKAGES = {
 }
 # Modules whose floor is not their package's, longest prefix first.
 MODULES = {
-    "splitserve.v1": 1,
     "splitserve.cli": 6,
     "bench.workload": 4,
     "bench.serve_workload": 4,
@@ -113,7 +112,7 @@ def test_an_upward_import_is_caught(tmp_path: Path) -> None:
         "router.good": "from cluster.protocol import DecodeStats\nfrom . import policy\n",
         "decode_worker.good": "from .outbox import Outboxes\nimport numpy\n",
         "splitserve.cli": "from bench.serve import main\n",
-        "router.server": "from splitserve.v1 import splitserve_pb2\n",
+        "router.server": "from splitserve_api.v1 import splitserve_pb2\n",
     }
     path = tmp_path / "pkg" / "m.py"
     path.parent.mkdir()

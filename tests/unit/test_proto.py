@@ -1,7 +1,8 @@
-"""The generated code in splitserve/v1/ matches proto/: regenerate it and compare."""
+"""The generated code in splitserve_api/v1/ matches proto/: regenerate it and compare."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -20,13 +21,11 @@ def _normalized(text: str) -> str:
 def test_generated_code_is_current(tmp_path: Path) -> None:
     # protoc runs in its own process: grpc_tools' protobuf and abseil clash with NIXL's in
     # one process (it aborts), and NIXL is loaded by the transfer tests in this one.
-    args = [sys.executable, "-m", "grpc_tools.protoc", f"-I{ROOT / 'proto'}"]
-    args += [f"--python_out={tmp_path}", f"--pyi_out={tmp_path}", f"--grpc_python_out={tmp_path}"]
-    args.append(str(ROOT / "proto/splitserve/v1/splitserve.proto"))
-    subprocess.run(args, check=True)
+    env = {**os.environ, "PYTHON": sys.executable}
+    subprocess.run([ROOT / "scripts" / "gen-proto", tmp_path], check=True, env=env)
     for name in GENERATED:
-        fresh = (tmp_path / "splitserve" / "v1" / name).read_text()
-        committed = (ROOT / "splitserve" / "v1" / name).read_text()
+        fresh = (tmp_path / "splitserve_api" / "v1" / name).read_text()
+        committed = (ROOT / "splitserve_api" / "v1" / name).read_text()
         assert _normalized(committed) == _normalized(fresh), (
-            f"splitserve/v1/{name} is stale: run scripts/gen-proto"
+            f"splitserve_api/v1/{name} is stale: run scripts/gen-proto"
         )

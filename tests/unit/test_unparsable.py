@@ -8,7 +8,7 @@ import pytest
 from google.protobuf.internal.encoder import _VarintBytes
 
 from router.unparsable import RateLimitedLog, Unparsable, parse_generate
-from splitserve.v1 import splitserve_pb2 as pb
+from splitserve_api.v1 import splitserve_pb2 as pb
 
 TEXT = pb.GenerateRequest.DESCRIPTOR.fields_by_name["text"].number
 

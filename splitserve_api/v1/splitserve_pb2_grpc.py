@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from splitserve.v1 import splitserve_pb2 as splitserve_dot_v1_dot_splitserve__pb2
+from splitserve_api.v1 import splitserve_pb2 as splitserve__api_dot_v1_dot_splitserve__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in splitserve/v1/splitserve_pb2_grpc.py depends on'
+        + ' but the generated code in splitserve_api/v1/splitserve_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,18 +36,18 @@ class GenerationStub:
         """
         self.Generate = channel.unary_stream(
                 '/splitserve.v1.Generation/Generate',
-                request_serializer=splitserve_dot_v1_dot_splitserve__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=splitserve_dot_v1_dot_splitserve__pb2.GenerateResponse.FromString,
+                request_serializer=splitserve__api_dot_v1_dot_splitserve__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=splitserve__api_dot_v1_dot_splitserve__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/splitserve.v1.Generation/ListModels',
-                request_serializer=splitserve_dot_v1_dot_splitserve__pb2.ListModelsRequest.SerializeToString,
-                response_deserializer=splitserve_dot_v1_dot_splitserve__pb2.ListModelsResponse.FromString,
+                request_serializer=splitserve__api_dot_v1_dot_splitserve__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=splitserve__api_dot_v1_dot_splitserve__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
         self.GetServerInfo = channel.unary_unary(
                 '/splitserve.v1.Generation/GetServerInfo',
-                request_serializer=splitserve_dot_v1_dot_splitserve__pb2.GetServerInfoRequest.SerializeToString,
-                response_deserializer=splitserve_dot_v1_dot_splitserve__pb2.ServerInfo.FromString,
+                request_serializer=splitserve__api_dot_v1_dot_splitserve__pb2.GetServerInfoRequest.SerializeToString,
+                response_deserializer=splitserve__api_dot_v1_dot_splitserve__pb2.ServerInfo.FromString,
                 _registered_method=True)
 
 
@@ -81,18 +81,18 @@ def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=splitserve_dot_v1_dot_splitserve__pb2.GenerateRequest.FromString,
-                    response_serializer=splitserve_dot_v1_dot_splitserve__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=splitserve__api_dot_v1_dot_splitserve__pb2.GenerateRequest.FromString,
+                    response_serializer=splitserve__api_dot_v1_dot_splitserve__pb2.GenerateResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
-                    request_deserializer=splitserve_dot_v1_dot_splitserve__pb2.ListModelsRequest.FromString,
-                    response_serializer=splitserve_dot_v1_dot_splitserve__pb2.ListModelsResponse.SerializeToString,
+                    request_deserializer=splitserve__api_dot_v1_dot_splitserve__pb2.ListModelsRequest.FromString,
+                    response_serializer=splitserve__api_dot_v1_dot_splitserve__pb2.ListModelsResponse.SerializeToString,
             ),
             'GetServerInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetServerInfo,
-                    request_deserializer=splitserve_dot_v1_dot_splitserve__pb2.GetServerInfoRequest.FromString,
-                    response_serializer=splitserve_dot_v1_dot_splitserve__pb2.ServerInfo.SerializeToString,
+                    request_deserializer=splitserve__api_dot_v1_dot_splitserve__pb2.GetServerInfoRequest.FromString,
+                    response_serializer=splitserve__api_dot_v1_dot_splitserve__pb2.ServerInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -120,8 +120,8 @@ class Generation:
             request,
             target,
             '/splitserve.v1.Generation/Generate',
-            splitserve_dot_v1_dot_splitserve__pb2.GenerateRequest.SerializeToString,
-            splitserve_dot_v1_dot_splitserve__pb2.GenerateResponse.FromString,
+            splitserve__api_dot_v1_dot_splitserve__pb2.GenerateRequest.SerializeToString,
+            splitserve__api_dot_v1_dot_splitserve__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -147,8 +147,8 @@ class Generation:
             request,
             target,
             '/splitserve.v1.Generation/ListModels',
-            splitserve_dot_v1_dot_splitserve__pb2.ListModelsRequest.SerializeToString,
-            splitserve_dot_v1_dot_splitserve__pb2.ListModelsResponse.FromString,
+            splitserve__api_dot_v1_dot_splitserve__pb2.ListModelsRequest.SerializeToString,
+            splitserve__api_dot_v1_dot_splitserve__pb2.ListModelsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -174,8 +174,8 @@ class Generation:
             request,
             target,
             '/splitserve.v1.Generation/GetServerInfo',
-            splitserve_dot_v1_dot_splitserve__pb2.GetServerInfoRequest.SerializeToString,
-            splitserve_dot_v1_dot_splitserve__pb2.ServerInfo.FromString,
+            splitserve__api_dot_v1_dot_splitserve__pb2.GetServerInfoRequest.SerializeToString,
+            splitserve__api_dot_v1_dot_splitserve__pb2.ServerInfo.FromString,
             options,
             channel_credentials,
             insecure,

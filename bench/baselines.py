@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from bench.workload import Request
+from splitserve.workload import Request
 
 WARMUP = Request(list(range(1000, 1032)), 8)
 

@@ -50,9 +50,9 @@ from bench.chaos_faults import Victim, kill_valkey, kill_worker, pages, workers
 from bench.chaos_pressure import flood, overload, pressure_doc, pressure_table
 from bench.chaos_report import Fault, Outcome, WorkerPages, message_class, summarize, table
 from bench.process import Served, splitserve
-from bench.serve_workload import VOCAB_SIZE
-from bench.workload import LengthDist, Request, make_requests
 from splitserve.client import Client
+from splitserve.serve_workload import VOCAB_SIZE
+from splitserve.workload import LengthDist, Request, make_requests
 
 WARMUP = 2  # requests before the idle run, not recorded (first calls pay one-time costs)
 

@@ -18,8 +18,8 @@ import aiohttp
 import grpc
 
 from bench.serve_backend import sse_events
-from bench.serve_metrics import OK
 from splitserve.client import request
+from splitserve.serve_metrics import OK
 from splitserve_api.v1 import splitserve_pb2_grpc as pb_grpc
 
 Prompt = list[int] | str

@@ -43,10 +43,10 @@ from typing import Any
 import psutil
 
 from bench.chaos_doors import Call, Door, GrpcDoor, HttpDoor, Prompt
-from bench.serve_metrics import OK, percentile
-from bench.serve_workload import VOCAB_SIZE
 from router.request import MAX_CHARS_PER_TOKEN
 from splitserve.client import Client
+from splitserve.serve_metrics import OK, percentile
+from splitserve.serve_workload import VOCAB_SIZE
 
 
 def pressure_doc(args: argparse.Namespace) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from bench.serve_metrics import OK, percentile
+from splitserve.serve_metrics import OK, percentile
 
 DETAIL_CHARS = 80
 

@@ -33,7 +33,7 @@ this CPU, see the README) on this machine's cores:
                       same arrivals (exact for a server that runs one request at a time,
                       minus the gRPC hop)
 
-Per workload (bench/workloads/; its plan below: rates, requests per rate, SLOs; for
+Per workload (splitserve/workloads/; its plan below: rates, requests per rate, SLOs; for
 multi-turn, conversations of 2-4 turns with a session id, the rate counting conversations):
 1. A sweep of request rates with bench/serve.py (Poisson arrivals, fixed seed, warm-up
    not counted): TTFT, TPOT, ITL, E2E, throughput, SLO attainment, and goodput (the
@@ -73,11 +73,12 @@ from typing import Any
 import numpy as np
 
 from bench import vllm_peer
-from bench.arrivals import send_offsets
 from bench.process import splitserve
 from bench.serve import goodput, ideal_cached, parse_args, sweep
 from bench.serve_backend import Backend, connect
-from bench.serve_metrics import (
+from cluster.engine.model_files import bundled_model_path
+from splitserve.arrivals import send_offsets
+from splitserve.serve_metrics import (
     RequestRecord,
     ServerTiming,
     Slo,
@@ -85,9 +86,8 @@ from bench.serve_metrics import (
     stats,
     summarize,
 )
-from bench.serve_workload import VOCAB_SIZE, Conversation, load_workload, make_conversations
-from bench.workload import random_prompt
-from cluster.engine.model_files import bundled_model_path
+from splitserve.serve_workload import VOCAB_SIZE, Conversation, load_workload, make_conversations
+from splitserve.workload import random_prompt
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -649,7 +649,7 @@ def _kv_reuse(result: dict[str, Any]) -> list[str]:
             "",
             "Prefix cache: prompt tokens the servers' prefix caches served, of the most the "
             "workload allows (each system prompt's full pages cached from its first request "
-            "on; bench/serve_workload.py's ideal_cached_tokens); TTFT p50 against "
+            "on; splitserve/serve_workload.py's ideal_cached_tokens); TTFT p50 against "
             "round-robin's at the same rate:",
             "",
             "| configuration | rate/s | cached prompt tokens | ideal | of ideal | "

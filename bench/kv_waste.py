@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bench.workload import Request
 from cluster.engine.page_pool import pages_for
+from splitserve.workload import Request
 
 
 @dataclass(frozen=True)

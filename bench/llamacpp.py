@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from bench.baselines import WARMUP, Run
-from bench.workload import Request
+from splitserve.workload import Request
 
 N_BATCH = 512
 

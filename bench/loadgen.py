@@ -11,7 +11,7 @@ The third party is AIPerf (PyPI aiperf 0.13.0), run from its own venv, .venv-loa
 - a closed loop of `--concurrency` requests in flight, `--num-requests` measured after
   `--warmup` unmeasured ones.
 AIPerf's time_to_first_token and inter_token_latency ((request latency - TTFT) / (output
-tokens - 1), per request) are bench/serve_metrics.py's TTFT and TPOT, same definitions.
+tokens - 1), per request) are splitserve/serve_metrics.py's TTFT and TPOT, same definitions.
 Agreement is (ours - AIPerf's) / AIPerf's, on the p50s; the issue's target is within 10%.
 Each tool's own CPU time is reported too: on a small machine the load generator shares
 the CPUs with the server it measures, so a heavier client slows the server it times.
@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.serve import RESULTS, parse_args, sweep
-from bench.serve_metrics import Slo, summarize
-from bench.serve_workload import UniformDist, WorkloadSpec
 from cluster.engine.model_files import bundled_model_path
 from cluster.engine.tokenizer import Tokenizer
+from splitserve.serve_metrics import Slo, summarize
+from splitserve.serve_workload import UniformDist, WorkloadSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 AIPERF = ROOT / ".venv-loadgen" / "bin" / "aiperf"

@@ -16,12 +16,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench import baselines, decode_cost, workload
+from bench import baselines, decode_cost
 from bench.decode_cost import DecodeEfficiency, timed
 from cluster.config import EngineConfig
 from cluster.engine.engine import LLMEngine
 from cluster.engine.model_files import bundled_model_path
 from cluster.types import SamplingParams
+from splitserve import workload
 
 MODES = (
     ("float32", "none"),

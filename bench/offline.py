@@ -27,17 +27,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench import baselines, decode_cost, llamacpp, modes, report, vllm_peer, workload
+from bench import baselines, decode_cost, llamacpp, modes, report, vllm_peer
 from bench.baselines import Run
 from bench.decode_cost import DecodeEfficiency, GatherCost
 from bench.kv_waste import KVWaste, kv_waste
 from bench.report import Results
-from bench.workload import LengthDist, Request
 from cluster.config import DTYPES, QUANTIZATIONS, EngineConfig
 from cluster.engine.checkpoint import read_spec
 from cluster.engine.engine import LLMEngine
 from cluster.engine.model_files import bundled_model_path
 from cluster.types import SamplingParams
+from splitserve import workload
+from splitserve.workload import LengthDist, Request
 
 FULL: dict[str, Any] = {
     "num_requests": 64,

@@ -19,16 +19,16 @@ from typing import Any
 
 import numpy as np
 
-from bench.arrivals import send_offsets
 from bench.compare import CONFIGS, RESULTS
-from bench.serve_workload import load_workload, make_conversations
 from cluster.config import EngineConfig, serve_config_from_dict
 from cluster.engine.checkpoint import read_spec
 from cluster.engine.model_files import bundled_model_path
 from router.policy import PolicyConfig, PolicyName
+from splitserve.arrivals import send_offsets
 from splitserve.calibrate import calibrate
 from splitserve.capacity import kv_bytes_per_token, kv_capacity
 from splitserve.plan import pyplot
+from splitserve.serve_workload import load_workload, make_conversations
 from splitserve.sim import Cluster, Pool, Simulation
 from splitserve.step_cost import Linear
 

@@ -7,8 +7,9 @@ bench/serve_backend.py's one contract, so the same records and metrics come out.
 
 1. Warm-up: `--warmup` conversations of the workload, one after another, not counted; if
    one fails the benchmark stops there.
-2. Each rate of `--rates` is one run of `--num-requests` conversations (bench/workloads/,
-   bench/serve_workload.py) arriving at bench/arrivals.py's offsets: Poisson, or gamma with
+2. Each rate of `--rates` is one run of `--num-requests` conversations (splitserve/workloads/,
+   splitserve/serve_workload.py) arriving at splitserve/arrivals.py's offsets: Poisson, or
+   gamma with
    `--burstiness`; `inf` sends them all at once. With `--concurrency N` at most N
    conversations are in flight; an arrival waits for a slot (with rate inf: a closed loop
    of N). For a multi-turn workload the rate counts conversations, and each turn is sent
@@ -17,7 +18,7 @@ bench/serve_backend.py's one contract, so the same records and metrics come out.
    that fails is recorded by its status name (gRPC's, or HTTP_<code>; its partial reply,
    usually none, stays in its conversation, which goes on). Every run uses new token ids,
    same lengths.
-3. Each run's records become its metrics (bench/serve_metrics.py: TTFT, TPOT, ITL, E2E,
+3. Each run's records become its metrics (splitserve/serve_metrics.py: TTFT, TPOT, ITL, E2E,
    throughput, failures, SLO attainment against `--slo-ttft` and `--slo-tpot`); goodput
    is found over the sweep's finite rates. A table goes to stdout, JSON to `--out`: the
    config, the server's info, per rate the summary and every request's record. For a
@@ -41,9 +42,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from bench.arrivals import send_offsets
 from bench.serve_backend import Backend, connect
-from bench.serve_metrics import (
+from cluster.engine.model_files import bundled_model_path
+from cluster.engine.tokenizer import Tokenizer
+from splitserve.arrivals import send_offsets
+from splitserve.serve_metrics import (
     GOODPUT_ATTAINMENT,
     RequestRecord,
     RunSummary,
@@ -53,7 +56,7 @@ from bench.serve_metrics import (
     interpolated_goodput,
     summarize,
 )
-from bench.serve_workload import (
+from splitserve.serve_workload import (
     VOCAB_SIZE,
     Conversation,
     WorkloadSpec,
@@ -61,8 +64,6 @@ from bench.serve_workload import (
     load_workload,
     make_conversations,
 )
-from cluster.engine.model_files import bundled_model_path
-from cluster.engine.tokenizer import Tokenizer
 
 RESULTS = Path(__file__).parent / "results"
 T = TypeVar("T")

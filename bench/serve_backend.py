@@ -30,9 +30,9 @@ import aiohttp
 import grpc
 from google.protobuf import json_format
 
-from bench.serve_metrics import OK, RequestRecord, ServerTiming
 from cluster.engine.tokenizer import Tokenizer
 from splitserve.client import Client
+from splitserve.serve_metrics import OK, RequestRecord, ServerTiming
 
 Endpoint = Literal["completions", "chat"]
 SESSION_HEADER = "X-Session-Id"  # splitserve's affinity header; other servers ignore it

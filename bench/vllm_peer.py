@@ -28,8 +28,8 @@ import torch
 from bench import baselines
 from bench.baselines import WARMUP, Run
 from bench.process import DidNotStart, child
-from bench.workload import Request
 from cluster.engine.tokenizer import Tokenizer
+from splitserve.workload import Request
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"

@@ -293,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     cap.add_argument("--contexts", default="512,2048,8192")
     cap.add_argument("--batches", default="1,8,64,256")
     sim = plan.add_argument_group("cluster (a simulation; see splitserve/sim.py)")
-    sim.add_argument("--workload", default="chat", help="a bench/workloads name or .yaml path")
+    sim.add_argument("--workload", default="chat", help="a splitserve/workloads name or .yaml path")
     sim.add_argument("--rate", type=float, default=4.0, help="requests (conversations) a second")
     sim.add_argument("--requests", type=int, default=2000)
     sim.add_argument("--seed", type=int, default=0)

@@ -11,12 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from bench.arrivals import send_offsets
-from bench.serve_metrics import GOODPUT_ATTAINMENT, Slo
-from bench.serve_workload import WorkloadSpec, load_workload, make_conversations
 from cluster.config import ConfigError, PoolConfig, ServeConfig, load_serve_config
 from cluster.engine.checkpoint import ModelSpec
 from router.policy import PolicyConfig, PolicyName
+from splitserve.arrivals import send_offsets
 from splitserve.capacity import (
     BITS,
     decode_bound,
@@ -26,6 +24,8 @@ from splitserve.capacity import (
     weight_bytes,
 )
 from splitserve.hardware import Hardware
+from splitserve.serve_metrics import GOODPUT_ATTAINMENT, Slo
+from splitserve.serve_workload import WorkloadSpec, load_workload, make_conversations
 from splitserve.sim import Cluster, Pool, Result, Simulation, weighted_percentile
 from splitserve.step_cost import Linear, Roofline, StepCost
 

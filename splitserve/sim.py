@@ -46,7 +46,6 @@ from typing import Any
 
 import numpy as np
 
-from bench.serve_workload import Conversation
 from cluster.config import EngineConfig, ScalingConfig
 from cluster.engine.page_pool import PagePool, pages_for
 from cluster.engine.scheduler import Scheduler, Step
@@ -64,6 +63,7 @@ from router.policy import (
 )
 from router.prefix_index import prompt_hashes
 from splitserve.autoscale import DecodeSignals, PrefillSignals, ScalerState, decide
+from splitserve.serve_workload import Conversation
 from splitserve.step_cost import StepCost
 
 TICK_S = 1.0  # how often KV use is sampled when no pool autoscales

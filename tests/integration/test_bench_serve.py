@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from bench.serve import main
-from bench.serve_workload import load_workload, make_conversations
+from splitserve.serve_workload import load_workload, make_conversations
 from tests.integration.router_harness import RouterHarness
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from bench.arrivals import send_offsets
+from splitserve.arrivals import send_offsets
 
 
 def gaps(offsets: list[float]) -> np.ndarray:

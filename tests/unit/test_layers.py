@@ -7,8 +7,8 @@ Floors, lowest first; a module may import its own floor and the floors below:
 3. router (dispatch included). It reaches the workers through Ray with cluster.protocol's
    types, so it imports neither of them, and they do not import each other.
 4. splitserve: the control plane (launch, pools, scaler, autoscale, embedded Redis), the
-   client and the capacity planner; with the workload model the planner shares with
-   the benchmarks (bench.workload, serve_workload, arrivals, serve_metrics: pure).
+   client and the capacity planner, with the workload model and metrics that the
+   benchmarks share (workload, serve_workload, arrivals, serve_metrics: pure).
 5. bench: load generators, peers and reports, which drive a real server or the planner.
 6. splitserve.cli: the one command line, `splitserve bench ...` included.
 Every import counts, at module level or inside a function, under TYPE_CHECKING or not.
@@ -35,10 +35,6 @@ PACKAGES = {
 # Modules whose floor is not their package's, longest prefix first.
 MODULES = {
     "splitserve.cli": 6,
-    "bench.workload": 4,
-    "bench.serve_workload": 4,
-    "bench.arrivals": 4,
-    "bench.serve_metrics": 4,
 }
 STRANGERS = {"decode_worker", "prefill_worker", "router"}  # none imports another
 FLOOR_NAMES = {1: "ground", 2: "workers", 3: "router", 4: "control plane", 5: "bench", 6: "cli"}
@@ -106,7 +102,7 @@ def test_an_upward_import_is_caught(tmp_path: Path) -> None:
         "decode_worker.bad": "import prefill_worker.sender\n",
         "cluster.engine.bad": "def f():\n    from splitserve import pool\n",
         "cluster.bad": "from ..splitserve import launch\n",
-        "bench.arrivals": "from bench import serve\n",
+        "splitserve.arrivals": "from bench import serve\n",
     }
     good = {
         "router.good": "from cluster.protocol import DecodeStats\nfrom . import policy\n",

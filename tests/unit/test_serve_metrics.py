@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.serve_metrics import (
+from splitserve.serve_metrics import (
     RequestRecord,
     ServerTiming,
     Slo,

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from bench.serve_workload import (
+from cluster.config import ConfigError
+from splitserve.serve_workload import (
     VOCAB_SIZE,
     Conversation,
     Turn,
@@ -16,8 +17,7 @@ from bench.serve_workload import (
     make_conversations,
     workload_from_dict,
 )
-from bench.workload import FIRST_ID, LengthDist
-from cluster.config import ConfigError
+from splitserve.workload import FIRST_ID, LengthDist
 
 
 def test_chat_is_one_turn_with_sharegpt_like_lengths() -> None:

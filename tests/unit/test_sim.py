@@ -7,8 +7,13 @@ import itertools
 import numpy as np
 import pytest
 
-from bench.arrivals import send_offsets
-from bench.serve_workload import (
+from cluster.config import EngineConfig, ScalingConfig
+from router.policy import PolicyConfig, PolicyName
+from splitserve.arrivals import send_offsets
+from splitserve.capacity import ARCHITECTURES, kv_bytes_per_token
+from splitserve.hardware import GPUS
+from splitserve.plan import counts, recommend, simulate
+from splitserve.serve_workload import (
     Conversation,
     Turn,
     UniformDist,
@@ -16,11 +21,6 @@ from bench.serve_workload import (
     ideal_cached_tokens,
     make_conversations,
 )
-from cluster.config import EngineConfig, ScalingConfig
-from router.policy import PolicyConfig, PolicyName
-from splitserve.capacity import ARCHITECTURES, kv_bytes_per_token
-from splitserve.hardware import GPUS
-from splitserve.plan import counts, recommend, simulate
 from splitserve.sim import Cluster, Pool, Simulation, weighted_percentile
 from splitserve.step_cost import Linear, Roofline, fit
 

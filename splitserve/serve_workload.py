@@ -1,4 +1,4 @@
-"""Serving workloads: a spec file in bench/workloads/ and the conversations it generates.
+"""Serving workloads: a spec file in splitserve/workloads/ and the conversations it generates.
 
 A spec gives three length distributions: `prompt` (the new user text of each turn, in
 tokens), `output` (tokens per reply) and optionally `turns` (per conversation; default 1).
@@ -6,7 +6,7 @@ With `prefixes: N` and a `prefix` length distribution, N system prompts are draw
 each conversation's first turn starts with one of them, picked at random (SGLang's
 generated-shared-prefix benchmark): `ideal_cached_tokens` says how many prompt tokens a
 prefix cache could serve at best.
-Each is `{dist: lognormal, median, sigma, low, high}` (bench/workload.py's LengthDist:
+Each is `{dist: lognormal, median, sigma, low, high}` (splitserve/workload.py's LengthDist:
 rounded, clipped to [low, high]) or `{dist: uniform, low, high}` (integers, both ends
 included). Prompts are random vocabulary ids, so lengths are exact; replies are meant to
 run with ignore_eos and max_tokens = the output length, so they are exact too.
@@ -29,10 +29,10 @@ from typing import Any
 import numpy as np
 import yaml
 
-from bench.workload import LengthDist, random_prompt
 from cluster.config import ConfigError
 from cluster.engine.page_pool import hash_pages
 from cluster.types import BlockHash
+from splitserve.workload import LengthDist, random_prompt
 
 WORKLOADS = Path(__file__).parent / "workloads"
 VOCAB_SIZE = 49152  # the bundled SmolLM2's
@@ -81,7 +81,7 @@ class Conversation:
 
 
 def load_workload(name: str) -> WorkloadSpec:
-    """A spec by name (bench/workloads/NAME.yaml) or by path to a YAML file."""
+    """A spec by name (splitserve/workloads/NAME.yaml) or by path to a YAML file."""
     path = Path(name) if name.endswith((".yaml", ".yml")) else WORKLOADS / f"{name}.yaml"
     if not path.is_file():
         known = sorted(p.stem for p in WORKLOADS.glob("*.yaml"))

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import importlib
 import logging
 import sys
 import uuid
 from collections.abc import Sequence
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
@@ -207,13 +207,15 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCHES = ["offline", "transfer", "router", "serve", "compare", "gpu", "chaos"]  # bench/*.py
+# The entry-point group bench/ registers its commands in (pyproject.toml): bench stands on
+# splitserve, so the CLI names no bench module and finds them as installed plugins.
+BENCHES = "splitserve.bench"
 
 
 def _bench(args: argparse.Namespace) -> int:
-    """`splitserve bench KIND ...`: bench/KIND.py's main, imported only when asked for."""
-    module = importlib.import_module(f"bench.{args.kind}")
-    result: int = module.main(args.bench_args)
+    """`splitserve bench KIND ...`: the main KIND's entry point names, loaded when asked for."""
+    (entry,) = entry_points(group=BENCHES, name=args.kind)
+    result: int = entry.load()(args.bench_args)
     return result
 
 
@@ -330,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(func=_plan)
 
     bench = sub.add_parser("bench", help="benchmarks (bench/)")
-    bench.add_argument("kind", choices=BENCHES)
+    bench.add_argument("kind", choices=sorted(e.name for e in entry_points(group=BENCHES)))
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)
     return parser

@@ -1,17 +1,30 @@
 """Imports point down a floor (DESIGN.md's layout), read from the source with `ast`.
 
-Floors, lowest first; a module may import its own floor and the floors below:
-1. cluster (types, config, protocol, engine, transfer) and splitserve_api, the
-   code generated from proto/ (it imports nothing of ours).
+Floors are packages, lowest first; a module may import its own floor and the floors below.
+A module's floor is its top-level package's and nothing else: there is no per-file table.
+1. cluster (types, config, protocol, engine, transfer) and splitserve_api, the code
+   generated from proto/ (it imports nothing of ours).
 2. decode_worker, prefill_worker: the two roles.
 3. router (dispatch included). It reaches the workers through Ray with cluster.protocol's
    types, so it imports neither of them, and they do not import each other.
 4. splitserve: the control plane (launch, pools, scaler, autoscale, embedded Redis), the
-   client and the capacity planner, with the workload model and metrics that the
-   benchmarks share (workload, serve_workload, arrivals, serve_metrics: pure).
+   client, the capacity planner with the workload model and metrics that the benchmarks
+   share (workload, serve_workload, arrivals, serve_metrics: pure), and the CLI.
 5. bench: load generators, peers and reports, which drive a real server or the planner.
-6. splitserve.cli: the one command line, `splitserve bench ...` included.
-Every import counts, at module level or inside a function, under TYPE_CHECKING or not.
+
+`splitserve bench KIND` is the one place a lower floor runs code of a higher one, and it
+does so the way a framework calls a plugin: bench/ registers each command in
+pyproject.toml's "splitserve.bench" entry-point group and splitserve.cli loads it by the
+name the user gives, so no file of splitserve names a bench module; the dependency in
+the source points down (bench names the group). A test below holds the group to that.
+
+What counts as an import: every `import` and `from ... import`, at module level or
+inside a function, under TYPE_CHECKING or not; and every call of `import_module` or
+`__import__`, whose module is its first argument: a string literal, or an f-string whose
+literal head names the package (`f"bench.{kind}"` imports from bench). A dynamic import of
+a name the test cannot read this way fails too: an arrow it cannot see is not allowed.
+Every top-level directory or module with Python files (tracked or not, unless ignored by
+git) is one of PACKAGES or of NOT_PACKAGES: a new one fails until it is given a floor.
 """
 
 from __future__ import annotations
@@ -19,8 +32,12 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+import tomllib
 from collections.abc import Iterator
+from importlib.metadata import entry_points
 from pathlib import Path
+
+from splitserve.cli import BENCHES
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {
@@ -32,26 +49,65 @@ PACKAGES = {
     "splitserve": 4,
     "bench": 5,
 }
-# Modules whose floor is not their package's, longest prefix first.
-MODULES = {
-    "splitserve.cli": 6,
-}
+NOT_PACKAGES = {"tests"}  # may import any floor; nothing imports it
 STRANGERS = {"decode_worker", "prefill_worker", "router"}  # none imports another
-FLOOR_NAMES = {1: "ground", 2: "workers", 3: "router", 4: "control plane", 5: "bench", 6: "cli"}
+FLOOR_NAMES = {1: "ground", 2: "workers", 3: "router", 4: "control plane", 5: "bench"}
+DYNAMIC = {"import_module", "__import__"}
+UNREADABLE = "<a name the test cannot read>"
 
 
 def floor(module: str) -> int | None:
-    """The module's floor; None for what is not ours (stdlib, third party)."""
-    for name in sorted(MODULES, key=len, reverse=True):
-        if module == name or module.startswith(name + "."):
-            return MODULES[name]
+    """The module's floor: its top-level package's; None for what is not ours."""
     return PACKAGES.get(module.split(".")[0])
 
 
+def python_files() -> list[Path]:
+    """Every .py file git tracks or would track (ignored ones, such as .venv, left out)."""
+    out = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "--", "*.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return [ROOT / line for line in out.stdout.splitlines() if (ROOT / line).is_file()]
+
+
+def top_level_names(files: list[Path]) -> set[str]:
+    """The first part of each file's path: a directory, or a module at the root."""
+    return {f.relative_to(ROOT).with_suffix("").parts[0] for f in files}
+
+
 def sources() -> Iterator[tuple[str, Path]]:
-    for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            yield ".".join(path.relative_to(ROOT).with_suffix("").parts), path
+    for path in python_files():
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        if module.split(".")[0] in PACKAGES:
+            yield module.removesuffix(".__init__"), path
+
+
+def _literal_head(arg: ast.expr) -> str:
+    """The module a dynamic import's argument names: a literal whole, or an f-string's
+    literal head up to its last dot; UNREADABLE when neither names it absolutely."""
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        return arg.value if arg.value and not arg.value.startswith(".") else UNREADABLE
+    if isinstance(arg, ast.JoinedStr):
+        head = ""
+        for part in arg.values:
+            if not (isinstance(part, ast.Constant) and isinstance(part.value, str)):
+                break
+            head += part.value
+        if "." in head:
+            return _literal_head(ast.Constant(head.rpartition(".")[0]))
+    return UNREADABLE
+
+
+def _dynamic_import(node: ast.Call) -> str | None:
+    """The module an `import_module(...)` or `__import__(...)` call imports, else None."""
+    func = node.func
+    name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+    if name not in DYNAMIC:
+        return None
+    return _literal_head(node.args[0]) if node.args else UNREADABLE
 
 
 def imports(module: str, path: Path) -> Iterator[tuple[int, str]]:
@@ -67,13 +123,19 @@ def imports(module: str, path: Path) -> Iterator[tuple[int, str]]:
                 target = f"{target}.{node.module}" if target else node.module
             # `from pkg import mod` imports pkg.mod when it is a module: judge each name.
             yield from ((node.lineno, f"{target}.{alias.name}") for alias in node.names)
+        elif isinstance(node, ast.Call) and (target := _dynamic_import(node)) is not None:
+            yield node.lineno, target
 
 
 def violations(module: str, path: Path) -> Iterator[str]:
-    """Each import in the file that points up a floor, or between two STRANGERS."""
+    """Each import in the file that points up a floor, or between two STRANGERS, and
+    each dynamic import whose module the test cannot read."""
     here, home = floor(module), module.split(".")[0]
-    assert here is not None, module
+    assert here is not None, f"{module}: not in a package of PACKAGES"
     for line, target in imports(module, path):
+        if target == UNREADABLE:
+            yield f"{module}:{line} imports {UNREADABLE}"
+            continue
         there = floor(target)
         if there is None:
             continue
@@ -82,39 +144,75 @@ def violations(module: str, path: Path) -> Iterator[str]:
             yield f"{module}:{line} ({FLOOR_NAMES[here]}) imports {target} ({FLOOR_NAMES[there]})"
 
 
+def unknown(names: set[str]) -> list[str]:
+    """The top-level names that are neither a floor's package nor one of NOT_PACKAGES."""
+    return sorted(names - PACKAGES.keys() - NOT_PACKAGES)
+
+
 def test_no_module_imports_a_floor_above_its_own() -> None:
     found = [v for module, path in sources() for v in violations(module, path)]
     assert found == []
 
 
-def test_every_module_named_here_is_in_the_tree() -> None:
-    modules = [m for m, _ in sources()]
-    for name in MODULES:
-        assert any(m == name or m.startswith(name + ".") for m in modules), name
+def test_every_top_level_python_directory_has_a_floor() -> None:
+    names = top_level_names(python_files())
+    assert unknown(names) == []
+    assert names >= PACKAGES.keys(), "a package named here is gone"
+    assert "splitserve.cli" in dict(sources())
+
+
+def test_bench_commands_are_plugins_of_the_cli() -> None:
+    """Every command of `splitserve bench` is a bench module's, and what is installed is
+    what pyproject.toml declares (after editing the group: pip install -e .)."""
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
+    commands = declared[BENCHES]
+    assert {floor(target.partition(":")[0]) for target in commands.values()} == {PACKAGES["bench"]}
+    assert {e.name: e.value for e in entry_points(group=BENCHES)} == commands
 
 
 def test_an_upward_import_is_caught(tmp_path: Path) -> None:
     """The check itself: a router module that imports a worker, a worker that imports
     its peer, a ground-floor module that imports the control plane from inside a
-    function or relatively; and imports that point down pass."""
+    function or relatively; what the old per-module table let through (the CLI, the
+    planner or the workload model importing bench, the router importing code under
+    splitserve/); dynamic imports that point up or cannot be read. Imports that point
+    down pass, dynamic ones too."""
     bad = {
         "router.bad": "from decode_worker.worker import DecodeWorker\n",
         "decode_worker.bad": "import prefill_worker.sender\n",
         "cluster.engine.bad": "def f():\n    from splitserve import pool\n",
         "cluster.bad": "from ..splitserve import launch\n",
         "splitserve.arrivals": "from bench import serve\n",
+        "splitserve.cli": "from bench.serve import main\n",
+        "splitserve.plan": "from bench.serve_workload import load_workload\n",
+        "router.request": "from splitserve.v1 import splitserve_pb2\n",
+        "router.dynamic": "import importlib\nimportlib.import_module('splitserve.launch')\n",
+        "cluster.dunder": "__import__('router.server')\n",
+        "splitserve.fstring": "from importlib import import_module\nimport_module(f'bench.{k}')\n",
+        "splitserve.computed": "import importlib\nimportlib.import_module(name)\n",
+        "splitserve.joined": "import importlib\nimportlib.import_module('ben' + 'ch.serve')\n",
+        "splitserve.relative": "import importlib\nimportlib.import_module('.serve', 'bench')\n",
     }
     good = {
         "router.good": "from cluster.protocol import DecodeStats\nfrom . import policy\n",
         "decode_worker.good": "from .outbox import Outboxes\nimport numpy\n",
-        "splitserve.cli": "from bench.serve import main\n",
         "router.server": "from splitserve_api.v1 import splitserve_pb2\n",
+        "bench.dynamic": "import importlib\nimportlib.import_module(f'splitserve.{k}')\n",
+        "splitserve.down": "__import__('cluster.config')\n",
     }
     path = tmp_path / "pkg" / "m.py"
     path.parent.mkdir()
     for module, text in {**bad, **good}.items():
         path.write_text(text)
         assert bool(list(violations(module, path))) == (module in bad), module
+
+
+def test_an_unknown_top_level_package_is_caught() -> None:
+    """A new top-level directory (or root module) with Python files has no floor until
+    PACKAGES or NOT_PACKAGES names it."""
+    assert unknown({*PACKAGES, "tests", "gateway"}) == ["gateway"]
+    assert unknown({*PACKAGES, "tests", "setup"}) == ["setup"]
+    assert unknown({*PACKAGES, "tests"}) == []
 
 
 def test_the_router_loads_without_torch_the_engine_or_a_worker() -> None:

@@ -28,31 +28,10 @@ from typing import Any
 
 import torch
 
+from splitserve.hardware import GPUS, Hardware
+
 RESULTS = Path(__file__).parent / "results"
 PAGE = 16  # tokens per KV page
-
-
-@dataclass(frozen=True)
-class Peak:
-    """A GPU's published figures: HBM bandwidth and dense (not sparse) bfloat16 FLOP/s."""
-
-    name: str
-    memory_gb: float
-    bandwidth_gb_s: float
-    bf16_tflops: float
-
-
-# Matched by the words torch's device names contain (profile_of).
-PEAKS = (
-    Peak("H100 PCIe", 80, 2000, 756),
-    Peak("H100 NVL", 94, 3900, 835),
-    Peak("H100", 80, 3350, 989),
-    Peak("H200", 141, 4800, 989),
-    Peak("A100-40GB", 40, 1555, 312),
-    Peak("A100", 80, 2039, 312),
-    Peak("L40S", 48, 864, 362),
-    Peak("B200", 180, 8000, 2250),
-)
 
 
 @dataclass(frozen=True)
@@ -70,11 +49,12 @@ FULL = Sizes(("smollm2-135m", "llama-3-8b"), (1, 8, 64), 2048, 8192, 20, 16, 819
 DRY = Sizes(("tiny",), (1, 2), 48, 64, 2, 2, 256)
 
 
-def profile_of(device_name: str, memory_bytes: int) -> Peak | None:
-    """The published figures of the GPU torch names `device_name` with `memory_bytes` of
-    memory; None for one not known (no share is printed then)."""
+def profile_of(device_name: str, memory_bytes: int) -> Hardware | None:
+    """The published figures (splitserve.hardware.GPUS) of the GPU torch names
+    `device_name` with `memory_bytes` of memory, matched by the words the name contains;
+    None for one not known (no share is printed then)."""
     base = lambda p: p.name.split("-")[0]  # "A100-40GB" is sold as an A100
-    named = [p for p in PEAKS if base(p) in device_name]
+    named = [p for p in GPUS.values() if base(p) in device_name]
     # The longest name that matches ("H100 PCIe" over "H100"), then the nearest memory.
     fit = lambda p: (-len(base(p)), abs(p.memory_gb * 1e9 - memory_bytes))
     return min(named, key=fit, default=None)
@@ -270,7 +250,7 @@ def prefill(rig: Rig, name: str, tokens: int) -> Prefill:
     vocab = s.vocab_size * s.hidden_size * (1 if s.tie_embeddings else 2)
     matmul = 2 * tokens * (rig.model.weight_bytes // 2 - vocab)
     attention = 2 * s.num_layers * s.num_heads * s.head_dim * tokens * tokens  # causal half
-    peak = rig.profile.bf16_tflops if rig.profile else None
+    peak = rig.profile.tflops if rig.profile else None
     return Prefill(name, tokens, seconds, matmul + attention, peak)
 
 

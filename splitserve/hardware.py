@@ -40,9 +40,11 @@ GPUS = {
     "A100-40GB": Hardware("A100-40GB", 40, 1555, 312),
     "A100": Hardware("A100", 80, 2039, 312),
     "H100": Hardware("H100", 80, 3350, 989),
+    "H100 PCIe": Hardware("H100 PCIe", 80, 2000, 756),
+    "H100 NVL": Hardware("H100 NVL", 94, 3900, 835),
     "H200": Hardware("H200", 141, 4800, 989),
     "L40S": Hardware("L40S", 48, 864, 362),
-    "B200": Hardware("B200", 192, 8000, 2250),
+    "B200": Hardware("B200", 180, 8000, 2250),
 }
 
 

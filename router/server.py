@@ -180,15 +180,17 @@ class RouterServer:
         options = [
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
+            ("grpc.so_reuseport", 0),  # a second server on this port fails, not shares it
         ]
         self.server = grpc.aio.server(options=options)
         _add_generation(servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
         reflection.enable_server_reflection((*names, reflection.SERVICE_NAME), self.server)
-        self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
-        if self.port == 0:
-            raise OSError(f"router: cannot listen on {config.host}:{config.port}")
+        try:
+            self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        except RuntimeError as e:  # grpc's word for a port it cannot bind
+            raise OSError(f"router.port: cannot listen on {config.host}:{config.port}") from e
 
     @property
     def address(self) -> str:

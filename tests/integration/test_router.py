@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -18,7 +19,7 @@ from cluster.engine.engine import LLMEngine
 from cluster.types import RequestId, SamplingParams
 from router import request
 from router.request import MAX_CHARS_PER_TOKEN
-from router.server import UNPARSABLE_LOG_EVERY_S
+from router.server import UNPARSABLE_LOG_EVERY_S, RouterServer
 from router.token_count import count_tokens
 from splitserve.client import Client
 from splitserve.redis_server import EmbeddedRedis
@@ -466,3 +467,17 @@ def test_redis_outage_fails_open_and_affinity_resumes(
 async def _server_info(address: str) -> Any:
     async with Client(address) as client:
         return await client.server_info()
+
+
+def test_a_second_server_on_a_taken_port_fails_to_bind_instead_of_sharing_it(
+    routers: tuple[RouterHarness, ...],
+) -> None:
+    first = routers[0].app.server
+    config = dataclasses.replace(first.config, port=first.port)
+
+    async def second() -> RouterServer:
+        return RouterServer(first.servicer, config)
+
+    with pytest.raises(OSError, match=f"router.port: cannot listen on {first.address}"):
+        routers[0].call(second())
+    assert ask(first.address, "Still here?", max_tokens=2).token_ids  # the first still serves

@@ -72,7 +72,6 @@ async def start_router(
     path = Path(model) if model else bundled_model_path()
     tokenizer = await asyncio.to_thread(Tokenizer.load, path)
     workers = WorkerRegistry(prefill, decode, info.page_size, config.stats_interval_s)
-    await workers.start()
     placements = None
     if redis_url is not None:
         placements = PlacementStore(redis_url, config.session_ttl_s, config.redis_timeout_s)
@@ -96,41 +95,45 @@ async def start_router(
     pool = TokenizePool(config.tokenize_threads, config.max_tokenize_queue)
     servicer = GenerationServicer(router, tokenizer, info, config, metrics, pool)
     server = RouterServer(servicer, config)
-    await server.start()
-    await server.set_serving(bool(workers.snapshot().decode))
-    tasks: set[asyncio.Task[None]] = set()
+    app = RouterApp(server, router, workers, placements, metrics, None, None, pool)
+    try:
+        await workers.start()
+        await server.start()
+        await server.set_serving(bool(workers.snapshot().decode))
+        tasks: set[asyncio.Task[None]] = set()
 
-    def on_change(num_decode: int) -> None:
-        task = asyncio.get_running_loop().create_task(server.set_serving(num_decode > 0))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
+        def on_change(num_decode: int) -> None:
+            task = asyncio.get_running_loop().create_task(server.set_serving(num_decode > 0))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
 
-    workers.on_change = on_change
-    workers.on_prefill_died = router.dispatcher.prefill_died
-    http = None
-    if config.http_port is not None:
-        http = OpenAIFrontDoor(
-            router,
-            tokenizer,
-            info,
-            config.max_tokens,
-            metrics,
-            lambda: bool(workers.snapshot().decode),
-            pool,
+        workers.on_change = on_change
+        workers.on_prefill_died = router.dispatcher.prefill_died
+        if config.http_port is not None:
+            app.http = OpenAIFrontDoor(
+                router,
+                tokenizer,
+                info,
+                config.max_tokens,
+                metrics,
+                lambda: bool(workers.snapshot().decode),
+                pool,
+            )
+            await app.http.start(config.host, config.http_port, config.grace_s)
+            log.info("router: OpenAI-compatible HTTP API on %s/v1", app.http.address)
+        if config.metrics_port is not None:
+            app.metrics_http = metrics.serve(config.host, config.metrics_port)
+            host, port = app.metrics_http.server_address[:2]
+            log.info("router: Prometheus metrics on http://%s:%d/metrics", host, port)
+        log.info(
+            "router: gRPC on %s (policy %s, %d prefill + %d decode workers, model %s)",
+            server.address,
+            config.policy,
+            len(prefill),
+            len(decode),
+            info.name,
         )
-        await http.start(config.host, config.http_port, config.grace_s)
-        log.info("router: OpenAI-compatible HTTP API on %s/v1", http.address)
-    metrics_http = None
-    if config.metrics_port is not None:
-        metrics_http = metrics.serve(config.host, config.metrics_port)
-        host, port = metrics_http.server_address[:2]
-        log.info("router: Prometheus metrics on http://%s:%d/metrics", host, port)
-    log.info(
-        "router: gRPC on %s (policy %s, %d prefill + %d decode workers, model %s)",
-        server.address,
-        config.policy,
-        len(prefill),
-        len(decode),
-        info.name,
-    )
-    return RouterApp(server, router, workers, placements, metrics, metrics_http, http, pool)
+    except BaseException:
+        await app.stop(0)  # what started here stops: none of it outlives a failed start
+        raise
+    return app

@@ -51,6 +51,7 @@ async def _serve(config: ServeConfig) -> None:
         else:
             log.info("redis: %s (external)", redis_url)
 
+        stack.callback(ray.shutdown)  # first: an init that fails halfway leaves nothing
         if config.ray_address is None:
             pools = (config.prefill, config.decode)
             wanted = sum(p.scaling.max_replicas * p.num_cpus for p in pools)
@@ -66,7 +67,6 @@ async def _serve(config: ServeConfig) -> None:
         else:
             ray.init(address=config.ray_address)
             log.info("ray: joined %s, %s", config.ray_address, ray.cluster_resources())
-        stack.callback(ray.shutdown)
         # After ray.init, which installs its own SIGTERM handler: ours must win.
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

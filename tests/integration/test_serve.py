@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -142,3 +143,45 @@ def _decoding(metrics_url: str) -> bool:
         r'^vllm:num_requests_running\{[^}]*phase="decode"[^}]*\} (\S+)', scraped, re.M
     )
     return any(float(v) >= 1 for v in running)
+
+
+# The start-up without its port check, as when another process takes the HTTP port
+# between the check and the bind: the router fails after Redis, Ray and the workers started.
+FAIL_AFTER_START = """
+import sys
+
+import splitserve.launch
+from splitserve.cli import main
+
+splitserve.launch.check_ports = lambda config: None
+sys.exit(main(["serve", "--config", sys.argv[1]]))
+"""
+
+
+def test_a_start_that_fails_after_redis_and_ray_leaves_no_process_behind(tmp_path: Path) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        config = tmp_path / "serve.yaml"
+        config.write_text(CONFIG.replace("http_port: 0", f"http_port: {port}"))
+        server = subprocess.Popen(
+            [sys.executable, "-c", FAIL_AFTER_START, str(config)],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert server.stderr is not None
+        log: list[str] = []
+        children: set[int] = set()
+        for line in server.stderr:  # what it started, seen while it runs
+            log.append(line)
+            if "ray: local" in line or "redis: embedded" in line:
+                children |= _descendants(server.pid)
+        assert server.wait(60) != 0
+    text = "".join(log)
+    assert f"{port}): address already in use" in text, text
+    assert "redis: embedded" in text and "ray: local" in text, text
+    assert text.count("Started a local Ray instance") == 1, text  # none while tearing down
+    assert "was never awaited" not in text, text
+    left = lambda: [p for p in children if _alive(p)]
+    wait_until(lambda: not left(), "every child to exit after the failed start", 15)

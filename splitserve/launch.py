@@ -2,8 +2,9 @@
 scaler per pool.
 
 Start order: the memory check (splitserve/fit.py: the model is here and each pool's worker
-fits its device), Redis (embedded valkey-server unless redis_url is set), a local Ray (or
-join one), the workers (all spawned at once, then awaited), the router, the scalers.
+fits its device), the port check (splitserve/ports.py: each listening port is free),
+Redis (embedded valkey-server unless redis_url is set), a local Ray (or join one), the
+workers (all spawned at once, then awaited), the router, the scalers.
 SIGINT or SIGTERM: scaling stops, the router stops accepting and gives requests in
 flight `grace_s` to finish (then aborts them), and everything started here is stopped
 in reverse order, whatever failed before.
@@ -25,6 +26,7 @@ from cluster.config import ServeConfig
 from router.app import RouterApp, start_router
 from splitserve.fit import check_fit
 from splitserve.pool import DECODE, PREFILL, AnyPool, WorkerPool
+from splitserve.ports import check_ports
 from splitserve.redis_server import EmbeddedRedis
 from splitserve.scaler import PhaseScaler, ScalerMetrics
 
@@ -33,6 +35,7 @@ log = logging.getLogger("splitserve")
 
 def serve(config: ServeConfig) -> int:
     check_fit(config)  # before Redis, Ray or any worker starts
+    check_ports(config)
     asyncio.run(_serve(config))
     return 0
 

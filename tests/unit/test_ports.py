@@ -1,0 +1,85 @@
+"""`splitserve serve` stops within seconds, naming the field, when a port it would listen
+on is taken; nothing (Redis, Ray, workers) has started."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import splitserve.launch
+from cluster.config import ConfigError, RouterConfig, ServeConfig
+from splitserve.cli import main
+from splitserve.ports import check_ports, listening_ports
+
+
+@pytest.fixture
+def started(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """What reached the start of Redis, Ray and the workers."""
+    calls: list[Any] = []
+
+    async def _serve(config: Any) -> None:
+        calls.append(config)
+
+    monkeypatch.setattr(splitserve.launch, "_serve", _serve)
+    return calls
+
+
+@pytest.fixture
+def taken() -> Iterator[int]:
+    """A port on 127.0.0.1 that a listener of this test holds."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@pytest.mark.parametrize("field", ["port", "http_port", "metrics_port"])
+def test_a_taken_port_stops_serve_naming_its_field_before_anything_starts(
+    field: str,
+    taken: int,
+    tmp_path: Path,
+    started: list[Any],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    ports = {"port": free_port(), "http_port": free_port(), "metrics_port": free_port()}
+    ports[field] = taken
+    config = tmp_path / "serve.yaml"
+    config.write_text(f"router: {json.dumps(ports)}\n")  # JSON is YAML
+    assert main(["serve", "--config", str(config)]) == 2
+    assert started == []
+    assert capsys.readouterr().err.splitlines() == [
+        f"splitserve: error: router.{field}: 127.0.0.1:{taken} is in use by another process"
+    ]
+
+
+def test_two_fields_on_one_port_are_refused_naming_both() -> None:
+    port = free_port()
+    config = ServeConfig(router=RouterConfig(port=port, http_port=port, metrics_port=None))
+    with pytest.raises(ConfigError) as refused:
+        check_ports(config)
+    assert str(refused.value) == f"router.http_port: 127.0.0.1:{port} is router.port too"
+
+
+def test_free_ports_pass_and_stay_free() -> None:
+    ports = {"port": free_port(), "http_port": free_port(), "metrics_port": free_port()}
+    check_ports(ServeConfig(router=RouterConfig(**ports)))
+    for port in ports.values():  # the check let each one go
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
+
+
+def test_port_zero_and_off_are_not_checked() -> None:
+    config = ServeConfig(router=RouterConfig(port=0, http_port=None, metrics_port=0))
+    assert listening_ports(config) == {}

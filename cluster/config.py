@@ -310,9 +310,25 @@ class RouterConfig:
     max_migrations: int = 3
     # ... waiting at most this long for a live decode worker (a pool replacing the dead one).
     migration_wait_s: float = 30.0
+    # Clients must send `Authorization: Bearer <key>` (router/auth.py); null: no check.
+    # The key itself, or a file holding it (one of the two); kept out of the repr.
+    api_key: str | None = field(default=None, repr=False)
+    api_key_file: str | None = None
 
     def __post_init__(self) -> None:
         _check(isinstance(self.host, str) and bool(self.host), "host", "must be a host name")
+        for name in ("api_key", "api_key_file"):
+            value = getattr(self, name)
+            _check(
+                value is None or (isinstance(value, str) and value.strip() != ""),
+                name,
+                "must be a non-empty string or null",
+            )
+        _check(
+            self.api_key is None or self.api_key_file is None,
+            "api_key",
+            "give api_key or api_key_file, not both",
+        )
         _check(
             _is_int(self.port) and 0 <= self.port < 65536,
             "port",

@@ -13,6 +13,7 @@ from cluster.engine.model_files import bundled_model_path
 from cluster.engine.tokenizer import Tokenizer
 from cluster.protocol import DecodeHandle, PrefillHandle
 from cluster.types import ModelInfo
+from router.auth import api_key, warn_if_open
 from router.metrics import RouterMetrics
 from router.openai import OpenAIFrontDoor
 from router.placement import PlacementStore
@@ -94,7 +95,9 @@ async def start_router(
     metrics = RouterMetrics(workers)
     pool = TokenizePool(config.tokenize_threads, config.max_tokenize_queue)
     servicer = GenerationServicer(router, tokenizer, info, config, metrics, pool)
-    server = RouterServer(servicer, config)
+    key = api_key(config)
+    warn_if_open(config.host, key)
+    server = RouterServer(servicer, config, key)
     app = RouterApp(server, router, workers, placements, metrics, None, None, pool)
     try:
         await workers.start()
@@ -118,6 +121,7 @@ async def start_router(
                 metrics,
                 lambda: bool(workers.snapshot().decode),
                 pool,
+                key,
             )
             await app.http.start(config.host, config.http_port, config.grace_s)
             log.info("router: OpenAI-compatible HTTP API on %s/v1", app.http.address)

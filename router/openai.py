@@ -9,7 +9,8 @@ have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for 
 field (the message and `param` name it), 404 for another model's name, 429 when a limit
 refuses it, naming it (the router is full, the client is past its own limit: by its
 `Authorization` header if it sends one, else by its address; or the tokenization queue
-is full), 503 with no live decode worker, 500 when a worker failed the request.
+is full), 401 for a /v1/ request without the API key (when one is set; /health and
+/metrics stay open), 503 with no live decode worker, 500 when a worker failed the request.
 A stream that fails after its first event ends with an error event, never `[DONE]`. A
 client that disconnects has its request aborted on every worker (its pages are freed).
 The session header `X-Session-Id` gives a conversation's turns the same worker.
@@ -30,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cluster.engine.tokenizer import Tokenizer
 from cluster.types import FinishReason, InvalidRequestError, ModelInfo, TokenDelta
+from router.auth import UNAUTHORIZED, http_middleware
 from router.metrics import RouterMetrics
 from router.request import Prepared, prepare_off_loop, shown
 from router.router import Final, Overloaded, RequestFailed, Router, Unavailable
@@ -226,8 +228,10 @@ class OpenAIFrontDoor:
         metrics: RouterMetrics,
         serving: Callable[[], bool],
         pool: TokenizePool,
+        api_key: str | None = None,
     ) -> None:
         self.router = router
+        self.api_key = api_key
         self.pool = pool
         self.tokenizer = tokenizer
         self.model = model
@@ -238,7 +242,10 @@ class OpenAIFrontDoor:
         self.address = ""
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        middlewares = []
+        if self.api_key is not None:
+            middlewares.append(http_middleware(self.api_key, _unauthorized))
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
@@ -440,6 +447,12 @@ class OpenAIFrontDoor:
         else:
             choice["text"] = delta.text
         return choice
+
+
+def _unauthorized() -> web.Response:
+    body = HTTPError(401, UNAUTHORIZED, "invalid_request_error").body()
+    body["error"]["code"] = "invalid_api_key"  # as OpenAI answers a wrong key
+    return web.json_response(body, status=401)
 
 
 def _client(request: web.Request) -> str:

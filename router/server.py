@@ -5,7 +5,8 @@ message names the field; unparsable messages are logged at most once a minute), 
 router (max_pending), a client past its own limit (max_pending_per_client: by its
 `authorization` metadata if it sends one, else by its address) or a full tokenization
 queue is RESOURCE_EXHAUSTED naming the limit, no live decode worker is UNAVAILABLE, a
-request a worker failed is INTERNAL, one the server aborted (shutdown) is ABORTED. A
+request a worker failed is INTERNAL, a call without the API key (when one is set)
+is UNAUTHENTICATED, one the server aborted (shutdown) is ABORTED. A
 client that cancels, or whose deadline passes, has its request aborted on every worker.
 """
 
@@ -23,6 +24,7 @@ from cluster.config import RouterConfig
 from cluster.engine.tokenizer import Tokenizer
 from cluster.protocol import DecodeStats
 from cluster.types import FinishReason, InvalidRequestError, ModelInfo, TokenDelta
+from router.auth import GrpcKeyCheck
 from router.metrics import RouterMetrics
 from router.request import prepare_off_loop
 from router.router import Final, Overloaded, RequestFailed, Router, Unavailable
@@ -171,9 +173,12 @@ def _response(delta: TokenDelta, final: Final | None) -> pb.GenerateResponse:
 
 class RouterServer:
     """The router's gRPC server with health (NOT_SERVING without a live decode worker)
-    and reflection, bound to config.host:config.port."""
+    and reflection, bound to config.host:config.port. With an api_key, Generation's calls
+    without it are UNAUTHENTICATED (router/auth.py)."""
 
-    def __init__(self, servicer: GenerationServicer, config: RouterConfig) -> None:
+    def __init__(
+        self, servicer: GenerationServicer, config: RouterConfig, api_key: str | None = None
+    ) -> None:
         self.config = config
         self.servicer = servicer
         self.health = health.aio.HealthServicer()
@@ -182,7 +187,8 @@ class RouterServer:
             ("grpc.max_send_message_length", config.max_message_bytes),
             ("grpc.so_reuseport", 0),  # a second server on this port fails, not shares it
         ]
-        self.server = grpc.aio.server(options=options)
+        interceptors = [GrpcKeyCheck(api_key, SERVICE)] if api_key is not None else []
+        self.server = grpc.aio.server(options=options, interceptors=interceptors)
         _add_generation(servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)

@@ -6,9 +6,10 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from cluster.config import (
     ConfigError,
     EngineConfig,
     PoolConfig,
+    RouterConfig,
     ServeConfig,
     engine_config_from_dict,
     load_engine_config,
@@ -70,7 +72,7 @@ async def _generate_remote(args: argparse.Namespace) -> int:
     if args.chat:
         prompt = [{"role": "user", "content": args.prompt}]
     wait = {"timeout_s": args.wait_s, "wait_for_ready": True} if args.wait_s else {}
-    async with Client(args.server) as client:
+    async with Client(args.server, _client_key(args)) as client:
         async for piece in client.stream(prompt, **wait, **_sampling(args)):
             sys.stdout.write(piece.text)
             sys.stdout.flush()
@@ -89,7 +91,7 @@ async def _chat_loop(args: argparse.Namespace) -> int:
     session = uuid.uuid4().hex
     messages = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
-    async with Client(args.server) as client:
+    async with Client(args.server, _client_key(args)) as client:
         while True:
             if interactive:
                 print("you> ", end="", flush=True)
@@ -116,6 +118,27 @@ async def _chat_loop(args: argparse.Namespace) -> int:
             messages.append({"role": "assistant", "content": "".join(reply)})
 
 
+API_KEY_ENV = "SPLITSERVE_API_KEY"
+
+
+def _client_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else $SPLITSERVE_API_KEY, else none."""
+    key: str | None = args.api_key or os.environ.get(API_KEY_ENV) or None
+    return key
+
+
+def with_api_key(
+    router: RouterConfig, args: argparse.Namespace, environ: Mapping[str, str]
+) -> RouterConfig:
+    """The router's key by one precedence: --api-key or --api-key-file, else
+    $SPLITSERVE_API_KEY, else the YAML's router.api_key or router.api_key_file."""
+    if args.api_key is not None or args.api_key_file is not None:
+        return dataclasses.replace(router, api_key=args.api_key, api_key_file=args.api_key_file)
+    if environ.get(API_KEY_ENV):
+        return dataclasses.replace(router, api_key=environ[API_KEY_ENV], api_key_file=None)
+    return router
+
+
 def _serve(args: argparse.Namespace) -> int:
     from splitserve.launch import serve
 
@@ -130,6 +153,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         router = dataclasses.replace(router, host=args.host)
     if args.port is not None:
         router = dataclasses.replace(router, port=args.port)
+    router = with_api_key(router, args, os.environ)
     redis_url = args.redis_url or config.redis_url
     address = args.address or config.ray_address
     config = dataclasses.replace(config, router=router, redis_url=redis_url, ray_address=address)
@@ -243,18 +267,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--host", default=None, help="router address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=None, help="router port (default 50051)")
+    key = serve.add_mutually_exclusive_group()
+    key.add_argument(
+        "--api-key",
+        default=None,
+        help=f"clients must send it as a bearer token (over ${API_KEY_ENV}, over router.api_key)",
+    )
+    key.add_argument("--api-key-file", default=None, help="... or read the key from this file")
     _engine_args(serve)
     serve.set_defaults(func=_serve)
 
     chat = sub.add_parser("chat", help="chat with a running server, streaming its replies")
     chat.add_argument("--server", default="127.0.0.1:50051")
     chat.add_argument("--system", default=None, help="a system message to start with")
+    chat.add_argument("--api-key", default=None, help=f"the server's key (default ${API_KEY_ENV})")
     _sampling_args(chat, max_tokens=256)
     chat.set_defaults(func=_chat)
 
     gen = sub.add_parser("generate", help="generate text for one prompt (local engine or server)")
     gen.add_argument("prompt")
     gen.add_argument("--server", default=None, help="ask a running server (host:port) instead")
+    gen.add_argument(
+        "--api-key", default=None, help=f"with --server: its key (default ${API_KEY_ENV})"
+    )
     gen.add_argument(
         "--wait-s", type=float, default=0, help="with --server: wait this long for it to be up"
     )

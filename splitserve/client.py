@@ -64,8 +64,11 @@ def request(
 
 
 class Client:
-    def __init__(self, address: str = "127.0.0.1:50051") -> None:
+    """`api_key`: sent as `authorization: Bearer <key>` metadata on every call."""
+
+    def __init__(self, address: str = "127.0.0.1:50051", api_key: str | None = None) -> None:
         self.address = address
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
         self.channel = grpc.aio.insecure_channel(address)
         self.stub = pb_grpc.GenerationStub(self.channel)
 
@@ -88,7 +91,9 @@ class Client:
         """The reply as the server streams it; leaving the loop early cancels the request.
         `wait_for_ready`: a server not up yet is waited for (until timeout_s), not refused."""
         msg = request(prompt, **fields)
-        call = self.stub.Generate(msg, timeout=timeout_s, wait_for_ready=wait_for_ready)
+        call = self.stub.Generate(
+            msg, timeout=timeout_s, wait_for_ready=wait_for_ready, metadata=self.metadata
+        )
         try:
             async for piece in call:
                 yield piece
@@ -117,10 +122,14 @@ class Client:
         )
 
     async def models(self) -> list[pb.Model]:
-        return list((await self.stub.ListModels(pb.ListModelsRequest())).models)
+        return list(
+            (await self.stub.ListModels(pb.ListModelsRequest(), metadata=self.metadata)).models
+        )
 
     async def server_info(self) -> pb.ServerInfo:
-        info: pb.ServerInfo = await self.stub.GetServerInfo(pb.GetServerInfoRequest())
+        info: pb.ServerInfo = await self.stub.GetServerInfo(
+            pb.GetServerInfoRequest(), metadata=self.metadata
+        )
         return info
 
     async def health(self, service: str = "") -> str:

@@ -1,0 +1,124 @@
+"""The API key both front doors check: `Authorization: Bearer <key>`, compared in
+constant time.
+
+What it guards is what vLLM's --api-key guards: the API itself (HTTP routes under /v1/,
+gRPC's splitserve.v1.Generation). Health checks (HTTP /health, the gRPC health service),
+/metrics and gRPC reflection stay open, so probes and scrapers need no key.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import logging
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+from aiohttp import web
+
+from cluster.config import ConfigError, RouterConfig
+
+log = logging.getLogger(__name__)
+
+HTTP_GUARDED_PREFIX = "/v1/"
+UNAUTHORIZED = "invalid API key: send Authorization: Bearer <key>"
+
+
+def api_key(config: RouterConfig) -> str | None:
+    """The key clients must send: router.api_key, or router.api_key_file's contents
+    (stripped); None: no check."""
+    if config.api_key_file is None:
+        return config.api_key
+    try:
+        key = Path(config.api_key_file).read_text().strip()
+    except OSError as e:
+        raise ConfigError(f"router.api_key_file: cannot read {config.api_key_file}: {e}") from e
+    if not key:
+        raise ConfigError(f"router.api_key_file: {config.api_key_file} is empty")
+    return key
+
+
+def authorized(header: str | None, key: str) -> bool:
+    """Whether an `authorization` value carries this key (compared in constant time)."""
+    scheme, _, presented = (header or "").partition(" ")
+    if scheme.lower() != "bearer":
+        presented = ""
+    return hmac.compare_digest(presented.strip().encode(), key.encode())
+
+
+def warn_if_open(host: str, key: str | None) -> None:
+    """One warning line when the front doors listen beyond loopback with no key."""
+    if key is not None or _loopback(host):
+        return
+    log.warning(
+        "router: listening on %s with no API key: anyone who can reach it may use it "
+        "(set --api-key, SPLITSERVE_API_KEY or router.api_key)",
+        host,
+    )
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def http_middleware(key: str, refuse: Callable[[], web.Response]) -> Any:
+    """An aiohttp middleware answering `refuse()` (a 401) to a /v1/ request without the key."""
+
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path.startswith(HTTP_GUARDED_PREFIX) and not authorized(
+            request.headers.get("Authorization"), key
+        ):
+            return refuse()
+        return await handler(request)
+
+    return check
+
+
+class GrpcKeyCheck(grpc.aio.ServerInterceptor):
+    """Refuses a call to `service` without the key: UNAUTHENTICATED. Other services
+    (health, reflection) pass."""
+
+    def __init__(self, key: str, service: str) -> None:
+        self.key = key
+        self.prefix = f"/{service}/"
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith(self.prefix):
+            return handler
+        metadata = dict(details.invocation_metadata or ())
+        if authorized(metadata.get("authorization"), self.key):
+            return handler
+        return _refusal(handler)
+
+
+async def _refuse(request: object, context: grpc.aio.ServicerContext) -> None:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHORIZED)
+
+
+def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` that refuses the call."""
+    assert not handler.request_streaming, "Generation's calls take one request"
+    make = grpc.unary_stream_rpc_method_handler
+    if not handler.response_streaming:
+        make = grpc.unary_unary_rpc_method_handler
+    return make(
+        _refuse,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )

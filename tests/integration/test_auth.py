@@ -1,0 +1,116 @@
+"""A router with an API key: both front doors refuse a call without it and answer one
+with it; health checks and /metrics stay open (as vLLM's --api-key leaves them)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import openai
+import pytest
+
+from splitserve.cli import main
+from splitserve.client import Client
+from tests.integration.router_harness import RouterHarness
+
+KEY = "sk-test-4b1d"
+
+
+@pytest.fixture(scope="module")
+def router(ray_workers: Any) -> Iterator[RouterHarness]:
+    decode = {"decode": ray_workers.decode("decode")}  # prefills itself: one worker is enough
+    harness = RouterHarness({}, decode, redis_url=None, http_port=0, api_key=KEY)
+    yield harness
+    harness.stop()
+
+
+def _openai(router: RouterHarness, key: str) -> openai.OpenAI:
+    assert router.app.http is not None
+    return openai.OpenAI(base_url=router.app.http.address + "/v1", api_key=key, timeout=60)
+
+
+ERROR = {
+    "message": "invalid API key: send Authorization: Bearer <key>",
+    "type": "invalid_request_error",
+    "param": None,
+    "code": "invalid_api_key",
+}
+
+
+@pytest.mark.parametrize("key", ["wrong", KEY + "x"])
+def test_http_without_the_key_is_a_401_in_openais_shape(router: RouterHarness, key: str) -> None:
+    client = _openai(router, key)
+    with pytest.raises(openai.AuthenticationError) as err:
+        client.completions.create(model="", prompt="Hello", max_tokens=2)
+    assert err.value.status_code == 401
+    assert err.value.body == ERROR
+    with pytest.raises(openai.AuthenticationError):
+        client.models.list()
+
+
+def test_http_with_no_authorization_header_is_a_401(router: RouterHarness) -> None:
+    assert router.app.http is not None
+    body = json.dumps({"model": "", "prompt": "Hello", "max_tokens": 2}).encode()
+    request = urllib.request.Request(router.app.http.address + "/v1/completions", data=body)
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, timeout=30)
+    assert err.value.code == 401
+    assert json.loads(err.value.read()) == {"error": ERROR}
+
+
+def test_http_with_the_key_answers(router: RouterHarness, workers: Any) -> None:
+    client = _openai(router, KEY)
+    reply = client.completions.create(
+        model="", prompt="The capital of France is", max_tokens=4, temperature=0
+    )
+    assert reply.usage is not None and reply.usage.completion_tokens == 4
+    assert reply.choices[0].text
+    assert [m.id for m in client.models.list()]
+
+
+def test_health_and_metrics_need_no_key(router: RouterHarness) -> None:
+    assert router.app.http is not None
+    base = router.app.http.address
+    with urllib.request.urlopen(base + "/health", timeout=30) as r:
+        assert r.status == 200 and json.loads(r.read()) == {"status": "ok"}
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+        assert b"splitserve_requests_total" in r.read()
+
+
+async def _grpc(address: str, key: str | None) -> tuple[str, list[str]]:
+    async with Client(address, key) as client:
+        health = await client.health()  # open without a key
+        try:
+            reply = await client.generate("The capital of France is", max_tokens=4, timeout_s=60)
+        except grpc.aio.AioRpcError as e:
+            return health, [e.code().name, e.details() or ""]
+        return health, [str(len(reply.token_ids))]
+
+
+@pytest.mark.parametrize("key", [None, "wrong"])
+def test_grpc_without_the_key_is_unauthenticated(router: RouterHarness, key: str | None) -> None:
+    health, outcome = asyncio.run(_grpc(router.address, key))
+    assert health == "SERVING"
+    assert outcome == ["UNAUTHENTICATED", "invalid API key: send Authorization: Bearer <key>"]
+
+
+def test_grpc_with_the_key_gets_tokens(router: RouterHarness, workers: Any) -> None:
+    assert asyncio.run(_grpc(router.address, KEY)) == ("SERVING", ["4"])
+
+
+def test_generate_sends_the_key_from_its_flag_or_the_environment(
+    router: RouterHarness, workers: Any, capsys: pytest.CaptureFixture[str], monkeypatch: Any
+) -> None:
+    argv = ["generate", "--server", router.address, "--max-tokens", "2", "Hello"]
+    monkeypatch.delenv("SPLITSERVE_API_KEY", raising=False)
+    assert main(argv) == 1
+    assert "UNAUTHENTICATED" in capsys.readouterr().err
+    assert main([*argv, "--api-key", KEY]) == 0
+    assert capsys.readouterr().out.strip()
+    monkeypatch.setenv("SPLITSERVE_API_KEY", KEY)
+    assert main(argv) == 0

@@ -1,0 +1,132 @@
+"""The API key: which header carries it, where it comes from (flag over environment over
+YAML), and the one warning for a wide listener without one."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from pathlib import Path
+
+import pytest
+
+from cluster.config import ConfigError, RouterConfig, serve_config_from_dict
+from router.auth import api_key, authorized, warn_if_open
+from splitserve.cli import build_parser, serve_config, with_api_key
+
+KEY = "sk-test-123"
+
+
+@pytest.mark.parametrize(
+    ("header", "ok"),
+    [
+        (f"Bearer {KEY}", True),
+        (f"bearer {KEY}", True),  # the scheme is case-insensitive (RFC 7235)
+        (None, False),
+        ("", False),
+        ("Bearer", False),
+        ("Bearer ", False),
+        (f"Basic {KEY}", False),
+        (KEY, False),  # no scheme
+        (f"Bearer {KEY}x", False),
+        (f"Bearer {KEY[:-1]}", False),
+        ("Bearer sk-test-12é", False),  # not ASCII: refused, not an error
+    ],
+)
+def test_only_a_bearer_token_equal_to_the_key_is_authorized(header: str | None, ok: bool) -> None:
+    assert authorized(header, KEY) is ok
+
+
+def test_the_compare_is_constant_time() -> None:
+    assert "hmac.compare_digest(" in inspect.getsource(authorized)
+
+
+def test_the_key_comes_from_the_config_or_its_file(tmp_path: Path) -> None:
+    assert api_key(RouterConfig()) is None
+    assert api_key(RouterConfig(api_key=KEY)) == KEY
+    path = tmp_path / "key"
+    path.write_text(KEY + "\n")
+    assert api_key(RouterConfig(api_key_file=str(path))) == KEY
+    path.write_text("\n")
+    with pytest.raises(ConfigError, match=r"^router\.api_key_file: .* is empty"):
+        api_key(RouterConfig(api_key_file=str(path)))
+    with pytest.raises(ConfigError, match=r"^router\.api_key_file: cannot read"):
+        api_key(RouterConfig(api_key_file=str(tmp_path / "absent")))
+
+
+@pytest.mark.parametrize(
+    ("router", "message"),
+    [
+        ({"api_key": ""}, "router.api_key: must be a non-empty string or null"),
+        ({"api_key": 123}, "router.api_key: must be a non-empty string or null"),
+        ({"api_key_file": " "}, "router.api_key_file: must be a non-empty string or null"),
+        ({"api_key": "a", "api_key_file": "f"}, "router.api_key: give api_key or api_key_file"),
+    ],
+)
+def test_a_bad_key_setting_is_refused_naming_its_field(router: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        serve_config_from_dict({"router": router})
+
+
+def test_the_key_is_not_in_the_configs_repr() -> None:
+    assert KEY not in repr(RouterConfig(api_key=KEY))
+
+
+def _router(argv: list[str], environ: dict[str, str], yaml: dict[str, str]) -> RouterConfig:
+    args = build_parser().parse_args(["serve", *argv])
+    return with_api_key(RouterConfig(**yaml), args, environ)
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "yaml", "key", "key_file"),
+    [
+        ([], {}, {}, None, None),
+        ([], {}, {"api_key": "yaml"}, "yaml", None),
+        ([], {}, {"api_key_file": "y.key"}, None, "y.key"),
+        ([], {"SPLITSERVE_API_KEY": "env"}, {"api_key": "yaml"}, "env", None),
+        ([], {"SPLITSERVE_API_KEY": "env"}, {"api_key_file": "y.key"}, "env", None),
+        ([], {"SPLITSERVE_API_KEY": ""}, {"api_key": "yaml"}, "yaml", None),  # empty: unset
+        (["--api-key", "flag"], {"SPLITSERVE_API_KEY": "env"}, {"api_key": "yaml"}, "flag", None),
+        (["--api-key-file", "f.key"], {"SPLITSERVE_API_KEY": "env"}, {}, None, "f.key"),
+        (["--api-key", "flag"], {}, {"api_key_file": "y.key"}, "flag", None),
+    ],
+)
+def test_the_flag_wins_over_the_environment_over_the_yaml(
+    argv: list[str],
+    environ: dict[str, str],
+    yaml: dict[str, str],
+    key: str | None,
+    key_file: str | None,
+) -> None:
+    router = _router(argv, environ, yaml)
+    assert (router.api_key, router.api_key_file) == (key, key_file)
+
+
+def test_serve_reads_the_environment_and_refuses_both_flags(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("SPLITSERVE_API_KEY", "env")
+    assert serve_config(build_parser().parse_args(["serve"])).router.api_key == "env"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--api-key", "a", "--api-key-file", "f"])
+
+
+@pytest.mark.parametrize(
+    ("host", "key", "warned"),
+    [
+        ("127.0.0.1", None, False),
+        ("localhost", None, False),
+        ("::1", None, False),
+        ("0.0.0.0", None, True),
+        ("10.1.2.3", None, True),
+        ("router.internal", None, True),
+        ("0.0.0.0", KEY, False),
+    ],
+)
+def test_a_wide_listener_without_a_key_logs_one_warning(
+    caplog: pytest.LogCaptureFixture, host: str, key: str | None, warned: bool
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="router.auth"):
+        warn_if_open(host, key)
+    assert len(caplog.records) == (1 if warned else 0)
+    if warned:
+        assert host in caplog.records[0].getMessage()

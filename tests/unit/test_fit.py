@@ -8,20 +8,7 @@ from typing import Any
 
 import pytest
 
-import splitserve.launch
 from splitserve.cli import main
-
-
-@pytest.fixture
-def started(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """What reached the start of Redis, Ray and the workers (nothing should)."""
-    calls: list[Any] = []
-
-    async def _serve(config: Any) -> None:
-        calls.append(config)
-
-    monkeypatch.setattr(splitserve.launch, "_serve", _serve)
-    return calls
 
 
 def test_a_kv_cache_larger_than_this_hosts_ram_is_refused_before_anything_starts(

@@ -11,22 +11,9 @@ from typing import Any
 
 import pytest
 
-import splitserve.launch
 from cluster.config import ConfigError, RouterConfig, ServeConfig
 from splitserve.cli import main
 from splitserve.ports import check_ports, listening_ports
-
-
-@pytest.fixture
-def started(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """What reached the start of Redis, Ray and the workers."""
-    calls: list[Any] = []
-
-    async def _serve(config: Any) -> None:
-        calls.append(config)
-
-    monkeypatch.setattr(splitserve.launch, "_serve", _serve)
-    return calls
 
 
 @pytest.fixture

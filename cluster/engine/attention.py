@@ -1,9 +1,10 @@
 """The attention backend seam: what one step's attention needs, and who computes it.
 
-Once per step the runner lays the batch out on the host (`StepBatch`) and the backend
-turns it into its own metadata (`prepare`: device tensors, workspaces, plans). Then
-every layer calls `forward(layer, q, k, v, cache, metadata)`, which writes the new K/V
-into their page slots and returns the attention output. Backends:
+Once per step the runner lays the batch out on the host (`StepBatch`, in
+cluster/engine/step_batch.py) and the backend turns it into its own metadata (`prepare`:
+device tensors, workspaces, plans). Then every layer calls
+`forward(layer, q, k, v, cache, metadata)`, which writes the new K/V into their page
+slots and returns the attention output. Backends:
 
 - `cpu`: PyTorch SDPA and matmuls over gathered pages (cluster/engine/attention_cpu.py);
 - `triton`: our own Triton kernels reading pages in place (attention_triton.py);
@@ -13,30 +14,13 @@ into their page slots and returns the attention output. Backends:
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from cluster.config import ConfigError
 from cluster.engine.kv_cache import KVCache, KVLayout
-
-
-@dataclass(frozen=True)
-class StepBatch:
-    """One step's attention layout, on the host. Sequences run decodes first (one new
-    token each), then prefill chunks; sequence i's new tokens are rows
-    [query_start[i], query_start[i + 1]) of the step."""
-
-    num_decodes: int
-    query_start: list[int]  # [seqs + 1]
-    context_lens: list[int]  # [seqs] tokens each attends to, its new ones included
-    page_table: torch.Tensor  # [seqs, width] int64 page ids covering each context, 0-padded
-    slot_mapping: torch.Tensor  # [tokens] int64 slot (page * page_size + offset) per new token
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.context_lens)
+from cluster.engine.step_batch import StepBatch
 
 
 class AttentionBackend(Protocol):

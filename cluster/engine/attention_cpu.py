@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from cluster.engine.attention import StepBatch
 from cluster.engine.kv_cache import KVCache, KVLayout
 from cluster.engine.page_pool import pages_for
+from cluster.engine.step_batch import StepBatch
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from cluster.engine import paged_kernels
-from cluster.engine.attention import StepBatch
 from cluster.engine.kv_cache import KVCache
+from cluster.engine.step_batch import StepBatch
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.engine.attention import StepBatch
 from cluster.engine.attention_triton import TritonBackend, TritonMetadata
 from cluster.engine.kv_cache import KVCache
 from cluster.engine.model import LlamaModel
 from cluster.engine.page_pool import pages_for
+from cluster.engine.step_batch import StepBatch
 
 PADDING_SLOT = -1
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cluster.engine.attention import AttentionBackend, StepBatch, make_backend
+from cluster.engine.attention import AttentionBackend, make_backend
 from cluster.engine.block_table import BlockTables
 from cluster.engine.checkpoint import ModelSpec
 from cluster.engine.kv_cache import KVCache
@@ -21,6 +21,7 @@ from cluster.engine.model import LlamaModel
 from cluster.engine.page_pool import pages_for
 from cluster.engine.scheduler import Step
 from cluster.engine.sequence import Sequence
+from cluster.engine.step_batch import StepBatch
 
 if TYPE_CHECKING:  # it imports triton, which a CPU-only install may lack
     from cluster.engine.cuda_graphs import DecodeGraphs

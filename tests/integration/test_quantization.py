@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from cluster.config import ConfigError, EngineConfig
-from cluster.engine.attention import StepBatch
 from cluster.engine.attention_cpu import CpuBackend
 from cluster.engine.engine import LLMEngine
 from cluster.engine.kv_cache import KVCache
 from cluster.engine.page_pool import pages_for
 from cluster.engine.quantization import DenseLinear, GroupQuant, Int4Linear
+from cluster.engine.step_batch import StepBatch
 from cluster.types import SamplingParams
 from tests.integration.conftest import TINY, _save_tiny
 

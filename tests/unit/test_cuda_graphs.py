@@ -8,7 +8,6 @@ import torch
 
 pytest.importorskip("triton")
 
-from cluster.engine.attention import StepBatch
 from cluster.engine.attention_triton import MAX_SPLITS, TritonBackend, TritonMetadata, decode_splits
 from cluster.engine.cuda_graphs import (
     PADDING_SLOT,
@@ -18,6 +17,7 @@ from cluster.engine.cuda_graphs import (
     fill,
 )
 from cluster.engine.kv_cache import KVCache, KVLayout
+from cluster.engine.step_batch import StepBatch
 
 
 def test_buckets_are_powers_of_two_up_to_max_num_seqs() -> None:

@@ -25,15 +25,20 @@ literal head names the package (`f"bench.{kind}"` imports from bench). A dynamic
 a name the test cannot read this way fails too: an arrow it cannot see is not allowed.
 Every top-level directory or module with Python files (tracked or not, unless ignored by
 git) is one of PACKAGES or of NOT_PACKAGES: a new one fails until it is given a floor.
+
+Within a floor, the imports that run form no cycle: those inside functions count (a
+deferred import still ties the two modules together), those under `if TYPE_CHECKING:`,
+which never run, do not.
 """
 
 from __future__ import annotations
 
 import ast
+import graphlib
 import subprocess
 import sys
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -144,6 +149,42 @@ def violations(module: str, path: Path) -> Iterator[str]:
             yield f"{module}:{line} ({FLOOR_NAMES[here]}) imports {target} ({FLOOR_NAMES[there]})"
 
 
+def _typing_only(path: Path) -> set[int]:
+    """The lines of the imports under `if TYPE_CHECKING:`, which never run."""
+    lines: set[int] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING"):
+            body = (n for stmt in node.body for n in ast.walk(stmt))
+            lines |= {n.lineno for n in body if isinstance(n, ast.Import | ast.ImportFrom)}
+    return lines
+
+
+def owner(target: str, modules: Collection[str]) -> str | None:
+    """The module of `modules` an import's target is or lies in (`a.b.Name`: `a.b`)."""
+    while target and target not in modules:
+        target = target.rpartition(".")[0]
+    return target or None
+
+
+def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """For each module, the others of `modules` its imports that run reach."""
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        skip = _typing_only(path)
+        targets = (owner(t, modules) for line, t in imports(module, path) if line not in skip)
+        graph[module] = {t for t in targets if t is not None and t != module}
+    return graph
+
+
+def cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle (its modules in order, the first repeated last), or []."""
+    try:
+        list(graphlib.TopologicalSorter(graph).static_order())
+    except graphlib.CycleError as e:
+        return list(e.args[1])
+    return []
+
+
 def unknown(names: set[str]) -> list[str]:
     """The top-level names that are neither a floor's package nor one of NOT_PACKAGES."""
     return sorted(names - PACKAGES.keys() - NOT_PACKAGES)
@@ -152,6 +193,10 @@ def unknown(names: set[str]) -> list[str]:
 def test_no_module_imports_a_floor_above_its_own() -> None:
     found = [v for module, path in sources() for v in violations(module, path)]
     assert found == []
+
+
+def test_no_import_cycle() -> None:
+    assert cycle(import_graph(dict(sources()))) == []
 
 
 def test_every_top_level_python_directory_has_a_floor() -> None:
@@ -205,6 +250,41 @@ def test_an_upward_import_is_caught(tmp_path: Path) -> None:
     for module, text in {**bad, **good}.items():
         path.write_text(text)
         assert bool(list(violations(module, path))) == (module in bad), module
+
+
+def test_an_import_cycle_is_caught(tmp_path: Path) -> None:
+    """The check itself: a cycle through a name imported from a module inside a function
+    (the attention backends' old one), or through `from . import` and `import a.b`, is
+    caught; a chain is not, nor a back-reference under TYPE_CHECKING."""
+
+    def graph(texts: dict[str, str]) -> dict[str, set[str]]:
+        paths = {module: tmp_path / f"{module}.py" for module in texts}
+        for module, text in texts.items():
+            paths[module].write_text(text)
+        return import_graph(paths)
+
+    deferred = {
+        "cluster.engine.attention": "def make():\n    from cluster.engine.cpu import Backend\n",
+        "cluster.engine.cpu": "from cluster.engine.attention import StepBatch\n",
+    }
+    relative = {
+        "router.a": "from . import b\n",
+        "router.b": "from router.c import C\n",
+        "router.c": "import router.a\n",
+    }
+    typing_only = {
+        "router.request": "if TYPE_CHECKING:\n    from router.pool import Pool\n",
+        "router.pool": "from router.request import Prepared\n",
+    }
+    chain = {
+        "router.a": "from . import b\nimport torch\n",
+        "router.b": "from router.c import C\n",
+        "router.c": "from cluster.types import RequestId\n",
+    }
+    assert set(cycle(graph(deferred))) == deferred.keys()
+    assert set(cycle(graph(relative))) == relative.keys()
+    assert cycle(graph(typing_only)) == []
+    assert cycle(graph(chain)) == []
 
 
 def test_an_unknown_top_level_package_is_caught() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import NewType
 
@@ -59,6 +60,13 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    # Logit adjustments (cluster/engine/sampler.py `adjust`), off at these values.
+    presence_penalty: float = 0.0  # [-2, 2], per token present in the output
+    frequency_penalty: float = 0.0  # [-2, 2], times the token's count in the output
+    repetition_penalty: float = 1.0  # > 0, on tokens of the prompt and the output
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, [-100, 100]) added
+    min_tokens: int = 0  # EOS and stop token ids barred before this many new tokens
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> InvalidRequestError:
@@ -76,10 +84,30 @@ class SamplingParams:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
         if any(not s for s in self.stop):
             raise bad("stop", "stop strings must be non-empty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                raise bad(name, f"must be in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:
+            raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
+        if any(not -100 <= bias <= 100 for _, bias in self.logit_bias):
+            raise bad("logit_bias", "every bias must be in [-100, 100]")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= GREEDY_TEMPERATURE
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1
+            or self.logit_bias
+            or self.min_tokens
+        )
 
 
 @dataclass

@@ -35,7 +35,9 @@ ID_PATTERN = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 # 10,000-character model name overflowed gRPC's status metadata (RESOURCE_EXHAUSTED).
 SHOWN_CHARS = 64
 # Sampling fields a request may leave unset (then the engine's defaults apply).
-OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed")
+OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+            "frequency_penalty", "repetition_penalty")  # fmt: skip
+MAX_LOGIT_BIAS = 1024
 
 
 @dataclass(frozen=True)
@@ -169,7 +171,8 @@ def _sampling(s: pb.SamplingParams, model: ModelInfo, max_tokens_limit: int) -> 
     def bad(name: str, why: str) -> InvalidRequestError:
         return InvalidRequestError(f"sampling.{name}: {why}")
 
-    for name in ("temperature", "top_p", "min_p"):
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):  # fmt: skip
         if s.HasField(name) and not math.isfinite(getattr(s, name)):
             raise bad(name, "must be a finite number")
     if s.HasField("max_tokens") and not 1 <= s.max_tokens <= max_tokens_limit:
@@ -183,14 +186,27 @@ def _sampling(s: pb.SamplingParams, model: ModelInfo, max_tokens_limit: int) -> 
         raise bad("stop_token_ids", f"id {outside[0]} is outside the vocabulary")
     if s.HasField("seed") and s.seed < 0:
         raise bad("seed", f"must be >= 0, got {s.seed}")
+    if len(s.logit_bias) > MAX_LOGIT_BIAS:
+        raise bad("logit_bias", f"at most {MAX_LOGIT_BIAS} tokens")
+    for token, bias in s.logit_bias.items():
+        if not 0 <= token < model.vocab_size:
+            raise bad("logit_bias", f"token id {token} is outside the vocabulary")
+        if not math.isfinite(bias):
+            raise bad("logit_bias", f"the bias of token {token} must be a finite number")
     fields = {name: getattr(s, name) for name in OPTIONAL if s.HasField(name)}
     try:
-        return SamplingParams(
+        params = SamplingParams(
             **fields,
             stop_token_ids=tuple(s.stop_token_ids),
             stop=tuple(s.stop),
             ignore_eos=s.ignore_eos,
             logprobs=s.logprobs,
+            logit_bias=tuple(sorted(s.logit_bias.items())),
+            min_tokens=s.min_tokens,
+            include_stop_str_in_output=s.include_stop_str_in_output,
         )
     except InvalidRequestError as e:
         raise InvalidRequestError(f"sampling.{e}") from None
+    if params.min_tokens > params.max_tokens:
+        raise bad("min_tokens", f"must be <= max_tokens ({params.max_tokens}), got {s.min_tokens}")
+    return params

@@ -30,7 +30,7 @@ from cluster.engine.model_files import bundled_model_path
 from cluster.engine.page_pool import PagePool, pages_for
 from cluster.engine.quantization import QuantizationError
 from cluster.engine.runner import build_runner, workspace_bytes
-from cluster.engine.sampler import sample, skip_draws
+from cluster.engine.sampler import History, adjust, sample, skip_draws
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.sequence import Sequence
 from cluster.engine.step_rate import StepRate
@@ -156,6 +156,7 @@ class _Live:
     text: TextStream
     generator: torch.Generator | None  # a seeded request's own; unseeded rows draw together
     stop_ids: frozenset[int]
+    output_from: int  # where its output starts in seq.token_ids (resumed tokens are output)
 
 
 class LLMEngine:
@@ -338,9 +339,11 @@ class LLMEngine:
             return []
         firsts = [len(s.token_ids) == s.num_prompt for s in sampled]  # before the append
         lives = [self._live[s.request_id] for s in sampled]
-        tokens, logprobs = sample(
-            logits, [s.sampling for s in sampled], [lv.generator for lv in lives]
-        )
+        params = [s.sampling for s in sampled]
+        if any(p.adjusts_logits for p in params):
+            histories = [History(lv.seq.token_ids, lv.output_from, lv.stop_ids) for lv in lives]
+            logits = adjust(logits, params, histories)
+        tokens, logprobs = sample(logits, params, [lv.generator for lv in lives])
         self._time_step(started, step.num_tokens, synced=True)
         outputs = [
             self._append(lv, tok, logprobs[i] if logprobs else None)
@@ -426,10 +429,13 @@ class LLMEngine:
         if not sampling.ignore_eos:
             stop_ids.update(self.spec.eos_token_ids)
         seq = Sequence(rid, list(ids), len(ids), sampling)
-        text = TextStream(self.tokenizer, ids[: len(ids) - resumed], sampling.stop)
-        for token in ids[len(ids) - resumed :]:
+        output_from = len(ids) - resumed
+        text = TextStream(
+            self.tokenizer, ids[:output_from], sampling.stop, sampling.include_stop_str_in_output
+        )
+        for token in ids[output_from:]:
             text.add(token)  # no stop string in them: the request would have ended there
-        self._live[rid] = _Live(seq, text, generator, frozenset(stop_ids))
+        self._live[rid] = _Live(seq, text, generator, frozenset(stop_ids), output_from)
         return self._live[rid]
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:

@@ -1,6 +1,7 @@
 """Next-token choice for a batch of logits rows.
 
-Greedy rows take the argmax together. Sampled rows are filtered together
+`adjust` first applies each row's logit_bias, min_tokens and penalties. Greedy rows
+take the argmax together. Sampled rows are filtered together
 (temperature, top-k, top-p, min-p) and draw together; only a seeded row draws from
 its own request's generator, so it picks the same tokens alone or in any batch.
 
@@ -12,6 +13,7 @@ device=cuda)` or indexing with a list makes, first waits for the whole forward p
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -43,6 +45,79 @@ def sample(
     chosen = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
     ids, logprobs = torch.stack((tokens.double(), chosen.double())).tolist()  # ids exact < 2^53
     return [int(t) for t in ids], logprobs
+
+
+@dataclass(frozen=True)
+class History:
+    """What a row's logit adjustments read: its token ids (prompt, then output; the
+    sequence's own list, not a copy), where its output starts (a resumed request's
+    delivered tokens count as output), and the ids that would end it (EOS unless ignored,
+    and stop_token_ids)."""
+
+    token_ids: list[int]
+    output_from: int
+    stop_ids: frozenset[int]
+
+
+def adjust(
+    logits: torch.Tensor,  # [rows, vocab] float32
+    params: Sequence[SamplingParams],
+    histories: Sequence[History],
+) -> torch.Tensor:
+    """The logits each row samples from, in vLLM's order: logit_bias added, the stop ids
+    barred while the output is shorter than min_tokens, then the repetition penalty (on
+    prompt and output tokens), the frequency and the presence penalties (on output tokens).
+    Rows asking for none are untouched; the rest are adjusted together, one op per kind."""
+    rows = [i for i, p in enumerate(params) if p.adjusts_logits]
+    if not rows:
+        return logits
+    device = logits.device
+    ps = [params[i] for i in rows]
+    hs = [histories[i] for i in rows]
+    index = to_device(rows, torch.long, device)
+    sub = logits.index_select(0, index)
+
+    def at(cells: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        r, t = zip(*cells, strict=True)
+        return to_device(list(r), torch.long, device), to_device(list(t), torch.long, device)
+
+    def scatter(target: torch.Tensor, cells: list[tuple[int, int]], values: torch.Tensor) -> None:
+        target.index_put_(at(cells), values, accumulate=True)
+
+    bias = [(r, t, b) for r, p in enumerate(ps) for t, b in p.logit_bias]
+    if bias:
+        values = to_device([b for _, _, b in bias], torch.float32, device)
+        scatter(sub, [(r, t) for r, t, _ in bias], values)
+    barred = [
+        (r, t)
+        for r, (p, h) in enumerate(zip(ps, hs, strict=True))
+        if len(h.token_ids) - h.output_from < p.min_tokens
+        for t in h.stop_ids
+    ]
+    if barred:
+        sub.index_put_(at(barred), torch.tensor(float("-inf"), device=device))
+    penalised = [
+        r for r, p in enumerate(ps)
+        if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1
+    ]  # fmt: skip
+    if penalised:
+        counts = torch.zeros_like(sub)  # each token's count in the row's output
+        out = [(r, t) for r in penalised for t in hs[r].token_ids[hs[r].output_from :]]
+        if out:
+            scatter(counts, out, torch.ones(len(out), device=device))
+        if any(p.repetition_penalty != 1 for p in ps):
+            repetition = to_device([p.repetition_penalty for p in ps], torch.float32, device)
+            repetition = repetition[:, None]
+            seen = counts.clone()
+            prompt = [(r, t) for r in penalised for t in hs[r].token_ids[: hs[r].output_from]]
+            if prompt:
+                scatter(seen, prompt, torch.ones(len(prompt), device=device))
+            scaled = torch.where(sub > 0, sub / repetition, sub * repetition)
+            sub = torch.where(seen > 0, scaled, sub)
+        frequency = to_device([p.frequency_penalty for p in ps], torch.float32, device)[:, None]
+        presence = to_device([p.presence_penalty for p in ps], torch.float32, device)[:, None]
+        sub = sub - frequency * counts - presence * (counts > 0)
+    return logits.index_copy(0, index, sub)
 
 
 def to_device(

@@ -86,7 +86,13 @@ class TextStream:
 
     WINDOW = 5
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stops: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: list[int],
+        stops: tuple[str, ...],
+        keep_stop: bool = False,  # the text ends with the stop string, not before it
+    ) -> None:
         self.tokenizer = tokenizer
         self.ids = list(prompt_ids[-self.WINDOW :])
         self.prefix = 0
@@ -94,10 +100,12 @@ class TextStream:
         self.text = ""  # all output text so far (cut at a stop string)
         self.emitted = 0
         self.stops = stops
+        self.keep_stop = keep_stop
         self.hold = max((len(s) for s in stops), default=1) - 1
 
     def add(self, token_id: int) -> bool:
-        """Append one token; True when a stop string has appeared (text is cut before it)."""
+        """Append one token; True when a stop string has appeared (text is cut before it,
+        or after it when kept)."""
         self.ids.append(token_id)
         before = self.tokenizer.decode(self.ids[self.prefix : self.read])
         after = self.tokenizer.decode(self.ids[self.prefix :])
@@ -106,10 +114,11 @@ class TextStream:
         start = len(self.text)
         self.text += after[len(before) :]
         self.prefix, self.read = self.read, len(self.ids)
-        found = [self.text.find(s, max(0, start - len(s) + 1)) for s in self.stops]
-        hits = [at for at in found if at != -1]
+        found = [(self.text.find(s, max(0, start - len(s) + 1)), s) for s in self.stops]
+        hits = [(at, s) for at, s in found if at != -1]
         if hits:
-            self.text = self.text[: min(hits)]
+            at, stop = min(hits)
+            self.text = self.text[: at + len(stop) if self.keep_stop else at]
         return bool(hits)
 
     def take(self, final: bool) -> str:

@@ -25,6 +25,12 @@ GREEDY = SamplingParams(max_tokens=48, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=48, temperature=0.9, top_p=0.95, seed=99, ignore_eos=True)
 # A stop string that never comes: the workers hold back its length of text at each step.
 STOPS = SamplingParams(max_tokens=48, ignore_eos=True, stop=("zzqx",))
+# Penalties count the tokens delivered before the move; the continuation's first token is
+# sampled by a prefill worker (remote) or the new decode worker (local) with those counts.
+PENALISED = SamplingParams(
+    max_tokens=48, ignore_eos=True, frequency_penalty=1.0, presence_penalty=0.5,
+    repetition_penalty=1.2, logit_bias=((13, -100.0),),
+)  # fmt: skip
 
 
 async def kill_then_continue(
@@ -59,12 +65,14 @@ async def kill_then_continue(
     return out
 
 
-@pytest.mark.parametrize("sp", [GREEDY, SEEDED, STOPS], ids=["greedy", "seeded", "stops"])
+@pytest.mark.parametrize(
+    "sp", [GREEDY, SEEDED, STOPS, PENALISED], ids=["greedy", "seeded", "stops", "penalised"]
+)
 def test_a_stream_moved_off_a_dead_decode_worker_goes_on_as_if_never_moved(
     workers: Any, prompts: list[list[int]], sp: SamplingParams
 ) -> None:
     p, d, c = workers.trio()
-    doomed = f"doomed-{sp.temperature}-{len(sp.stop)}"
+    doomed = f"doomed-{sp.temperature}-{len(sp.stop)}-{sp.frequency_penalty}"
     workers.decode(doomed, local_prefill_tokens=0)
 
     async def go() -> None:

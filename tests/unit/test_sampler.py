@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.step_budget import counting
-from cluster.engine.sampler import _filtered_probs, sample
+from cluster.engine.sampler import History, _filtered_probs, adjust, sample
 from cluster.types import GREEDY_TEMPERATURE, SamplingParams
 
 GREEDY = SamplingParams()
@@ -180,3 +180,78 @@ def test_the_rows_parameters_reach_the_device_without_the_host_waiting() -> None
     to_meta = [blocking for device, blocking in mode.copies if device == meta]
     assert to_meta == [True] * 5
     assert mode.copies[-1] == (torch.device("cpu"), False)  # the tokens, to the host
+
+
+# --- adjust: logit_bias, min_tokens and the penalties --------------------------------------
+
+
+def history(prompt: list[int], output: list[int], stop_ids: tuple[int, ...] = ()) -> History:
+    return History(prompt + output, len(prompt), frozenset(stop_ids))
+
+
+def reference(logits: torch.Tensor, p: SamplingParams, h: History) -> torch.Tensor:
+    """One row adjusted token by token, as vLLM documents it."""
+    row = logits.clone()
+    for token, bias in p.logit_bias:
+        row[token] += bias
+    output = h.token_ids[h.output_from :]
+    if len(output) < p.min_tokens:
+        for token in h.stop_ids:
+            row[token] = float("-inf")
+    for token in set(h.token_ids):
+        if row[token] > 0:
+            row[token] /= p.repetition_penalty
+        else:
+            row[token] *= p.repetition_penalty
+    for token in set(output):
+        row[token] -= p.frequency_penalty * output.count(token) + p.presence_penalty
+    return row
+
+
+def test_adjust_matches_the_per_row_reference_and_leaves_other_rows_alone() -> None:
+    logits = random_logits(4, 40, seed=3)
+    params = [
+        GREEDY,
+        SamplingParams(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3),
+        SamplingParams(logit_bias=((7, -100.0), (9, 5.0)), min_tokens=3),
+        SamplingParams(repetition_penalty=0.7, frequency_penalty=-1.0),
+    ]
+    histories = [
+        history([1, 2], [3]),
+        history([4, 5, 6], [7, 7, 8, 4]),
+        history([1], [2], stop_ids=(0, 11)),
+        history([10, 11, 12], []),
+    ]
+    adjusted = adjust(logits, params, histories)
+    assert torch.equal(adjusted[0], logits[0])
+    for i in (1, 2, 3):
+        assert torch.allclose(adjusted[i], reference(logits[i], params[i], histories[i])), i
+    assert adjusted[2, 0] == adjusted[2, 11] == float("-inf")
+    assert adjust(logits, [GREEDY] * 4, histories) is logits  # nothing asked: no copy
+
+
+def test_min_tokens_bars_the_stop_ids_only_until_the_output_is_long_enough() -> None:
+    logits = torch.zeros(1, 8)
+    logits[0, 2] = 5.0  # EOS is the argmax
+    params = [SamplingParams(min_tokens=2)]
+    short = adjust(logits, params, [history([1], [4], stop_ids=(2,))])
+    assert sample(short, params, [None])[0] != [2]
+    enough = adjust(logits, params, [history([1], [4, 5], stop_ids=(2,))])
+    assert sample(enough, params, [None])[0] == [2]
+
+
+def test_a_bias_of_minus_100_removes_the_argmax_and_plus_100_forces_a_token() -> None:
+    logits = random_logits(2, 30, seed=5)
+    top = logits.argmax(dim=-1).tolist()
+    params = [SamplingParams(logit_bias=((top[0], -100.0),)),
+              SamplingParams(logit_bias=((17, 100.0),))]  # fmt: skip
+    tokens, _ = sample(adjust(logits, params, [history([1], [])] * 2), params, [None] * 2)
+    assert tokens[0] != top[0] and tokens[1] == 17
+
+
+def test_a_resumed_requests_delivered_tokens_count_as_output() -> None:
+    # Migrated: prompt [1, 2], then 3, 3 delivered before the move, then 4 generated here.
+    logits = torch.zeros(1, 10)
+    p = [SamplingParams(frequency_penalty=1.0)]
+    resumed = adjust(logits, p, [History([1, 2, 3, 3, 4], 2, frozenset())])
+    assert resumed[0].tolist() == [0, 0, 0, -2, -1, 0, 0, 0, 0, 0]

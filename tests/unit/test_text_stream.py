@@ -128,3 +128,9 @@ def test_the_hold_is_set_by_the_longest_stop() -> None:
     assert ts.take(final=False) == ""  # "Hel": 3 chars, all held for "STOP"
     ts.add(2)
     assert ts.take(final=False) == "He"
+
+
+def test_a_kept_stop_string_ends_the_text_and_what_follows_it_is_cut() -> None:
+    kept = TextStream(FakeTokenizer(), [0, 0], ("STOP",), keep_stop=True)  # type: ignore[arg-type]
+    assert "".join(feed(kept, [1, 12, 13])) == "HelfooSTOP"
+    assert "".join(feed(stream(("STOP",)), [1, 12, 13])) == "Helfoo"

@@ -87,6 +87,56 @@ class Call:
     logprobs: bool
 
 
+# Every body field either changes what is served as asked (read by `to_call`) or is in
+# UNSERVED; any other field is refused by name, so no field is accepted and ignored.
+COMMON = {"model", "max_tokens", "temperature", "top_p", "min_p", "top_k", "seed", "stop",
+          "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "min_tokens",
+          "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "n",
+          "logprobs", "stream", "stream_options", "user", "request_id"}  # fmt: skip
+# `user`, `prompt_cache_key`, `safety_identifier` and `metadata` identify, they change
+# nothing served; `parallel_tool_calls` is moot without tools. Accepted as they are.
+INERT = {"user", "prompt_cache_key", "safety_identifier", "metadata", "parallel_tool_calls"}
+HONOURED = {
+    True: COMMON | INERT | {"messages", "max_completion_tokens", "top_logprobs"},
+    False: COMMON | INERT | {"prompt"},
+}
+# Fields not served, with the values that ask for nothing (then they are accepted): any
+# other value is refused with a 400 naming the field.
+UNSERVED: dict[str, tuple[Any, ...]] = {
+    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "response_format": ({"type": "text"},), "echo": (False,), "suffix": ("",), "best_of": (1,),
+    "audio": (), "modalities": (["text"],), "prediction": (), "reasoning_effort": (),
+    "web_search_options": (), "verbosity": (), "store": (False,),
+    "service_tier": ("auto", "default"), "guided_json": (), "guided_regex": (),
+    "guided_choice": (), "guided_grammar": (), "guided_decoding_backend": (),
+    "guided_whitespace_pattern": (), "structural_tag": (), "structured_outputs": (),
+    "prompt_logprobs": (), "allowed_token_ids": (), "bad_words": ([],),
+    "use_beam_search": (False,), "length_penalty": (1,), "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (),
+    "add_generation_prompt": (True,), "continue_final_message": (False,),
+    "add_special_tokens": (), "chat_template": (), "chat_template_kwargs": ({},),
+    "documents": (), "mm_processor_kwargs": (), "priority": (0,), "logits_processors": (),
+    "return_tokens_as_token_ids": (False,), "cache_salt": (), "kv_transfer_params": (),
+    "vllm_xargs": (),
+}  # fmt: skip
+
+
+def _asks_nothing(value: Any, neutral: tuple[Any, ...]) -> bool:
+    return value is None or any(
+        value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral
+    )
+
+
+def _refuse_unserved(body: dict[str, Any], chat: bool) -> None:
+    for name, value in body.items():
+        if name in HONOURED[chat]:
+            continue
+        if name not in UNSERVED:
+            raise InvalidRequestError(f"{name}: unknown field, refused (nothing is ignored)")
+        if not _asks_nothing(value, UNSERVED[name]):
+            raise InvalidRequestError(f"{name}: not served here, got {json.dumps(value)[:40]}")
+
+
 def _field(body: dict[str, Any], name: str, kinds: tuple[type, ...], what: str) -> Any:
     value = body.get(name)
     if value is None:
@@ -100,10 +150,14 @@ def to_call(body: Any, chat: bool, session_id: str | None) -> Call:
     """An OpenAI request body as a GenerateRequest; InvalidRequestError names the field."""
     if not isinstance(body, dict):
         raise InvalidRequestError("body: must be a JSON object")
+    _refuse_unserved(body, chat)
     msg = pb.GenerateRequest(session_id=session_id or "")
     model = _field(body, "model", (str,), "a string")
     if model:
         msg.model = model
+    request_id = _field(body, "request_id", (str,), "a string")
+    if request_id:
+        msg.request_id = request_id
     if chat:
         messages = _field(body, "messages", (list,), "a list of messages")
         if messages is None:
@@ -117,17 +171,33 @@ def to_call(body: Any, chat: bool, session_id: str | None) -> Call:
             msg.chat.SetInParent()  # prepare says what is wrong with no messages
     else:
         _prompt(msg, body.get("prompt"))
-    s = msg.sampling
+    _sampling(body, msg.sampling)
+    n = _field(body, "n", (int,), "an integer")
+    if n not in (None, 1):
+        raise InvalidRequestError(f"n: only 1 choice per request is served, got {n}")
+    _field(body, "user", (str,), "a string")
+    logprobs = _logprobs(body, chat)
+    msg.sampling.logprobs = logprobs
+    stream = bool(_field(body, "stream", (bool,), "true or false"))
+    options = _field(body, "stream_options", (dict,), "an object")
+    if options is not None and not stream:
+        raise InvalidRequestError("stream_options: only with stream: true")
+    include_usage = bool(_field(options or {}, "include_usage", (bool,), "true or false"))
+    return Call(msg, chat, stream, include_usage, logprobs)
+
+
+def _sampling(body: dict[str, Any], s: pb.SamplingParams) -> None:
     max_tokens = _field(body, "max_completion_tokens", (int,), "an integer")
     if max_tokens is None:
         max_tokens = _field(body, "max_tokens", (int,), "an integer")
     if max_tokens is not None:
         s.max_tokens = max_tokens
-    for name in ("temperature", "top_p", "min_p"):
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):  # fmt: skip
         value = _field(body, name, (int, float), "a number")
         if value is not None:
             setattr(s, name, value)
-    for name in ("seed", "top_k"):
+    for name in ("seed", "top_k", "min_tokens"):
         value = _field(body, name, (int,), "an integer")
         if value is not None:
             setattr(s, name, value)
@@ -137,17 +207,25 @@ def to_call(body: Any, chat: bool, session_id: str | None) -> Call:
         if not isinstance(stops, list) or not all(isinstance(x, str) for x in stops):
             raise InvalidRequestError("stop: must be a string or a list of strings")
         s.stop.extend(stops)
+    ids = _field(body, "stop_token_ids", (list,), "a list of token ids") or []
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise InvalidRequestError("stop_token_ids: must be a list of token ids")
+    s.stop_token_ids.extend(ids)
+    bias = _field(body, "logit_bias", (dict,), "an object of token id: bias") or {}
+    for token, value in bias.items():
+        if (
+            not str(token).isdigit()
+            or not isinstance(value, int | float)
+            or isinstance(value, bool)
+        ):
+            raise InvalidRequestError(
+                f"logit_bias: must map token ids to numbers, got {json.dumps({token: value})[:40]}"
+            )
+        s.logit_bias[int(token)] = float(value)
     s.ignore_eos = bool(_field(body, "ignore_eos", (bool,), "true or false"))
-    n = _field(body, "n", (int,), "an integer")
-    if n not in (None, 1):
-        raise InvalidRequestError(f"n: only 1 choice per request is served, got {n}")
-    _field(body, "user", (str,), "a string")
-    logprobs = _logprobs(body, chat)
-    s.logprobs = logprobs
-    stream = bool(_field(body, "stream", (bool,), "true or false"))
-    options = _field(body, "stream_options", (dict,), "an object") or {}
-    include_usage = stream and bool(options.get("include_usage"))
-    return Call(msg, chat, stream, include_usage, logprobs)
+    s.include_stop_str_in_output = bool(
+        _field(body, "include_stop_str_in_output", (bool,), "true or false")
+    )
 
 
 def _content(content: Any, i: int) -> str:

@@ -93,6 +93,58 @@ def test_logprobs_of_the_chosen_tokens(client: openai.OpenAI, workers: Any) -> N
     assert "".join(t.token for t in content) == reply.choices[0].message.content
 
 
+def test_penalties_bias_min_tokens_and_stop_ids_are_honoured_as_the_engine_does(
+    client: openai.OpenAI, engine: LLMEngine, workers: Any
+) -> None:
+    """Disaggregated here (the prefill worker samples the first token) and colocated in
+    `engine`: the same tokens, and not those of a plain greedy run."""
+    ids = engine.tokenizer.encode("Count with me: one, two, three,")
+
+    def served(**extra: Any) -> openai.types.Completion:
+        return client.completions.create(model=MODEL, prompt=ids, max_tokens=16, **extra)
+
+    plain = engine.generate([ids], SamplingParams(max_tokens=16))[0]
+    first = plain.token_ids[0]
+    cases: list[tuple[dict[str, Any], SamplingParams]] = [
+        ({"presence_penalty": 2.0, "frequency_penalty": 2.0,
+          "extra_body": {"repetition_penalty": 1.8}},
+         SamplingParams(max_tokens=16, presence_penalty=2.0, frequency_penalty=2.0,
+                        repetition_penalty=1.8)),
+        ({"logit_bias": {str(first): -100}},
+         SamplingParams(max_tokens=16, logit_bias=((first, -100.0),))),
+        ({"extra_body": {"stop_token_ids": [plain.token_ids[2]]}},
+         SamplingParams(max_tokens=16, stop_token_ids=(plain.token_ids[2],))),
+    ]  # fmt: skip
+    for extra, params in cases:
+        offline = engine.generate([ids], params)[0]
+        reply = served(**extra)
+        assert reply.choices[0].text == offline.text != plain.text, extra
+        assert reply.usage is not None
+        assert reply.usage.completion_tokens == len(offline.token_ids)
+    stopped = served(extra_body={"stop_token_ids": [plain.token_ids[2]]})
+    assert (stopped.choices[0].finish_reason, stopped.usage.completion_tokens) == ("stop", 3)  # type: ignore[union-attr]
+
+
+def test_min_tokens_bars_eos_until_reached_and_a_stop_string_can_be_kept(
+    client: openai.OpenAI, engine: LLMEngine, workers: Any
+) -> None:
+    messages = [{"role": "user", "content": "What is 2+2? Answer with a number only."}]
+    short = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40)
+    assert short.choices[0].finish_reason == "stop" and short.usage is not None
+    n = short.usage.completion_tokens
+    longer = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=40, extra_body={"min_tokens": n + 5}
+    )
+    assert longer.usage is not None and longer.usage.completion_tokens >= n + 5
+    ids = engine.tokenizer.encode("Count with me: one, two, three,")
+    kept = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=20, stop=" five",
+        extra_body={"include_stop_str_in_output": True},
+    )  # fmt: skip
+    cut = client.completions.create(model=MODEL, prompt=ids, max_tokens=20, stop=" five")
+    assert kept.choices[0].text == cut.choices[0].text + " five"
+
+
 @pytest.mark.parametrize(
     "fields, status, param",
     [
@@ -101,6 +153,13 @@ def test_logprobs_of_the_chosen_tokens(client: openai.OpenAI, workers: Any) -> N
         ({"max_tokens": 0}, 400, "max_tokens"),
         ({"messages": []}, 400, "messages"),
         ({"top_logprobs": 3}, 400, "top_logprobs"),
+        ({"response_format": {"type": "json_object"}}, 400, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+        ({"extra_body": {"guided_json": {}}}, 400, "guided_json"),
+        ({"extra_body": {"temprature": 0.5}}, 400, "temprature"),
+        ({"presence_penalty": 3}, 400, "presence_penalty"),
+        ({"logit_bias": {"99999999": 1}}, 400, "logit_bias"),
+        ({"extra_body": {"min_tokens": 9}, "max_tokens": 4}, 400, "min_tokens"),
         ({"model": "gpt-4o"}, 404, "model"),
         ({"model": "x" * 10_000}, 404, "model"),
         ({"messages": [{"role": "r" * 10_000, "content": "Hi"}]}, 400, "messages[0].role"),

@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from google.protobuf.json_format import MessageToDict
 
 from cluster.types import InvalidRequestError
-from router.openai import invalid, to_call
+from router.openai import HONOURED, INERT, UNSERVED, Call, invalid, to_call
 
 
 def test_a_chat_body_becomes_a_chat_request_with_its_sampling() -> None:
@@ -79,3 +80,113 @@ def test_shared_checks_are_answered_in_openai_field_names() -> None:
     )
     assert invalid(InvalidRequestError("chat.messages: must not be empty")).param == "messages"
     assert invalid(InvalidRequestError("token_ids: id 9 is outside")).param == "prompt"
+
+
+# --- every field honoured or refused ----------------------------------------------------------
+
+# The request fields of OpenAI's API reference and vLLM's documented extras.
+OPENAI_CHAT = [
+    "messages", "model", "audio", "frequency_penalty", "function_call", "functions",
+    "logit_bias", "logprobs", "max_completion_tokens", "max_tokens", "metadata", "modalities",
+    "n", "parallel_tool_calls", "prediction", "presence_penalty", "prompt_cache_key",
+    "reasoning_effort", "response_format", "safety_identifier", "seed", "service_tier", "stop",
+    "store", "stream", "stream_options", "temperature", "tool_choice", "tools", "top_logprobs",
+    "top_p", "user", "verbosity", "web_search_options"
+]  # fmt: skip
+OPENAI_COMPLETIONS = [
+    "model", "prompt", "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs",
+    "max_tokens", "n", "presence_penalty", "seed", "stop", "stream", "stream_options", "suffix",
+    "temperature", "top_p", "user"
+]  # fmt: skip
+VLLM_EXTRAS = [
+    "use_beam_search", "top_k", "min_p", "repetition_penalty", "length_penalty",
+    "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "min_tokens",
+    "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens",
+    "prompt_logprobs", "allowed_token_ids", "bad_words", "echo", "add_generation_prompt",
+    "continue_final_message", "add_special_tokens", "documents", "chat_template",
+    "chat_template_kwargs", "mm_processor_kwargs", "guided_json", "guided_regex",
+    "guided_choice", "guided_grammar", "structural_tag", "guided_decoding_backend",
+    "guided_whitespace_pattern", "priority", "request_id", "logits_processors",
+    "return_tokens_as_token_ids", "cache_salt", "kv_transfer_params", "vllm_xargs",
+    "response_format", "structured_outputs"
+]  # fmt: skip
+# A value for each honoured field that must show in the request (or be refused: n, top_logprobs).
+SHOWN: dict[str, Any] = {
+    "model": "m", "max_tokens": 5, "max_completion_tokens": 5, "temperature": 0.5,
+    "top_p": 0.5, "min_p": 0.1, "top_k": 3, "seed": 1, "stop": "x", "stop_token_ids": [1],
+    "include_stop_str_in_output": True, "ignore_eos": True, "min_tokens": 1,
+    "presence_penalty": 1, "frequency_penalty": 1, "repetition_penalty": 1.2,
+    "logit_bias": {"1": 5}, "stream": True, "request_id": "r1",
+    "messages": [{"role": "user", "content": "other"}], "prompt": "other",
+}  # fmt: skip
+REFUSED_VALUES = {"n": 2, "top_logprobs": 2}
+
+
+def base(chat: bool) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": "Hi"}]} if chat else {"prompt": "Hi"}
+
+
+def seen(call: Call) -> tuple[Any, ...]:
+    return (MessageToDict(call.request), call.stream, call.include_usage, call.logprobs)
+
+
+@pytest.mark.parametrize(
+    "chat, name",
+    [(True, f) for f in OPENAI_CHAT + VLLM_EXTRAS]
+    + [(False, f) for f in OPENAI_COMPLETIONS + VLLM_EXTRAS],
+)
+def test_every_field_is_honoured_or_refused_by_name(chat: bool, name: str) -> None:
+    plain = seen(to_call(base(chat), chat, None))
+    if name in UNSERVED:
+        assert name not in HONOURED[chat]
+        for neutral in UNSERVED[name]:  # asking for nothing is accepted and changes nothing
+            assert seen(to_call({**base(chat), name: neutral}, chat, None)) == plain
+        with pytest.raises(InvalidRequestError, match=f"^{name}: not served here"):
+            to_call({**base(chat), name: {"x": 1}}, chat, None)
+        return
+    assert name in HONOURED[chat], f"{name}: neither honoured nor refused"
+    if name in INERT:
+        assert seen(to_call({**base(chat), name: "x"}, chat, None)) == plain
+    elif name in REFUSED_VALUES:
+        with pytest.raises(InvalidRequestError, match=f"^{name}: "):
+            to_call({**base(chat), name: REFUSED_VALUES[name]}, chat, None)
+    elif name == "logprobs":
+        assert to_call({**base(chat), name: True if chat else 0}, chat, None).logprobs
+    elif name == "stream_options":
+        body = {**base(chat), "stream": True, name: {"include_usage": True}}
+        assert to_call(body, chat, None).include_usage
+    else:
+        assert seen(to_call({**base(chat), name: SHOWN[name]}, chat, None)) != plain, name
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_an_unknown_field_is_refused_by_name(chat: bool) -> None:
+    with pytest.raises(InvalidRequestError, match=r"^temprature: unknown field"):
+        to_call({**base(chat), "temprature": 0.5}, chat, None)
+
+
+def test_the_logit_adjustments_reach_the_request() -> None:
+    body = {**base(False), "logit_bias": {"7": -100, "9": 2.5}, "min_tokens": 3,
+            "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.1,
+            "stop_token_ids": [2, 3], "include_stop_str_in_output": True}  # fmt: skip
+    s = to_call(body, False, None).request.sampling
+    assert dict(s.logit_bias) == {7: -100.0, 9: 2.5}
+    assert (s.min_tokens, s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (
+        3, 0.5, -0.5, 1.1,
+    )  # fmt: skip
+    assert (list(s.stop_token_ids), s.include_stop_str_in_output) == ([2, 3], True)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"logit_bias": {"a": 1}}, "logit_bias: must map token ids to numbers"),
+        ({"logit_bias": {"1": "x"}}, "logit_bias: must map token ids to numbers"),
+        ({"stop_token_ids": ["a"]}, "stop_token_ids: must be a list of token ids"),
+        ({"stream_options": {"include_usage": True}}, "stream_options: only with stream: true"),
+        ({"min_tokens": 1.5}, "min_tokens: must be an integer"),
+    ],
+)
+def test_bad_adjustments_are_refused_naming_the_field(extra: Any, message: str) -> None:
+    with pytest.raises(InvalidRequestError, match=f"^{message}"):
+        to_call({**base(False), **extra}, False, None)

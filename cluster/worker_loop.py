@@ -1,9 +1,11 @@
 """The thread a worker actor's engine runs on, and how async actor methods reach it.
 
 An actor's asyncio methods never touch the engine: they hand a function to `call`,
-which runs it on the engine thread between two steps and returns its result. The
-thread loops `tick` (one engine step plus transfer bookkeeping); tick says how long
-it may sleep before the next round, and a call wakes it earlier.
+which runs it on the engine thread between two steps and returns its result. A method
+that waits longer (for a reservation, a first token) awaits a future of its own, which
+the engine thread resolves with `settle` or `fail`. The thread loops `tick` (one engine
+step plus transfer bookkeeping); tick says how long it may sleep before the next round,
+and a call wakes it earlier.
 """
 
 from __future__ import annotations
@@ -29,24 +31,15 @@ class WorkerLoop:
 
     async def call(self, fn: Callable[[], T]) -> T:
         """Run fn on the engine thread; its result or its exception comes back here."""
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[T] = loop.create_future()
-
-        def settle(result: Any, error: BaseException | None) -> None:
-            if done.cancelled():
-                return
-            if error is None:
-                done.set_result(result)
-            else:
-                done.set_exception(error)
+        done: asyncio.Future[T] = asyncio.get_running_loop().create_future()
 
         def run() -> None:
             try:
                 result = fn()
             except Exception as e:
-                loop.call_soon_threadsafe(settle, None, e)
+                fail(done, e)
             else:
-                loop.call_soon_threadsafe(settle, result, None)
+                settle(done, result)
 
         self._calls.put(run)
         return await done
@@ -67,3 +60,22 @@ class WorkerLoop:
             except Exception:  # a bug in one round must not stop the worker for good
                 log.exception("worker loop round failed")
                 wait = 0.01
+
+
+def settle(done: asyncio.Future[T], result: T) -> None:
+    """From any thread: `done` gets `result`, unless it is done already (cancelled)."""
+    done.get_loop().call_soon_threadsafe(_set, done, result, None)
+
+
+def fail(done: asyncio.Future[Any], error: BaseException) -> None:
+    """From any thread: `done` raises `error`, unless it is done already (cancelled)."""
+    done.get_loop().call_soon_threadsafe(_set, done, None, error)
+
+
+def _set(done: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if done.done():
+        return
+    if error is None:
+        done.set_result(result)
+    else:
+        done.set_exception(error)

@@ -27,20 +27,16 @@ import logging
 import uuid
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, cast
+from functools import partial
 
-import ray
-
-from cluster.actor_options import actor_options
+from cluster import role_worker
 from cluster.config import EngineConfig, TransferConfig
 from cluster.engine.engine import LLMEngine
 from cluster.protocol import DecodeHandle, DecodeStats, KVEvents
+from cluster.request_checks import refuse_in_flight
 from cluster.transfer import inbound
-from cluster.transfer.endpoint import KVEndpoint
-from cluster.transfer.wire import compat_hash
 from cluster.types import (
     FinishReason,
-    InvalidRequestError,
     KVTarget,
     ModelInfo,
     RequestId,
@@ -49,7 +45,7 @@ from cluster.types import (
     SamplingParams,
     TokenDelta,
 )
-from cluster.worker_loop import WorkerLoop
+from cluster.worker_loop import WorkerLoop, fail, settle
 from decode_worker.outbox import Outboxes
 from decode_worker.receiver import KVReceiver, Release
 
@@ -70,17 +66,7 @@ class DecodeWorker:
         self.engine = LLMEngine(engine)
         self.epoch = uuid.uuid4().hex[:12]
         self.transfer = transfer
-        compat = compat_hash(
-            self.engine.spec, self.engine.dtype, engine.page_size, self.engine.quantization
-        )
-        self.endpoint = KVEndpoint(
-            name,
-            self.engine.cache,
-            compat,
-            transfer.ucx_devices,
-            transfer.ucx_transports,
-            transfer.progress_thread,
-        )
+        self.endpoint = role_worker.endpoint(name, self.engine, transfer)
         terms = inbound.Terms(
             transfer.lease_s, transfer.revoke_cap_s, transfer.on_timeout == "recompute"
         )
@@ -110,15 +96,14 @@ class DecodeWorker:
         done: asyncio.Future[KVTarget | None] = asyncio.get_running_loop().create_future()
 
         def admit() -> None:
-            if request_id in self._emitted:
-                raise InvalidRequestError(f"request_id: {request_id!r} is already in flight")
+            refuse_in_flight(request_id, self._emitted)
             self._emitted[request_id] = resumed
             self._outboxes.claim(request_id, reader)
             try:
                 uncached = len(prompt_ids) - self.engine.cached_prefix_tokens(prompt_ids)
                 if not remote or uncached <= self.transfer.local_prefill_tokens:
                     self.engine.add_request(prompt_ids, sampling, request_id, resumed)
-                    _settle(done, None)
+                    settle(done, None)
                     return
                 admitting = _Admitting(request_id, prompt_ids, sampling, resumed, done)
                 self._admitting.append(admitting)
@@ -219,14 +204,14 @@ class DecodeWorker:
                 self._admitting.popleft()
                 del self._emitted[a.request_id]
                 self._outboxes.forget(a.request_id)
-                a.done.get_loop().call_soon_threadsafe(_fail, a.done, e)
+                fail(a.done, e)
                 continue
             if reservation is None:
                 return
             self._admitting.popleft()
             pages = tuple(reservation.pages)
             target = self.receiver.expect(a.request_id, pages, reservation.num_cached_tokens)
-            _settle(a.done, target)
+            settle(a.done, target)
 
     def _release(self, released: list[tuple[RequestId, Release]]) -> None:
         """Transfers no WRITE can land in any more: decode, recompute, fail or free each."""
@@ -251,7 +236,7 @@ class DecodeWorker:
         for a in self._admitting:
             if a.request_id == rid:
                 self._admitting.remove(a)
-                _settle(a.done, None)
+                settle(a.done, None)
                 self._publish(self._final(rid, FinishReason.ABORT, why, evicted))
                 return RequestStatus.WAITING
         status = self.engine.status(rid)
@@ -290,30 +275,5 @@ class DecodeWorker:
         self._outboxes.publish(list(deltas))
 
 
-def _settle(done: asyncio.Future[KVTarget | None], result: KVTarget | None) -> None:
-    def run() -> None:
-        if not done.done():
-            done.set_result(result)
-
-    done.get_loop().call_soon_threadsafe(run)
-
-
-def _fail(done: asyncio.Future[KVTarget | None], error: BaseException) -> None:
-    if not done.done():
-        done.set_exception(error)
-
-
-def spawn(
-    name: str,
-    engine: EngineConfig,
-    transfer: TransferConfig,
-    num_cpus: float = 1,
-    num_gpus: float | None = None,  # None: one GPU if the engine runs on CUDA (actor_options)
-    resources: dict[str, float] | None = None,
-) -> DecodeHandle:
-    """Start a DecodeWorker actor named `name`; returns its Ray actor handle."""
-    actor: Any = ray.remote(DecodeWorker)
-    gpus = ray.cluster_resources().get("GPU", 0.0)
-    options = actor_options(name, num_cpus, num_gpus, engine.device, resources or {}, gpus)
-    handle = actor.options(**options).remote(name, engine, transfer)
-    return cast(DecodeHandle, handle)
+spawn = partial(role_worker.spawn, DecodeWorker, DecodeHandle)
+"""Start a DecodeWorker actor: spawn(name, engine, transfer, num_cpus, num_gpus, resources)."""

@@ -25,26 +25,22 @@ import asyncio
 import dataclasses
 import logging
 import uuid
-from typing import Any, cast
+from functools import partial
 
-import ray
-
-from cluster.actor_options import actor_options
+from cluster import role_worker
 from cluster.config import EngineConfig, TransferConfig
 from cluster.engine.engine import LLMEngine
 from cluster.protocol import KVEvents, PrefillHandle, PrefillStats
-from cluster.transfer.endpoint import KVEndpoint
-from cluster.transfer.wire import compat_hash
+from cluster.request_checks import refuse_in_flight
 from cluster.types import (
     FirstToken,
-    InvalidRequestError,
     KVTarget,
     ModelInfo,
     RequestId,
     RequestStatus,
     SamplingParams,
 )
-from cluster.worker_loop import WorkerLoop
+from cluster.worker_loop import WorkerLoop, settle
 from prefill_worker.sender import KVSender
 
 log = logging.getLogger(__name__)
@@ -54,16 +50,7 @@ class PrefillWorker:
     def __init__(self, name: str, engine: EngineConfig, transfer: TransferConfig) -> None:
         self.engine = LLMEngine(engine)
         self.epoch = uuid.uuid4().hex[:12]
-        self.endpoint = KVEndpoint(
-            name,
-            self.engine.cache,
-            compat_hash(
-                self.engine.spec, self.engine.dtype, engine.page_size, self.engine.quantization
-            ),
-            transfer.ucx_devices,
-            transfer.ucx_transports,
-            transfer.progress_thread,
-        )
+        self.endpoint = role_worker.endpoint(name, self.engine, transfer)
         self.sender = KVSender(
             self.endpoint,
             self.engine.holds,
@@ -90,8 +77,7 @@ class PrefillWorker:
         done: asyncio.Future[FirstToken | None] = asyncio.get_running_loop().create_future()
 
         def admit() -> None:
-            if request_id in self._waiting:
-                raise InvalidRequestError(f"request_id: {request_id!r} is already in flight")
+            refuse_in_flight(request_id, self._waiting)
             self.sender.start(request_id, target)
             try:
                 self.engine.add_request(
@@ -189,25 +175,8 @@ class PrefillWorker:
         done = self._waiting.pop(request_id, None)
         self._held.pop(request_id, None)
         if done is not None:
-            done.get_loop().call_soon_threadsafe(_set_result, done, result)
+            settle(done, result)
 
 
-def _set_result(done: asyncio.Future[FirstToken | None], result: FirstToken | None) -> None:
-    if not done.done():
-        done.set_result(result)
-
-
-def spawn(
-    name: str,
-    engine: EngineConfig,
-    transfer: TransferConfig,
-    num_cpus: float = 1,
-    num_gpus: float | None = None,  # None: one GPU if the engine runs on CUDA (actor_options)
-    resources: dict[str, float] | None = None,
-) -> PrefillHandle:
-    """Start a PrefillWorker actor named `name`; returns its Ray actor handle."""
-    actor: Any = ray.remote(PrefillWorker)
-    gpus = ray.cluster_resources().get("GPU", 0.0)
-    options = actor_options(name, num_cpus, num_gpus, engine.device, resources or {}, gpus)
-    handle = actor.options(**options).remote(name, engine, transfer)
-    return cast(PrefillHandle, handle)
+spawn = partial(role_worker.spawn, PrefillWorker, PrefillHandle)
+"""Start a PrefillWorker actor: spawn(name, engine, transfer, num_cpus, num_gpus, resources)."""

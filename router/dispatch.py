@@ -37,9 +37,9 @@ from typing import Any
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from cluster.protocol import DecodeHandle, PrefillHandle
+from cluster.request_checks import refuse_in_flight
 from cluster.types import (
     FirstToken,
-    InvalidRequestError,
     KVTarget,
     RequestId,
     SamplingParams,
@@ -120,8 +120,7 @@ class Dispatcher:
         after them (a migration): the workers get them as the prompt's end, the stream's
         first delta follows them. A sampled request must then keep its seed."""
         caller = request_id or RequestId(uuid.uuid4().hex)
-        if caller in self._in_flight:
-            raise InvalidRequestError(f"request_id: {caller!r} is already in flight")
+        refuse_in_flight(caller, self._in_flight)
         rid = RequestId(f"{caller}.{uuid.uuid4().hex[:12]}")
         sampling = seeded(sampling)
         done = delivered or Delivered()

@@ -1,0 +1,50 @@
+"""What the two role workers (decode_worker/worker.py, prefill_worker/worker.py) build the
+same way: the Ray actor that hosts one, and the KV transfer endpoint over its engine's
+cache. Their engine thread, and how results come back from it, is cluster/worker_loop.py's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+import ray
+
+from cluster.actor_options import actor_options
+from cluster.config import EngineConfig, TransferConfig
+from cluster.engine.engine import LLMEngine
+from cluster.transfer.endpoint import KVEndpoint
+from cluster.transfer.wire import compat_hash
+
+H = TypeVar("H")
+
+
+def spawn(
+    worker: type,  # DecodeWorker or PrefillWorker: built as worker(name, engine, transfer)
+    handle: Callable[..., H],  # its handle Protocol (cluster.protocol): the result's type
+    name: str,
+    engine: EngineConfig,
+    transfer: TransferConfig,
+    num_cpus: float = 1,
+    num_gpus: float | None = None,  # None: one GPU if the engine runs on CUDA (actor_options)
+    resources: dict[str, float] | None = None,
+) -> H:
+    """Start a `worker` actor named `name`; returns its Ray actor handle."""
+    actor: Any = ray.remote(worker)
+    gpus = ray.cluster_resources().get("GPU", 0.0)
+    options = actor_options(name, num_cpus, num_gpus, engine.device, resources or {}, gpus)
+    return cast(H, actor.options(**options).remote(name, engine, transfer))
+
+
+def endpoint(name: str, engine: LLMEngine, transfer: TransferConfig) -> KVEndpoint:
+    """The KV endpoint named `name` over the engine's cache; peers whose engine differs in
+    model, dtype, page size or quantization are refused (compat_hash)."""
+    compat = compat_hash(engine.spec, engine.dtype, engine.pool.page_size, engine.quantization)
+    return KVEndpoint(
+        name,
+        engine.cache,
+        compat,
+        transfer.ucx_devices,
+        transfer.ucx_transports,
+        transfer.progress_thread,
+    )

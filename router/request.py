@@ -12,6 +12,9 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from google.protobuf.message import Message
+from google.protobuf.unknown_fields import UnknownFieldSet
+
 from cluster.engine.tokenizer import Tokenizer
 from cluster.types import InvalidRequestError, ModelInfo, RequestId, SamplingParams
 from router.token_count import CHUNK_CHARS, count_tokens
@@ -54,6 +57,7 @@ def prepare(
     msg: pb.GenerateRequest, tokenizer: Tokenizer, model: ModelInfo, max_tokens_limit: int
 ) -> Prepared:
     """Check every field of `msg` and tokenize its input; InvalidRequestError names the field."""
+    _refuse_unknown(msg)
     if msg.model and msg.model != model.name:
         raise InvalidRequestError(
             f"model: {shown(msg.model)} is not served here (serving {model.name!r})"
@@ -68,6 +72,23 @@ def prepare(
             f"({sampling.max_tokens}) exceeds the model's context of {model.max_model_len} tokens"
         )
     return Prepared(ids, sampling, session_id, RequestId(request_id) if request_id else None)
+
+
+def _refuse_unknown(msg: Message, path: str = "") -> None:
+    """A field this API does not know (a client built from a newer .proto) is refused, not
+    ignored: protobuf would parse past it silently."""
+    unknown = [f.field_number for f in UnknownFieldSet(msg)]
+    if unknown:
+        raise InvalidRequestError(
+            f"{path or 'request'}: unknown field number {unknown[0]}, refused (nothing is ignored)"
+        )
+    for descriptor, value in msg.ListFields():
+        if (
+            descriptor.message_type is not None
+            and not descriptor.message_type.GetOptions().map_entry
+        ):
+            for item in value if descriptor.is_repeated else [value]:
+                _refuse_unknown(item, path + ("." if path else "") + descriptor.name)
 
 
 def shown(value: str, limit: int = SHOWN_CHARS) -> str:

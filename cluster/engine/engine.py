@@ -35,6 +35,7 @@ from cluster.engine.scheduler import Scheduler
 from cluster.engine.sequence import Sequence
 from cluster.engine.step_rate import StepRate
 from cluster.engine.tokenizer import TextStream, Tokenizer
+from cluster.request_checks import refuse_in_flight, refuse_long_prompt, refuse_past_context
 from cluster.types import (
     Completion,
     FinishReason,
@@ -403,18 +404,13 @@ class LLMEngine:
         resumed: int,
     ) -> _Live:
         rid = request_id or RequestId(f"req-{next(self._ids)}")
-        if rid in self._live:
-            raise InvalidRequestError(f"request_id: {rid!r} is already in flight")
+        refuse_in_flight(rid, self._live)
         ids = self._prompt_ids(prompt)
         if not 0 <= resumed < len(ids):
             raise InvalidRequestError(
                 f"resumed: must be in [0, {len(ids)}) for a {len(ids)}-token prompt, got {resumed}"
             )
-        if len(ids) + sampling.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({sampling.max_tokens}) "
-                f"exceeds the model's context of {self.max_model_len} tokens"
-            )
+        refuse_past_context("max_tokens", len(ids), sampling.max_tokens, self.max_model_len)
         pages = pages_for(len(ids) + sampling.max_tokens, self.pool.page_size)
         if pages > self.pool.num_pages:
             raise InvalidRequestError(
@@ -453,11 +449,7 @@ class LLMEngine:
                 )
         if not ids:
             raise InvalidRequestError("prompt: must not be empty")
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt: {len(ids)} tokens, longer than the model's context "
-                f"({self.max_model_len} tokens, one left for the reply)"
-            )
+        refuse_long_prompt("prompt", len(ids), self.max_model_len)
         return ids
 
     def _append(self, live: _Live, token: int, logprob: float | None) -> RequestOutput:

@@ -314,10 +314,13 @@ class RouterConfig:
     # The key itself, or a file holding it (one of the two); kept out of the repr.
     api_key: str | None = field(default=None, repr=False)
     api_key_file: str | None = None
+    # The model's name in /v1/models, ServerInfo and requests' `model`; null: the model
+    # file's stem or checkpoint directory's name (ModelInfo.name).
+    served_model_name: str | None = None
 
     def __post_init__(self) -> None:
         _check(isinstance(self.host, str) and bool(self.host), "host", "must be a host name")
-        for name in ("api_key", "api_key_file"):
+        for name in ("api_key", "api_key_file", "served_model_name"):
             value = getattr(self, name)
             _check(
                 value is None or (isinstance(value, str) and value.strip() != ""),
@@ -478,7 +481,8 @@ def serve_config_from_dict(doc: dict[str, Any]) -> ServeConfig:
     return _from_dict(ServeConfig, {**doc, **fields}, "config")
 
 
-def _read_yaml(path: str | Path) -> tuple[Path, dict[str, Any]]:
+def read_yaml(path: str | Path) -> tuple[Path, dict[str, Any]]:
+    """A config file's path and its plain data, a mapping; ConfigError naming the file."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {p}: not found")
@@ -493,7 +497,7 @@ def _read_yaml(path: str | Path) -> tuple[Path, dict[str, Any]]:
 
 def load_engine_config(path: str | Path) -> EngineConfig:
     """Read the `engine:` section of a YAML config file."""
-    p, doc = _read_yaml(path)
+    p, doc = read_yaml(path)
     try:
         return engine_config_from_dict(doc.get("engine") or {})
     except ConfigError as e:
@@ -502,7 +506,7 @@ def load_engine_config(path: str | Path) -> EngineConfig:
 
 def load_serve_config(path: str | Path) -> ServeConfig:
     """Read a whole YAML config file for `splitserve serve`."""
-    p, doc = _read_yaml(path)
+    p, doc = read_yaml(path)
     try:
         return serve_config_from_dict(doc)
     except ConfigError as e:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +70,8 @@ async def start_router(
     if not decode:
         raise ValueError("a router needs at least one decode worker")
     info: ModelInfo = await next(iter(decode.values())).info.remote()
+    if config.served_model_name is not None:
+        info = replace(info, name=config.served_model_name)
     path = Path(model) if model else bundled_model_path()
     tokenizer = await asyncio.to_thread(Tokenizer.load, path)
     workers = WorkerRegistry(prefill, decode, info.page_size, config.stats_interval_s)

@@ -9,7 +9,7 @@ import logging
 import os
 import sys
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
@@ -21,15 +21,12 @@ from cluster.config import (
     QUANTIZATIONS,
     ConfigError,
     EngineConfig,
-    PoolConfig,
-    RouterConfig,
-    ServeConfig,
     engine_config_from_dict,
     load_engine_config,
-    load_serve_config,
 )
 from cluster.engine.model_files import ModelLoadError
 from cluster.types import InvalidRequestError, SamplingParams
+from splitserve.serve_flags import API_KEY, BY_NAME, add_serve_flags, serve_config
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
@@ -118,60 +115,16 @@ async def _chat_loop(args: argparse.Namespace) -> int:
             messages.append({"role": "assistant", "content": "".join(reply)})
 
 
-API_KEY_ENV = "SPLITSERVE_API_KEY"
-
-
 def _client_key(args: argparse.Namespace) -> str | None:
     """--api-key, else $SPLITSERVE_API_KEY, else none."""
-    key: str | None = args.api_key or os.environ.get(API_KEY_ENV) or None
+    key: str | None = args.api_key or os.environ.get(API_KEY.env) or None
     return key
-
-
-def with_api_key(
-    router: RouterConfig, args: argparse.Namespace, environ: Mapping[str, str]
-) -> RouterConfig:
-    """The router's key by one precedence: --api-key or --api-key-file, else
-    $SPLITSERVE_API_KEY, else the YAML's router.api_key or router.api_key_file."""
-    if args.api_key is not None or args.api_key_file is not None:
-        return dataclasses.replace(router, api_key=args.api_key, api_key_file=args.api_key_file)
-    if environ.get(API_KEY_ENV):
-        return dataclasses.replace(router, api_key=environ[API_KEY_ENV], api_key_file=None)
-    return router
 
 
 def _serve(args: argparse.Namespace) -> int:
     from splitserve.launch import serve
 
-    return serve(serve_config(args))
-
-
-def serve_config(args: argparse.Namespace) -> ServeConfig:
-    """The config file (or the defaults) with the command line's overrides applied."""
-    config = load_serve_config(args.config) if args.config else ServeConfig()
-    router = config.router
-    if args.host is not None:
-        router = dataclasses.replace(router, host=args.host)
-    if args.port is not None:
-        router = dataclasses.replace(router, port=args.port)
-    router = with_api_key(router, args, os.environ)
-    redis_url = args.redis_url or config.redis_url
-    address = args.address or config.ray_address
-    config = dataclasses.replace(config, router=router, redis_url=redis_url, ray_address=address)
-    names = ("model", "dtype", "quantization")
-    engine = {k: v for k in names if (v := getattr(args, k)) is not None}
-    if engine:  # both pools: a prefill and a decode worker must run the same model
-        config = dataclasses.replace(
-            config,
-            prefill=_with_engine(config.prefill, engine),
-            decode=_with_engine(config.decode, engine),
-        )
-    return config
-
-
-def _with_engine(pool: PoolConfig, fields: dict[str, Any]) -> PoolConfig:
-    return dataclasses.replace(
-        pool, engine=engine_config_from_dict({**vars(pool.engine), **fields})
-    )
+    return serve(serve_config(args, os.environ))
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -254,33 +207,14 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=SERVE_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    serve.add_argument(
-        "model",
-        nargs="?",
-        default=None,
-        help="a .gguf file or HF checkpoint directory (default: the bundled SmolLM2-135M)",
-    )
     serve.add_argument("--config", default=None, help="YAML config: pools, transfer, router")
-    serve.add_argument("--redis-url", default=None, help="an external Redis (default: embedded)")
-    serve.add_argument(
-        "--address", default=None, help="join this Ray cluster (auto, ray://...) instead"
-    )
-    serve.add_argument("--host", default=None, help="router address (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=None, help="router port (default 50051)")
-    key = serve.add_mutually_exclusive_group()
-    key.add_argument(
-        "--api-key",
-        default=None,
-        help=f"clients must send it as a bearer token (over ${API_KEY_ENV}, over router.api_key)",
-    )
-    key.add_argument("--api-key-file", default=None, help="... or read the key from this file")
-    _engine_args(serve)
+    add_serve_flags(serve)
     serve.set_defaults(func=_serve)
 
     chat = sub.add_parser("chat", help="chat with a running server, streaming its replies")
     chat.add_argument("--server", default="127.0.0.1:50051")
     chat.add_argument("--system", default=None, help="a system message to start with")
-    chat.add_argument("--api-key", default=None, help=f"the server's key (default ${API_KEY_ENV})")
+    chat.add_argument("--api-key", default=None, help=f"the server's key (default ${API_KEY.env})")
     _sampling_args(chat, max_tokens=256)
     chat.set_defaults(func=_chat)
 
@@ -288,16 +222,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt")
     gen.add_argument("--server", default=None, help="ask a running server (host:port) instead")
     gen.add_argument(
-        "--api-key", default=None, help=f"with --server: its key (default ${API_KEY_ENV})"
+        "--api-key", default=None, help=f"with --server: its key (default ${API_KEY.env})"
     )
     gen.add_argument(
         "--wait-s", type=float, default=0, help="with --server: wait this long for it to be up"
     )
     gen.add_argument("--chat", action="store_true", help="wrap as one user turn (chat template)")
     _sampling_args(gen, max_tokens=128)
-    _engine_args(gen)
+    for name in ("--dtype", "--quantization", "--kv-cache-gb"):
+        BY_NAME[name].add_to(gen, BY_NAME[name].help)
     gen.add_argument("--model", default=None, help="GGUF file or HF checkpoint dir")
-    gen.add_argument("--kv-cache-gb", type=float, default=None)
     gen.add_argument("--config", default=None, help="YAML config (its engine: section)")
     gen.set_defaults(func=_generate)
 
@@ -376,9 +310,12 @@ def build_parser() -> argparse.ArgumentParser:
 SERVE_EXAMPLES = """examples:
   splitserve serve                                   # bundled model, one prefill + one decode
   splitserve serve path/to/model.gguf --quantization gguf --dtype bfloat16
-  splitserve serve path/to/hf-dir --quantization int4 --port 50052
+  splitserve serve path/to/hf-dir --served-model-name llama --max-model-len 8192 \\
+      --host 0.0.0.0 --port 8080 --grpc-port 50052 --decode-replicas 2
   splitserve serve --config configs/serve.example.yaml --redis-url redis://host:6379
   splitserve serve --config deploy/splitserve.yaml   # join a GPU Ray cluster
+  SPLITSERVE_PORT=8080 splitserve serve              # any flag: SPLITSERVE_<FLAG>
+precedence: flag > SPLITSERVE_<FLAG> > the --config YAML > the default
 then: curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{"messages": [{"role": "user", "content": "Hi"}]}'
       splitserve chat                                # over gRPC on 127.0.0.1:50051
@@ -396,23 +333,6 @@ PLAN_EXAMPLES = """examples:
       ~/.cache/splitserve/step-cost.json --rate 2 --requests 200 --decode 1 --prefill 0
 named architectures: smollm2-135m, llama-3-8b, llama-3-70b, qwen2-7b, mistral-7b
 """
-
-
-def _engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--dtype",
-        choices=DTYPES,
-        default=None,
-        help="activations and KV (default auto: bfloat16 on a GPU and on a CPU with native "
-        "bf16, else float32)",
-    )
-    parser.add_argument(
-        "--quantization",
-        choices=QUANTIZATIONS,
-        default=None,
-        help="weights: int8/int4 quantized at load, gguf the file's own blocks, none float "
-        "(default auto: gguf for a GGUF file on the CPU, else none)",
-    )
 
 
 def _sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:

@@ -8,18 +8,27 @@ import socket
 from contextlib import ExitStack
 
 from cluster.config import ConfigError, ServeConfig
+from splitserve.serve_flags import FLAGS
+
+# The flag beside each field it sets: --port is router.http_port, --grpc-port router.port.
+FLAG_OF = {field: flag.name for flag in FLAGS for field in flag.fields}
 
 
 def listening_ports(config: ServeConfig) -> dict[str, int]:
-    """Each configured port by its field; port 0 (any free one) and null (off) are left out.
-    The embedded valkey-server takes a free port, so it has none here."""
+    """Each configured port by its field, with the flag that sets it where one does; port 0
+    (any free one) and null (off) are left out. The embedded valkey-server takes a free
+    port, so it has none here."""
     router = config.router
     ports = {
         "router.port": router.port,
         "router.http_port": router.http_port,
         "router.metrics_port": router.metrics_port,
     }
-    return {field: port for field, port in ports.items() if port}
+    return {
+        f"{field} ({FLAG_OF[field]})" if field in FLAG_OF else field: port
+        for field, port in ports.items()
+        if port
+    }
 
 
 def check_ports(config: ServeConfig) -> None:

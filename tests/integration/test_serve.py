@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -55,9 +56,10 @@ def test_serve_answers_cli_clients_and_stops_cleanly(tmp_path: Path) -> None:
     config = tmp_path / "serve.yaml"
     config.write_text(CONFIG)
     server = subprocess.Popen(
-        [*SPLITSERVE, "serve", "--config", str(config)],
+        [*SPLITSERVE, "serve", "--config", str(config), "--served-model-name", "smol"],
         stderr=subprocess.PIPE,
         text=True,
+        env={**os.environ, "SPLITSERVE_MAX_MODEL_LEN": "1024"},
     )
     log: list[str] = []
     assert server.stderr is not None
@@ -84,8 +86,13 @@ def test_serve_answers_cli_clients_and_stops_cleanly(tmp_path: Path) -> None:
     found = re.search(r"metrics on (\S+)", text)
     assert found is not None
     metrics_url = found.group(1)
+    http = re.search(r"HTTP API on (\S+)/v1", text)
+    assert http is not None, text
     children = _descendants(server.pid)
     try:
+        models = json.load(urllib.request.urlopen(f"{http.group(1)}/v1/models", timeout=10))
+        [card] = models["data"]  # the flag's name and the variable's context
+        assert (card["id"], card["max_model_len"]) == ("smol", 1024), card
         gen = subprocess.run(
             [
                 *SPLITSERVE,

@@ -4,6 +4,7 @@ YAML), and the one warning for a wide listener without one."""
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 from pathlib import Path
 
@@ -11,7 +12,8 @@ import pytest
 
 from cluster.config import ConfigError, RouterConfig, serve_config_from_dict
 from router.auth import api_key, authorized, warn_if_open
-from splitserve.cli import build_parser, serve_config, with_api_key
+from splitserve.cli import build_parser, main
+from splitserve.serve_flags import serve_config
 
 KEY = "sk-test-123"
 
@@ -71,9 +73,13 @@ def test_the_key_is_not_in_the_configs_repr() -> None:
     assert KEY not in repr(RouterConfig(api_key=KEY))
 
 
-def _router(argv: list[str], environ: dict[str, str], yaml: dict[str, str]) -> RouterConfig:
-    args = build_parser().parse_args(["serve", *argv])
-    return with_api_key(RouterConfig(**yaml), args, environ)
+def _router(
+    argv: list[str], environ: dict[str, str], yaml: dict[str, str], tmp_path: Path
+) -> RouterConfig:
+    config = tmp_path / "serve.yaml"
+    config.write_text(f"router: {json.dumps(yaml)}\n")  # JSON is YAML
+    args = build_parser().parse_args(["serve", "--config", str(config), *argv])
+    return serve_config(args, environ).router
 
 
 @pytest.mark.parametrize(
@@ -96,18 +102,17 @@ def test_the_flag_wins_over_the_environment_over_the_yaml(
     yaml: dict[str, str],
     key: str | None,
     key_file: str | None,
+    tmp_path: Path,
 ) -> None:
-    router = _router(argv, environ, yaml)
+    router = _router(argv, environ, yaml, tmp_path)
     assert (router.api_key, router.api_key_file) == (key, key_file)
 
 
-def test_serve_reads_the_environment_and_refuses_both_flags(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setenv("SPLITSERVE_API_KEY", "env")
-    assert serve_config(build_parser().parse_args(["serve"])).router.api_key == "env"
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["serve", "--api-key", "a", "--api-key-file", "f"])
+def test_both_flags_are_refused_naming_them(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--api-key", "a", "--api-key-file", "f"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "splitserve: error: --api-key: router.api_key: give api_key or api_key_file, not both"
+    ]
 
 
 @pytest.mark.parametrize(

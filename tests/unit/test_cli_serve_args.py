@@ -1,20 +1,170 @@
-"""`splitserve serve [MODEL] --dtype --quantization`: both pools get the same engine."""
+"""`splitserve serve [MODEL]` flags as vLLM users type them: each sets its config field
+(the engine's in both pools), and one precedence holds for all of them: flag >
+SPLITSERVE_<FLAG> > YAML > default; a value refused names where it came from."""
 
 from __future__ import annotations
 
-from cluster.config import ServeConfig
-from splitserve.cli import build_parser, serve_config
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cluster.config import ConfigError, ServeConfig
+from splitserve.cli import build_parser, main
+from splitserve.serve_flags import FLAGS, serve_config
+
+
+def _config(argv: list[str], environ: dict[str, str] | None = None) -> ServeConfig:
+    return serve_config(build_parser().parse_args(["serve", *argv]), environ or {})
+
+
+def _get(config: Any, field: str) -> Any:
+    for name in field.split("."):
+        config = getattr(config, name)
+    return config
 
 
 def test_serve_with_no_arguments_runs_the_defaults() -> None:
-    assert serve_config(build_parser().parse_args(["serve"])) == ServeConfig()
+    assert _config([]) == ServeConfig()
 
 
-def test_the_model_and_engine_flags_reach_both_pools() -> None:
-    argv = ["serve", "m.gguf", "--quantization", "gguf", "--dtype", "bfloat16", "--port", "7"]
-    config = serve_config(build_parser().parse_args(argv))
-    for pool in (config.prefill, config.decode):
-        engine = pool.engine
-        assert (engine.model, engine.quantization, engine.dtype) == ("m.gguf", "gguf", "bfloat16")
-        assert engine.kv_cache_gb == ServeConfig().decode.engine.kv_cache_gb  # the rest kept
-    assert config.router.port == 7
+@pytest.mark.parametrize(
+    ("argv", "fields"),
+    [
+        (["--host", "0.0.0.0"], {"router.host": "0.0.0.0"}),
+        (["--port", "8001"], {"router.http_port": 8001, "router.port": 50051}),
+        (["--grpc-port", "50052"], {"router.port": 50052, "router.http_port": 8000}),
+        (["--served-model-name", "smol"], {"router.served_model_name": "smol"}),
+        (["--max-model-len", "512"], {"engine.max_model_len": 512}),
+        (["m.gguf", "--dtype", "bfloat16"], {"engine.model": "m.gguf", "engine.dtype": "bfloat16"}),
+        (["--quantization", "int4"], {"engine.quantization": "int4"}),
+        (["--kv-cache-gb", "0.5"], {"engine.kv_cache_gb": 0.5, "engine.page_size": 16}),
+        (["--prefill-replicas", "0"], {"prefill.replicas": 0, "decode.replicas": 1}),
+        (["--decode-replicas", "3"], {"decode.replicas": 3, "prefill.replicas": 1}),
+        (["--redis-url", "redis://r:6379"], {"redis_url": "redis://r:6379"}),
+        (["--address", "auto"], {"ray_address": "auto"}),
+        (["--api-key-file", "k.txt"], {"router.api_key_file": "k.txt"}),
+    ],
+)
+def test_each_flag_sets_its_field(argv: list[str], fields: dict[str, Any]) -> None:
+    config = _config(argv)
+    for field, value in fields.items():
+        pools = ("prefill.", "decode.") if field.startswith("engine.") else ("",)
+        for pool in pools:  # an engine field: both pools, as KV moves between them
+            assert _get(config, pool + field) == value, pool + field
+
+
+def test_every_flag_names_real_fields_and_its_variable() -> None:
+    for flag in FLAGS:
+        assert flag.env == "SPLITSERVE_" + flag.name.lstrip("-").upper().replace("-", "_")
+        for field in flag.fields:
+            _get(ServeConfig(), field)  # AttributeError if the table names no such field
+
+
+YAML = """
+engine: {dtype: float32}
+decode: {replicas: 2}
+router: {http_port: 8100, port: 50100, served_model_name: yaml-name}
+"""
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "field", "value"),
+    [
+        ([], {}, "router.http_port", 8100),  # YAML over the default
+        ([], {"SPLITSERVE_PORT": "8200"}, "router.http_port", 8200),  # environment over YAML
+        (["--port", "8300"], {"SPLITSERVE_PORT": "8200"}, "router.http_port", 8300),  # flag
+        ([], {"SPLITSERVE_PORT": ""}, "router.http_port", 8100),  # empty: unset
+        ([], {"SPLITSERVE_GRPC_PORT": "50200"}, "router.port", 50200),
+        ([], {"SPLITSERVE_DECODE_REPLICAS": "1"}, "decode.replicas", 1),
+        ([], {"SPLITSERVE_DTYPE": "bfloat16"}, "prefill.engine.dtype", "bfloat16"),
+        (["--dtype", "auto"], {"SPLITSERVE_DTYPE": "bfloat16"}, "decode.engine.dtype", "auto"),
+        ([], {"SPLITSERVE_SERVED_MODEL_NAME": "env"}, "router.served_model_name", "env"),
+        ([], {"SPLITSERVE_MAX_MODEL_LEN": "256"}, "decode.engine.max_model_len", 256),
+        ([], {}, "prefill.engine.max_model_len", None),  # the default, none of them set
+    ],
+)
+def test_the_flag_wins_over_the_environment_over_the_yaml_over_the_default(
+    argv: list[str], environ: dict[str, str], field: str, value: Any, tmp_path: Path
+) -> None:
+    config = tmp_path / "serve.yaml"
+    config.write_text(YAML)
+    assert _get(_config(["--config", str(config), *argv], environ), field) == value
+
+
+def test_serve_reads_its_own_environment(
+    monkeypatch: pytest.MonkeyPatch, started: list[Any], tmp_path: Path
+) -> None:
+    config = tmp_path / "serve.yaml"
+    config.write_text("router: {metrics_port: null}\n")
+    monkeypatch.setenv("SPLITSERVE_GRPC_PORT", "0")
+    monkeypatch.setenv("SPLITSERVE_PORT", "0")
+    monkeypatch.setenv("SPLITSERVE_DECODE_REPLICAS", "2")
+    argv = ["--config", str(config), "--decode-replicas", "1"]
+    assert main(["serve", *argv]) == 0
+    [served] = started
+    assert served == _config(argv, dict(os.environ))
+    assert (served.router.port, served.router.http_port, served.decode.replicas) == (0, 0, 1)
+
+
+@pytest.mark.parametrize(
+    ("environ", "argv", "error"),
+    [
+        ({"SPLITSERVE_PORT": "http"}, [], "SPLITSERVE_PORT: must be an integer, got 'http'"),
+        ({"SPLITSERVE_KV_CACHE_GB": "1GB"}, [], "SPLITSERVE_KV_CACHE_GB: must be a number"),
+        (
+            {"SPLITSERVE_PORT": "70000"},
+            [],
+            "SPLITSERVE_PORT: router.http_port: must be an integer in [0, 65535]",
+        ),
+        (
+            {"SPLITSERVE_DTYPE": "float16"},
+            [],
+            "SPLITSERVE_DTYPE: prefill.engine.dtype: must be one of",
+        ),
+        (
+            {"SPLITSERVE_DECODE_REPLICAS": "0"},
+            [],
+            "SPLITSERVE_DECODE_REPLICAS: config.decode.replicas: must be at least 1",
+        ),
+        ({}, ["--max-model-len", "1"], "--max-model-len: prefill.engine.max_model_len: must be"),
+        ({}, ["--served-model-name", " "], "--served-model-name: router.served_model_name:"),
+    ],
+)
+def test_a_refused_value_names_the_flag_or_variable_and_the_field(
+    environ: dict[str, str], argv: list[str], error: str
+) -> None:
+    with pytest.raises(ConfigError) as refused:
+        _config(argv, environ)
+    assert str(refused.value).startswith(error), refused.value
+
+
+def test_a_bad_yaml_value_still_names_the_file(tmp_path: Path) -> None:
+    config = tmp_path / "serve.yaml"
+    config.write_text("router: {http_port: -1}\n")
+    with pytest.raises(ConfigError) as refused:
+        _config(["--config", str(config), "--grpc-port", "50300"])
+    assert str(refused.value).startswith(f"config file {config}: router.http_port: must be")
+
+
+def test_a_bad_variable_stops_serve_with_one_line(
+    monkeypatch: pytest.MonkeyPatch, started: list[Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("SPLITSERVE_GRPC_PORT", "grpc")
+    assert main(["serve"]) == 2
+    assert started == []
+    assert capsys.readouterr().err.splitlines() == [
+        "splitserve: error: SPLITSERVE_GRPC_PORT: must be an integer, got 'grpc'"
+    ]
+
+
+def test_the_engine_flags_keep_the_rest_of_each_pools_engine(tmp_path: Path) -> None:
+    config = tmp_path / "serve.yaml"
+    config.write_text("engine: {page_size: 32}\nprefill: {engine: {max_num_seqs: 8}}\n")
+    served = _config(["--config", str(config), "--dtype", "float32"])
+    assert served.prefill.engine == dataclasses.replace(
+        served.decode.engine, max_num_seqs=8
+    )  # the pool's own field kept
+    assert (served.decode.engine.page_size, served.decode.engine.dtype) == (32, "float32")

@@ -32,7 +32,15 @@ def free_port() -> int:
         return port
 
 
-@pytest.mark.parametrize("field", ["port", "http_port", "metrics_port"])
+# Each field with the flag that sets it: --port is the HTTP API's, as with `vllm serve`.
+NAMED = {
+    "port": "router.port (--grpc-port)",
+    "http_port": "router.http_port (--port)",
+    "metrics_port": "router.metrics_port",
+}
+
+
+@pytest.mark.parametrize("field", NAMED)
 def test_a_taken_port_stops_serve_naming_its_field_before_anything_starts(
     field: str,
     taken: int,
@@ -47,7 +55,25 @@ def test_a_taken_port_stops_serve_naming_its_field_before_anything_starts(
     assert main(["serve", "--config", str(config)]) == 2
     assert started == []
     assert capsys.readouterr().err.splitlines() == [
-        f"splitserve: error: router.{field}: 127.0.0.1:{taken} is in use by another process"
+        f"splitserve: error: {NAMED[field]}: 127.0.0.1:{taken} is in use by another process"
+    ]
+
+
+@pytest.mark.parametrize(("flag", "field"), [("--port", "http_port"), ("--grpc-port", "port")])
+def test_a_taken_port_given_as_a_flag_names_that_flags_field(
+    flag: str,
+    field: str,
+    taken: int,
+    started: list[Any],
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "serve.yaml"
+    config.write_text("router: {port: 0, http_port: 0, metrics_port: null}\n")
+    assert main(["serve", "--config", str(config), flag, str(taken)]) == 2
+    assert started == []
+    assert capsys.readouterr().err.splitlines() == [
+        f"splitserve: error: {NAMED[field]}: 127.0.0.1:{taken} is in use by another process"
     ]
 
 
@@ -56,7 +82,9 @@ def test_two_fields_on_one_port_are_refused_naming_both() -> None:
     config = ServeConfig(router=RouterConfig(port=port, http_port=port, metrics_port=None))
     with pytest.raises(ConfigError) as refused:
         check_ports(config)
-    assert str(refused.value) == f"router.http_port: 127.0.0.1:{port} is router.port too"
+    assert str(refused.value) == (
+        f"router.http_port (--port): 127.0.0.1:{port} is router.port (--grpc-port) too"
+    )
 
 
 def test_free_ports_pass_and_stay_free() -> None:

@@ -22,7 +22,8 @@ from cluster.config import ConfigError, RouterConfig
 
 log = logging.getLogger(__name__)
 
-HTTP_GUARDED_PREFIX = "/v1/"
+# What the key guards: the API and the tokenizer; /health, /version and /metrics stay open.
+HTTP_GUARDED = ("/v1/", "/tokenize", "/detokenize")
 UNAUTHORIZED = "invalid API key: send Authorization: Bearer <key>"
 
 
@@ -72,11 +73,11 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def http_middleware(key: str, refuse: Callable[[], web.Response]) -> Any:
-    """An aiohttp middleware answering `refuse()` (a 401) to a /v1/ request without the key."""
+    """An aiohttp middleware answering `refuse()` (a 401) to a guarded request without the key."""
 
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path.startswith(HTTP_GUARDED_PREFIX) and not authorized(
+        if request.path.startswith(HTTP_GUARDED) and not authorized(
             request.headers.get("Authorization"), key
         ):
             return refuse()

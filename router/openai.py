@@ -24,9 +24,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from importlib.metadata import version
 from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cluster.engine.tokenizer import Tokenizer
@@ -323,10 +325,15 @@ class OpenAIFrontDoor:
         middlewares = []
         if self.api_key is not None:
             middlewares.append(http_middleware(self.api_key, _unauthorized))
+        middlewares = [_errors_as_json, *middlewares]
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/v1/models/{model}", self._model)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/detokenize", self._detokenize)
+        app.router.add_get("/version", self._version)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         return app
@@ -356,10 +363,58 @@ class OpenAIFrontDoor:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=False)
 
-    async def _models(self, request: web.Request) -> web.Response:
-        card = {"id": self.model.name, "object": "model", "created": 0, "owned_by": "splitserve",
+    def _card(self) -> dict[str, Any]:
+        return {"id": self.model.name, "object": "model", "created": 0, "owned_by": "splitserve",
                 "max_model_len": self.model.max_model_len}  # fmt: skip
-        return web.json_response({"object": "list", "data": [card]})
+
+    def _check_model(self, name: str | None) -> None:
+        if name and name != self.model.name:
+            raise HTTPError(404, f"model: {shown(name)} is not served here (serving "
+                            f"{self.model.name!r})", "model_not_found", "model")  # fmt: skip
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._card()]})
+
+    async def _model(self, request: web.Request) -> web.Response:
+        self._check_model(request.match_info["model"])
+        return web.json_response(self._card())
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: the ids a completion's `prompt` or a chat's `messages` become,
+        checked as a request with them would be."""
+        body = await _body(request)
+        try:
+            call = to_call(body, "messages" in body, None)
+            self._check_model(call.request.model)
+            args = (call.request, self.tokenizer, self.model, self.max_tokens, self.pool)
+            ids = (await prepare_off_loop(*args)).prompt_ids
+        except InvalidRequestError as e:
+            raise invalid(e) from None
+        return web.json_response(
+            {"count": len(ids), "max_model_len": self.model.max_model_len, "tokens": ids}
+        )
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /detokenize: `tokens` (ids) as text."""
+        body = await _body(request)
+        try:
+            if extra := sorted(set(body) - {"model", "tokens"}):
+                raise InvalidRequestError(f"{extra[0]}: unknown field, refused")
+            self._check_model(_field(body, "model", (str,), "a string"))
+            ids = _field(body, "tokens", (list,), "a list of token ids")
+            if ids is None or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.model.vocab_size
+                for t in ids
+            ):
+                raise InvalidRequestError(
+                    f"tokens: must be a list of token ids in [0, {self.model.vocab_size})"
+                )
+        except InvalidRequestError as e:
+            raise invalid(e) from None
+        return web.json_response({"prompt": self.tokenizer.decode(ids)})
+
+    async def _version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": version("splitserve")})
 
     async def _health(self, request: web.Request) -> web.Response:
         ok = self.serving()
@@ -394,20 +449,10 @@ class OpenAIFrontDoor:
         return web.json_response(self._body(call, reply)), "ok"
 
     async def _prepare(self, request: web.Request, chat: bool) -> tuple[Call, Prepared]:
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise HTTPError(400, f"body: not valid JSON: {e}", "invalid_request_error") from None
+        body = await _body(request)
         try:
             call = to_call(body, chat, request.headers.get(SESSION_HEADER))
-            if call.request.model and call.request.model != self.model.name:
-                raise HTTPError(
-                    404,
-                    f"model: {shown(call.request.model)} is not served here "
-                    f"(serving {self.model.name!r})",
-                    "model_not_found",
-                    "model",
-                )
+            self._check_model(call.request.model)
             args = (call.request, self.tokenizer, self.model, self.max_tokens, self.pool)
             return call, await prepare_off_loop(*args)
         except InvalidRequestError as e:
@@ -525,6 +570,33 @@ class OpenAIFrontDoor:
         else:
             choice["text"] = delta.text
         return choice
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HTTPError(400, f"body: not valid JSON: {e}", "invalid_request_error") from None
+    if not isinstance(body, dict):
+        raise HTTPError(400, "body: must be a JSON object", "invalid_request_error", "body")
+    return body
+
+
+@web.middleware
+async def _errors_as_json(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error in OpenAI's shape: ours (HTTPError), and aiohttp's own (404, 405, 413)."""
+    try:
+        return await handler(request)
+    except HTTPError as e:
+        return web.json_response(e.body(), status=e.status)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        kind = "not_found" if e.status == 404 else "invalid_request_error"
+        message = f"{request.method} {request.path}: {e.reason}"
+        allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
+        return web.json_response(HTTPError(e.status, message, kind).body(), status=e.status,
+                                 headers=allow)  # fmt: skip
 
 
 def _unauthorized() -> web.Response:

@@ -53,10 +53,11 @@ def test_http_without_the_key_is_a_401_in_openais_shape(router: RouterHarness, k
         client.models.list()
 
 
-def test_http_with_no_authorization_header_is_a_401(router: RouterHarness) -> None:
+@pytest.mark.parametrize("path", ["/v1/completions", "/tokenize", "/detokenize"])
+def test_http_with_no_authorization_header_is_a_401(router: RouterHarness, path: str) -> None:
     assert router.app.http is not None
     body = json.dumps({"model": "", "prompt": "Hello", "max_tokens": 2}).encode()
-    request = urllib.request.Request(router.app.http.address + "/v1/completions", data=body)
+    request = urllib.request.Request(router.app.http.address + path, data=body)
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(request, timeout=30)
     assert err.value.code == 401
@@ -80,6 +81,8 @@ def test_health_and_metrics_need_no_key(router: RouterHarness) -> None:
         assert r.status == 200 and json.loads(r.read()) == {"status": "ok"}
     with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
         assert b"splitserve_requests_total" in r.read()
+    with urllib.request.urlopen(base + "/version", timeout=30) as r:
+        assert r.status == 200
 
 
 async def _grpc(address: str, key: str | None) -> tuple[str, list[str]]:

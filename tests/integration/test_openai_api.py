@@ -207,6 +207,48 @@ def test_malformed_json_is_a_400_and_health_and_metrics_answer(router: RouterHar
         assert b"splitserve_requests_total" in r.read()
 
 
+def http(base: str, path: str, body: Any = None, method: str | None = None) -> tuple[int, Any]:
+    """Status and JSON body of one request, errors included."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(base + path, data=data, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_tokenize_detokenize_version_and_one_model(
+    router: RouterHarness, client: openai.OpenAI, engine: LLMEngine
+) -> None:
+    assert router.app.http is not None
+    base = router.app.http.address
+    text = "The capital of France is"
+    status, got = http(base, "/tokenize", {"model": MODEL, "prompt": text})
+    ids = engine.tokenizer.encode(text)
+    assert (status, got["tokens"], got["count"]) == (200, ids, len(ids))
+    messages = [{"role": "user", "content": "Hi"}]
+    status, chat = http(base, "/tokenize", {"messages": messages})
+    assert (status, chat["tokens"]) == (200, engine.tokenizer.encode_chat(messages))
+    assert http(base, "/detokenize", {"tokens": ids}) == (200, {"prompt": text})
+    status, version = http(base, "/version")
+    assert status == 200 and version["version"]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+    status, err = http(base, "/detokenize", {"tokens": [10**9]})
+    assert (status, err["error"]["param"]) == (400, "tokens")
+
+
+def test_unknown_paths_and_methods_answer_openai_error_json(router: RouterHarness) -> None:
+    assert router.app.http is not None
+    base = router.app.http.address
+    status, err = http(base, "/v1/nothing-here")
+    assert status == 404 and err["error"]["message"].startswith("GET /v1/nothing-here")
+    status, err = http(base, "/v1/chat/completions")
+    assert status == 405 and err["error"]["type"] == "invalid_request_error"
+
+
 def test_a_client_that_disconnects_mid_stream_frees_its_pages(
     router: RouterHarness, client: openai.OpenAI, workers: Any
 ) -> None:

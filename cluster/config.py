@@ -35,7 +35,11 @@ class EngineConfig:
     quantization: str = "auto"
     device: str = "auto"
     attention_backend: str = "auto"  # cpu on CPU; CUDA: flashinfer if installed, else triton
-    kv_cache_gb: float = 1.0
+    # The KV cache: kv_cache_gb GiB, or (kv_cache_gb null) what a share of the GPU leaves:
+    # gpu_memory_utilization of its total memory for weights, workspace and KV together, as
+    # vLLM's flag (cluster/engine/memory.py: kv_share). CUDA only.
+    kv_cache_gb: float | None = 1.0
+    gpu_memory_utilization: float | None = None
     page_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
@@ -58,10 +62,22 @@ class EngineConfig:
             "attention_backend",
             f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}",
         )
+        share = self.gpu_memory_utilization
         _check(
-            _is_number(self.kv_cache_gb) and self.kv_cache_gb > 0,
+            share is None or (_is_number(share) and 0 < share <= 1),
+            "gpu_memory_utilization",
+            f"must be a number in (0, 1] or null, got {share!r}",
+        )
+        kv = self.kv_cache_gb
+        _check(
+            share is not None if kv is None else _is_number(kv) and kv > 0,
             "kv_cache_gb",
-            f"must be a number > 0, got {self.kv_cache_gb!r}",
+            f"must be a number > 0 (null: gpu_memory_utilization sizes the cache), got {kv!r}",
+        )
+        _check(
+            kv is None or share is None,
+            "gpu_memory_utilization",
+            f"sizes the KV cache in place of kv_cache_gb ({kv!r}): give one, with kv_cache_gb null",
         )
         for name in ("chunked_prefill", "prefix_caching"):
             value = getattr(self, name)

@@ -1,6 +1,7 @@
 """`splitserve serve`'s memory check, before any worker starts: one worker of each pool must
-hold its weights and its KV cache (`kv_cache_gb`) in its device's memory
-(cluster/engine/memory.py has the rule).
+hold its weights and its KV cache (`kv_cache_gb`) in its device's memory, or its weights
+in its share of the GPU (`gpu_memory_utilization`) with room left for KV
+(cluster/engine/memory.py has the rules).
 
 The weights are estimated from the model's shape alone (no weights are read), at the pool's
 dtype or quantization. The check runs where the device is known: with a local Ray (no
@@ -18,7 +19,7 @@ import torch
 from cluster.config import ConfigError, EngineConfig, ServeConfig
 from cluster.engine.checkpoint import ModelSpec, read_spec
 from cluster.engine.engine import pick_device, pick_dtype, pick_quantization
-from cluster.engine.memory import device_memory, fits
+from cluster.engine.memory import device_memory, fits, kv_share
 from cluster.engine.model_files import bundled_model_path
 from splitserve.capacity import BITS, weight_bytes
 
@@ -50,8 +51,16 @@ def check_fit(config: ServeConfig) -> None:
         device = pick_device(engine.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             continue  # the workers fail on their own, saying so
-        kv_bytes = engine.kv_cache_gb * 2**30
         weights = engine_weight_bytes(spec, engine, path)
-        too_big = fits(weights, kv_bytes, device_memory(device))
+        memory = device_memory(device)
+        share = engine.gpu_memory_utilization
+        if share is not None:  # kv_cache_gb null: the KV cache is what the share leaves
+            try:
+                kv_share(share, device, memory, weights)
+            except ConfigError as e:
+                raise ConfigError(f"{phase}.engine.{e}") from None
+            continue
+        assert engine.kv_cache_gb is not None  # EngineConfig: one of the two
+        too_big = fits(weights, engine.kv_cache_gb * 2**30, memory)
         if too_big:
             raise ConfigError(f"{phase}.engine.kv_cache_gb: one {phase} worker: {too_big}")

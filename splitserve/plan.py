@@ -246,6 +246,11 @@ def plan_cluster(args: argparse.Namespace, spec: ModelSpec, hw: Hardware) -> str
         engine = replace(config.engine, page_size=args.page_size)
         if not args.config:
             engine = replace(engine, kv_cache_gb=args.kv_cache_gb)
+        if engine.kv_cache_gb is None:
+            raise ConfigError(
+                "engine.kv_cache_gb: plan cluster sizes each worker's KV cache from it; "
+                "gpu_memory_utilization depends on the device at start"
+            )
         pages = kv_capacity(spec, args.kv_dtype, engine.page_size, engine.kv_cache_gb).pages
         return Pool(replicas, engine, pages, cost, config.autoscale)
 

@@ -30,7 +30,9 @@ class Flag:
     help: str
     type: Callable[[str], Any] = str
     choices: tuple[str, ...] | None = None
-    clears: tuple[str, ...] = ()  # fields it unsets: the key and the key file are one choice
+    # Fields it unsets, as they are one choice with its own: the key or the key file, the
+    # KV cache in GiB or as a share of the GPU.
+    clears: tuple[str, ...] = ()
 
     @property
     def dest(self) -> str:
@@ -103,7 +105,21 @@ FLAGS = (
         "(default auto: gguf for a GGUF file on the CPU, else none)",
         choices=QUANTIZATIONS,
     ),
-    Flag("--kv-cache-gb", _engines("kv_cache_gb"), "KV cache per engine, GiB (default 1)", float),
+    Flag(
+        "--kv-cache-gb",
+        _engines("kv_cache_gb"),
+        "KV cache per engine, GiB (default 1)",
+        float,
+        clears=_engines("gpu_memory_utilization"),
+    ),
+    Flag(
+        "--gpu-memory-utilization",
+        _engines("gpu_memory_utilization"),
+        "or: the share of its GPU's memory each engine may hold, weights included; the KV "
+        "cache gets the rest (CUDA only)",
+        float,
+        clears=_engines("kv_cache_gb"),
+    ),
     Flag("--prefill-replicas", ("prefill.replicas",), "prefill workers (default 1)", int),
     Flag("--decode-replicas", ("decode.replicas",), "decode workers (default 1)", int),
     Flag("--redis-url", ("redis_url",), "an external Redis (default: embedded)"),
@@ -133,7 +149,7 @@ def serve_config(args: argparse.Namespace, environ: Mapping[str, str]) -> ServeC
     path, doc = read_yaml(args.config) if args.config else (None, {})
     origin: dict[str, str] = {}  # field: the flag or variable that set it
     for layer in (_environment(environ), _flags(args)):
-        for flag, _, _ in layer:  # first, so that one layer setting both key and file is refused
+        for flag, _, _ in layer:  # first, so that one layer setting both of a choice is refused
             for field in flag.clears:
                 doc = _set(doc, field, None)
         for flag, value, source in layer:

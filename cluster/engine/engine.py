@@ -24,7 +24,7 @@ from cluster.engine.checkpoint import ModelSpec, gguf_blocks_servable, load_chec
 from cluster.engine.cpu_isa import BF16_FLAGS, cpu, fast_dtype, isa, native_bf16
 from cluster.engine.kv_cache import KVCache, KVLayout
 from cluster.engine.kv_sink import KVSink, PageHolds, PromptDone, layer_hook
-from cluster.engine.memory import device_memory, fits
+from cluster.engine.memory import device_memory, fits, kv_share
 from cluster.engine.model import LlamaModel
 from cluster.engine.model_files import bundled_model_path
 from cluster.engine.page_pool import PagePool, pages_for
@@ -181,7 +181,6 @@ class LLMEngine:
         spec = self.spec
         self.max_model_len = min(config.max_model_len or spec.max_position, spec.max_position)
         self.layout = KVLayout.of(spec, config.page_size, dtype)
-        kv_bytes = config.kv_cache_gb * 2**30
         workspace = workspace_bytes(
             spec,
             dtype.itemsize,
@@ -190,12 +189,18 @@ class LLMEngine:
             config.max_num_seqs,
             config.max_num_batched_tokens,
         )
-        too_big = fits(self.model.weight_bytes, kv_bytes, memory, workspace_bytes=workspace)
-        if too_big:
-            raise ConfigError(f"kv_cache_gb: {too_big}")
+        share = config.gpu_memory_utilization
+        if share is not None:  # kv_cache_gb null: the KV cache is what the share leaves
+            kv_bytes = kv_share(share, self.device, memory, self.model.weight_bytes, workspace)
+        else:
+            assert config.kv_cache_gb is not None  # EngineConfig: one of the two
+            kv_bytes = config.kv_cache_gb * 2**30
+            too_big = fits(self.model.weight_bytes, kv_bytes, memory, workspace_bytes=workspace)
+            if too_big:
+                raise ConfigError(f"kv_cache_gb: {too_big}")
         num_pages = self.layout.pages_for(kv_bytes)
         if num_pages < 1:
-            raise ValueError(f"kv_cache_gb: {config.kv_cache_gb} GB holds no page of KV")
+            raise ValueError(f"kv_cache_gb: {kv_bytes / 2**30:g} GiB holds no page of KV")
         self.cache = KVCache(self.layout, num_pages, self.device)
         self.pool = PagePool(num_pages, config.page_size, config.prefix_caching)
         self.step_rate = StepRate()  # seconds per token of this engine's steps

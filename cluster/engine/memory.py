@@ -1,7 +1,9 @@
 """Does one engine fit its device: weights + workspace + KV cache against the memory free.
 
-`fits` is the decision, pure arithmetic; `device_memory` reads the numbers it needs (a
-GPU's free and total memory, or this host's RAM for a CPU engine). `splitserve serve` asks
+`fits` is the decision, pure arithmetic (`kv_share` sizes the KV cache instead where an
+engine is given a share of its GPU, gpu_memory_utilization, rather than kv_cache_gb);
+`device_memory` reads the numbers they need (a GPU's free and total memory, or this host's
+RAM for a CPU engine). `splitserve serve` asks
 before any worker starts (splitserve/fit.py), and each engine asks again once its weights
 are loaded, before it allocates its KV cache, against what was free before it loaded them:
 a second worker on a GPU sees what the first one holds.
@@ -14,6 +16,8 @@ import os
 from dataclasses import dataclass
 
 import torch
+
+from cluster.config import ConfigError
 
 HEADROOM = 0.1  # of the device's memory, left for activations, the CUDA context, fragments
 
@@ -69,3 +73,39 @@ def fits(
         f"(kv_cache_gb {kv_bytes / 2**30:g}) = {need / 1e9:.1f} GB exceed {room} "
         f"({usable / 1e9:.1f} GB); {advice}"
     )
+
+
+def kv_share(
+    utilization: float,
+    device: torch.device,
+    memory: DeviceMemory,
+    weight_bytes: float,
+    workspace_bytes: float = 0,
+) -> float:
+    """The KV cache's bytes for an engine that may hold `utilization` of its GPU's total
+    memory, weights and workspace included, as vLLM's gpu_memory_utilization: the share
+    less weights and workspace; no headroom on top, the share leaves it. ConfigError,
+    naming the field and the numbers, on a CPU, when the share is more than is free (other
+    processes hold the rest), or when weights and workspace fill it."""
+    if device.type != "cuda":
+        raise ConfigError(
+            f"gpu_memory_utilization: a share of a GPU's memory, but this engine runs on "
+            f"{device.type}: give kv_cache_gb instead"
+        )
+    share = utilization * memory.total_bytes
+    of = f"{utilization:g} of {memory.name}'s {memory.total_bytes / 1e9:.1f} GB"
+    if share > memory.free_bytes:
+        free = memory.free_bytes
+        most = math.floor(free / memory.total_bytes * 100) / 100
+        raise ConfigError(
+            f"gpu_memory_utilization: {of} is {share / 1e9:.1f} GB, but {free / 1e9:.1f} GB "
+            f"is free (other processes hold the rest); {most:g} at most would fit"
+        )
+    kv_bytes = share - weight_bytes - workspace_bytes
+    if kv_bytes <= 0:
+        raise ConfigError(
+            f"gpu_memory_utilization: {of} is {share / 1e9:.1f} GB, and weights "
+            f"{weight_bytes / 1e9:.1f} GB + workspace {workspace_bytes / 1e9:.1f} GB leave no "
+            "KV cache: a larger share, a smaller dtype or quantization, or a larger device"
+        )
+    return kv_bytes

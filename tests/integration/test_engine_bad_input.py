@@ -78,3 +78,19 @@ def test_a_kv_cache_larger_than_the_device_is_refused_before_it_is_allocated():
     where = "cuda:0 \\(.*\\)" if device == "cuda" else "this host's RAM"
     with pytest.raises(ConfigError, match=f"^kv_cache_gb: weights .* exceed .*{where}'s"):
         LLMEngine(EngineConfig(device=device, kv_cache_gb=100_000))
+
+
+def test_a_share_of_a_gpu_is_refused_by_a_cpu_engine():
+    """The engine's own check of gpu_memory_utilization, for workers serve cannot see."""
+    config = EngineConfig(device="cpu", kv_cache_gb=None, gpu_memory_utilization=0.5)
+    with pytest.raises(ConfigError, match=r"^gpu_memory_utilization: .* runs on cpu: give kv_"):
+        LLMEngine(config)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_share_of_the_gpu_sizes_the_kv_cache():
+    """0.5 of the GPU, less the bundled model's weights: pages for the rest."""
+    engine = LLMEngine(EngineConfig(device="cuda", kv_cache_gb=None, gpu_memory_utilization=0.5))
+    _, total = torch.cuda.mem_get_info()
+    kv_bytes = engine.pool.num_pages * engine.layout.bytes_per_page
+    assert 0 < kv_bytes < 0.5 * total - engine.model.weight_bytes

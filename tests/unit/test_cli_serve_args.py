@@ -41,6 +41,10 @@ def test_serve_with_no_arguments_runs_the_defaults() -> None:
         (["m.gguf", "--dtype", "bfloat16"], {"engine.model": "m.gguf", "engine.dtype": "bfloat16"}),
         (["--quantization", "int4"], {"engine.quantization": "int4"}),
         (["--kv-cache-gb", "0.5"], {"engine.kv_cache_gb": 0.5, "engine.page_size": 16}),
+        (
+            ["--gpu-memory-utilization", "0.9"],  # in place of kv_cache_gb, which it clears
+            {"engine.gpu_memory_utilization": 0.9, "engine.kv_cache_gb": None},
+        ),
         (["--prefill-replicas", "0"], {"prefill.replicas": 0, "decode.replicas": 1}),
         (["--decode-replicas", "3"], {"decode.replicas": 3, "prefill.replicas": 1}),
         (["--redis-url", "redis://r:6379"], {"redis_url": "redis://r:6379"}),
@@ -84,6 +88,26 @@ router: {http_port: 8100, port: 50100, served_model_name: yaml-name}
         ([], {"SPLITSERVE_SERVED_MODEL_NAME": "env"}, "router.served_model_name", "env"),
         ([], {"SPLITSERVE_MAX_MODEL_LEN": "256"}, "decode.engine.max_model_len", 256),
         ([], {}, "prefill.engine.max_model_len", None),  # the default, none of them set
+        # The KV cache in GiB or as a share of the GPU: one choice, the higher level's.
+        ([], {"SPLITSERVE_GPU_MEMORY_UTILIZATION": "0.8"}, "decode.engine.kv_cache_gb", None),
+        (
+            [],
+            {"SPLITSERVE_GPU_MEMORY_UTILIZATION": "0.8"},
+            "decode.engine.gpu_memory_utilization",
+            0.8,
+        ),
+        (
+            ["--kv-cache-gb", "2"],
+            {"SPLITSERVE_GPU_MEMORY_UTILIZATION": "0.8"},
+            "decode.engine.kv_cache_gb",
+            2,
+        ),
+        (
+            ["--kv-cache-gb", "2"],
+            {"SPLITSERVE_GPU_MEMORY_UTILIZATION": "0.8"},
+            "decode.engine.gpu_memory_utilization",
+            None,
+        ),
     ],
 )
 def test_the_flag_wins_over_the_environment_over_the_yaml_over_the_default(
@@ -131,6 +155,12 @@ def test_serve_reads_its_own_environment(
         ),
         ({}, ["--max-model-len", "1"], "--max-model-len: prefill.engine.max_model_len: must be"),
         ({}, ["--served-model-name", " "], "--served-model-name: router.served_model_name:"),
+        (
+            {},
+            ["--kv-cache-gb", "2", "--gpu-memory-utilization", "0.9"],
+            "--gpu-memory-utilization: prefill.engine.gpu_memory_utilization: sizes the KV "
+            "cache in place of kv_cache_gb",
+        ),
     ],
 )
 def test_a_refused_value_names_the_flag_or_variable_and_the_field(

@@ -39,6 +39,9 @@ def test_the_defaults_are_valid() -> None:
         ("max_num_batched_tokens", 0),
         ("max_model_len", 1),
         ("threads", 0),
+        ("gpu_memory_utilization", 0),
+        ("gpu_memory_utilization", 1.5),
+        ("gpu_memory_utilization", 0.9),  # beside kv_cache_gb's 1.0: one sizes the cache
     ],
 )
 def test_a_bad_value_is_refused_naming_its_field(field: str, value: Any) -> None:
@@ -61,6 +64,11 @@ def test_a_value_of_the_wrong_type_is_refused_naming_its_field(field: str, value
     with pytest.raises(ConfigError) as info:
         EngineConfig(**{field: value})
     assert str(info.value).startswith(f"{field}:")
+
+
+def test_a_share_of_the_gpu_sizes_the_kv_cache_in_place_of_kv_cache_gb() -> None:
+    config = EngineConfig(kv_cache_gb=None, gpu_memory_utilization=0.9)
+    assert (config.kv_cache_gb, config.gpu_memory_utilization) == (None, 0.9)
 
 
 def test_from_dict_builds_the_config() -> None:

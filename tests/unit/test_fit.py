@@ -29,6 +29,19 @@ def test_a_kv_cache_larger_than_this_hosts_ram_is_refused_before_anything_starts
     )  # float32 weights: 134.5M parameters x 4 bytes
 
 
+def test_a_share_of_a_gpu_is_refused_for_a_cpu_engine_before_anything_starts(
+    tmp_path: Path, started: list[Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "serve.yaml"
+    config.write_text("engine: {device: cpu}\n")
+    assert main(["serve", "--config", str(config), "--gpu-memory-utilization", "0.9"]) == 2
+    assert started == []
+    assert capsys.readouterr().err.splitlines() == [
+        "splitserve: error: prefill.engine.gpu_memory_utilization: a share of a GPU's memory, "
+        "but this engine runs on cpu: give kv_cache_gb instead"
+    ]
+
+
 def test_a_kv_cache_that_fits_goes_on_to_start(started: list[Any]) -> None:
     assert main(["serve"]) == 0
     assert len(started) == 1

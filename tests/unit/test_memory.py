@@ -3,9 +3,11 @@ hand-computed numbers."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from cluster.engine.memory import DeviceMemory, device_memory, fits
+from cluster.config import ConfigError
+from cluster.engine.memory import DeviceMemory, device_memory, fits, kv_share
 from cluster.engine.runner import workspace_bytes
 from splitserve.capacity import ARCHITECTURES, weight_bytes
 
@@ -85,4 +87,48 @@ def test_the_workspace_counts_split_k_partials_and_a_second_copy_for_cuda_graphs
     assert fits(LLAMA_8B_BF16, kv, h100) is None
     assert "workspace 1.8 GB" in (
         fits(LLAMA_8B_BF16, kv, h100, workspace_bytes=eager + graphs) or ""
+    )
+
+
+CUDA = torch.device("cuda")  # a name only: nothing here touches a GPU
+H100_SHARED = DeviceMemory("cuda:0 (NVIDIA H100 80GB HBM3)", 80 * 10**9, 30 * 10**9)
+
+
+def test_a_share_of_the_gpu_leaves_the_kv_cache_what_weights_and_workspace_do_not_take() -> None:
+    """0.9 of an empty 48 GB L40S is 43.2 GB; less 16.06 GB of weights and 1 GB of
+    workspace, 26.14 GB of KV: as much as the fit check's 10% headroom lets kv_cache_gb take."""
+    kv = kv_share(0.9, CUDA, L40S, LLAMA_8B_BF16, 10**9)
+    assert kv == 0.9 * 48 * 10**9 - LLAMA_8B_BF16 - 10**9
+    assert fits(LLAMA_8B_BF16, kv, L40S, workspace_bytes=10**9) is None
+
+
+def test_a_share_larger_than_the_free_memory_is_refused_with_the_share_that_fits() -> None:
+    """A prefill worker holds 50 of the H100's 80 GB: 0.9 (72 GB) is more than the 30 GB
+    free, 0.37 (29.6 GB) is not."""
+    with pytest.raises(ConfigError) as refused:
+        kv_share(0.9, CUDA, H100_SHARED, LLAMA_8B_BF16)
+    assert str(refused.value) == (
+        "gpu_memory_utilization: 0.9 of cuda:0 (NVIDIA H100 80GB HBM3)'s 80.0 GB is 72.0 GB, "
+        "but 30.0 GB is free (other processes hold the rest); 0.37 at most would fit"
+    )
+    assert kv_share(0.37, CUDA, H100_SHARED, LLAMA_8B_BF16) == 0.37 * 80 * 10**9 - LLAMA_8B_BF16
+
+
+def test_a_share_the_weights_fill_is_refused() -> None:
+    with pytest.raises(ConfigError) as refused:
+        kv_share(0.9, CUDA, L40S, weight_bytes(ARCHITECTURES["llama-3-70b"], 16))
+    assert str(refused.value) == (
+        "gpu_memory_utilization: 0.9 of L40S's 48.0 GB is 43.2 GB, and weights 141.1 GB + "
+        "workspace 0.0 GB leave no KV cache: a larger share, a smaller dtype or "
+        "quantization, or a larger device"
+    )
+
+
+def test_a_share_of_a_gpu_is_refused_on_the_cpu() -> None:
+    host = device_memory(torch.device("cpu"))
+    with pytest.raises(ConfigError) as refused:
+        kv_share(0.9, torch.device("cpu"), host, LLAMA_8B_BF16)
+    assert str(refused.value) == (
+        "gpu_memory_utilization: a share of a GPU's memory, but this engine runs on cpu: "
+        "give kv_cache_gb instead"
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -227,3 +228,19 @@ def test_plan_cluster_from_the_command_line(capsys: pytest.CaptureFixture[str]) 
     attainment = {row[0]: float(row[-5].rstrip("%")) for row in rows}
     assert attainment["1"] < 90 <= attainment["2"]
     assert "recommended: 2 prefill + 1 decode workers" in out
+
+
+def test_plan_cluster_refuses_a_kv_cache_sized_as_a_share_of_the_gpu(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A worker's pages are the plan's input; a share of a GPU has none until it starts."""
+    from splitserve.cli import main
+
+    config = tmp_path / "serve.yaml"
+    config.write_text("engine: {kv_cache_gb: null, gpu_memory_utilization: 0.9}\n")
+    args = ["plan", "cluster", "--model", "llama-3-8b", "--hardware", "H100"]
+    assert main([*args, "--config", str(config), "--requests", "10"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "splitserve: error: engine.kv_cache_gb: plan cluster sizes each worker's KV cache "
+        "from it; gpu_memory_utilization depends on the device at start"
+    ]

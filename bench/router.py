@@ -240,7 +240,7 @@ async def overhead(
     ids, sampling = tok.encode(PROMPT), SamplingParams(max_tokens=MAX_TOKENS)
     took: dict[str, list[float]] = {"direct": [], "router": [], "router+session": [], "http": []}
     edge: dict[str, list[float]] = {path: [] for path in took}  # e2e - the router's total_ms
-    body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS}
+    body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
     try:
         async with Client(app.address) as client, aiohttp.ClientSession() as session:
 

@@ -313,7 +313,7 @@ class RouterConfig:
     max_pending_per_client: int | None = None
     tokenize_threads: int = 1  # threads tokenizing long inputs (short ones: on the loop)
     max_tokenize_queue: int = 64  # long inputs waiting for them; past it, RESOURCE_EXHAUSTED
-    max_tokens: int = 4096  # the most a request may ask for
+    max_tokens: int | None = None  # the most a request may ask for; null: the model's context
     max_message_bytes: int = 4 * 2**20
     session_ttl_s: float = 3600.0  # how long Redis keeps a session's placement
     redis_timeout_s: float = 0.05  # per Redis call on the request path
@@ -371,7 +371,6 @@ class RouterConfig:
             "seq_cost_tokens",
             "max_migrations",
             "max_pending",
-            "max_tokens",
             "max_message_bytes",
             "tokenize_threads",
             "max_tokenize_queue",
@@ -383,6 +382,11 @@ class RouterConfig:
                 name,
                 f"must be an integer >= {least}, got {value!r}",
             )
+        _check(
+            self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+            "max_tokens",
+            f"must be an integer >= 1 or null, got {self.max_tokens!r}",
+        )
         _check(
             self.max_pending_per_client is None
             or (_is_int(self.max_pending_per_client) and self.max_pending_per_client >= 1),

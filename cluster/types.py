@@ -197,3 +197,6 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int
     page_size: int
+    # (field, value) the model's generation config sets (temperature, top_p, ...): what an
+    # OpenAI request that leaves the field out gets.
+    sampling_defaults: tuple[tuple[str, float], ...] = ()

@@ -304,7 +304,7 @@ class OpenAIFrontDoor:
         router: Router,
         tokenizer: Tokenizer,
         model: ModelInfo,
-        max_tokens: int,
+        max_tokens: int | None,
         metrics: RouterMetrics,
         serving: Callable[[], bool],
         pool: TokenizePool,
@@ -316,6 +316,8 @@ class OpenAIFrontDoor:
         self.tokenizer = tokenizer
         self.model = model
         self.max_tokens = max_tokens
+        # What a request leaves out gets the model's generation config, else OpenAI's 1.0.
+        self.sampling_defaults = {"temperature": 1.0, **dict(model.sampling_defaults)}
         self.metrics = metrics
         self.serving = serving
         self.runner: web.AppRunner | None = None
@@ -453,8 +455,11 @@ class OpenAIFrontDoor:
         try:
             call = to_call(body, chat, request.headers.get(SESSION_HEADER))
             self._check_model(call.request.model)
+            for name, value in self.sampling_defaults.items():
+                if not call.request.sampling.HasField(name):
+                    setattr(call.request.sampling, name, value)
             args = (call.request, self.tokenizer, self.model, self.max_tokens, self.pool)
-            return call, await prepare_off_loop(*args)
+            return call, await prepare_off_loop(*args, fill_context=True)
         except InvalidRequestError as e:
             raise invalid(e) from None
 

@@ -6,6 +6,7 @@ a message that names it, which the servicer answers with INVALID_ARGUMENT.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
@@ -16,6 +17,7 @@ from google.protobuf.message import Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 from cluster.engine.tokenizer import Tokenizer
+from cluster.request_checks import refuse_long_prompt, refuse_past_context
 from cluster.types import InvalidRequestError, ModelInfo, RequestId, SamplingParams
 from router.token_count import CHUNK_CHARS, count_tokens
 from splitserve_api.v1 import splitserve_pb2 as pb
@@ -54,23 +56,36 @@ class Prepared:
 
 
 def prepare(
-    msg: pb.GenerateRequest, tokenizer: Tokenizer, model: ModelInfo, max_tokens_limit: int
+    msg: pb.GenerateRequest,
+    tokenizer: Tokenizer,
+    model: ModelInfo,
+    max_tokens_limit: int | None,
+    fill_context: bool = False,
 ) -> Prepared:
-    """Check every field of `msg` and tokenize its input; InvalidRequestError names the field."""
+    """Check every field of `msg` and tokenize its input; InvalidRequestError names the field.
+
+    `max_tokens_limit`: the most a request may ask for (None: the model's context). An
+    omitted max_tokens is SamplingParams' default, or with `fill_context` (OpenAI's and
+    vLLM's rule) what is left of the context after the prompt, up to that limit."""
     _refuse_unknown(msg)
     if msg.model and msg.model != model.name:
         raise InvalidRequestError(
             f"model: {shown(msg.model)} is not served here (serving {model.name!r})"
         )
+    limit = max_tokens_limit or model.max_model_len - 1
     session_id = _id(msg.session_id, "session_id")
     request_id = _id(msg.request_id, "request_id")
-    sampling = _sampling(msg.sampling, model, max_tokens_limit)
+    sampling = _sampling(msg.sampling, model, limit)
     ids = _prompt_ids(msg, tokenizer, model)
-    if len(ids) + sampling.max_tokens > model.max_model_len:
+    if fill_context and not msg.sampling.HasField("max_tokens"):
+        left = min(limit, model.max_model_len - len(ids))
+        sampling = dataclasses.replace(sampling, max_tokens=left)
+    if sampling.min_tokens > sampling.max_tokens:
         raise InvalidRequestError(
-            f"sampling.max_tokens: prompt ({len(ids)} tokens) + max_tokens "
-            f"({sampling.max_tokens}) exceeds the model's context of {model.max_model_len} tokens"
+            f"sampling.min_tokens: must be <= max_tokens ({sampling.max_tokens}), "
+            f"got {sampling.min_tokens}"
         )
+    refuse_past_context("sampling.max_tokens", len(ids), sampling.max_tokens, model.max_model_len)
     return Prepared(ids, sampling, session_id, RequestId(request_id) if request_id else None)
 
 
@@ -102,16 +117,16 @@ async def prepare_off_loop(
     msg: pb.GenerateRequest,
     tokenizer: Tokenizer,
     model: ModelInfo,
-    max_tokens_limit: int,
+    max_tokens_limit: int | None,
     pool: TokenizePool,
+    fill_context: bool = False,
 ) -> Prepared:
     """`prepare` without holding up the event loop: a long input is tokenized in the pool,
     shortest first (milliseconds); a short one here (tens of microseconds, less than the
     hop)."""
+    run = functools.partial(prepare, msg, tokenizer, model, max_tokens_limit, fill_context)
     size = msg.ByteSize()
-    if size <= INLINE_BYTES:
-        return prepare(msg, tokenizer, model, max_tokens_limit)
-    return await pool.run(size, functools.partial(prepare, msg, tokenizer, model, max_tokens_limit))
+    return run() if size <= INLINE_BYTES else await pool.run(size, run)
 
 
 def _id(value: str, name: str) -> str | None:
@@ -152,11 +167,7 @@ def _prompt_ids(msg: pb.GenerateRequest, tokenizer: Tokenizer, model: ModelInfo)
         ids = tokenizer.encode(text, special_tokens=False)
     if not ids:
         raise InvalidRequestError(f"{kind}: the prompt has no tokens")
-    if len(ids) >= model.max_model_len:
-        raise InvalidRequestError(
-            f"{kind}: the prompt is {len(ids)} tokens; the model's context is "
-            f"{model.max_model_len} tokens, one of them for the reply"
-        )
+    refuse_long_prompt(kind, len(ids), model.max_model_len)
     return ids
 
 
@@ -188,7 +199,7 @@ def _messages(chat: pb.Chat) -> list[dict[str, str]]:
     return [{"role": m.role, "content": m.content} for m in chat.messages]
 
 
-def _sampling(s: pb.SamplingParams, model: ModelInfo, max_tokens_limit: int) -> SamplingParams:
+def _sampling(s: pb.SamplingParams, model: ModelInfo, limit: int) -> SamplingParams:
     def bad(name: str, why: str) -> InvalidRequestError:
         return InvalidRequestError(f"sampling.{name}: {why}")
 
@@ -196,8 +207,8 @@ def _sampling(s: pb.SamplingParams, model: ModelInfo, max_tokens_limit: int) -> 
                  "repetition_penalty"):  # fmt: skip
         if s.HasField(name) and not math.isfinite(getattr(s, name)):
             raise bad(name, "must be a finite number")
-    if s.HasField("max_tokens") and not 1 <= s.max_tokens <= max_tokens_limit:
-        raise bad("max_tokens", f"must be in [1, {max_tokens_limit}], got {s.max_tokens}")
+    if s.HasField("max_tokens") and not 1 <= s.max_tokens <= limit:
+        raise bad("max_tokens", f"must be in [1, {limit}], got {s.max_tokens}")
     if len(s.stop) > MAX_STOP or any(len(x) > MAX_STOP_CHARS for x in s.stop):
         raise bad("stop", f"at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters")
     if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
@@ -216,7 +227,7 @@ def _sampling(s: pb.SamplingParams, model: ModelInfo, max_tokens_limit: int) -> 
             raise bad("logit_bias", f"the bias of token {token} must be a finite number")
     fields = {name: getattr(s, name) for name in OPTIONAL if s.HasField(name)}
     try:
-        params = SamplingParams(
+        return SamplingParams(
             **fields,
             stop_token_ids=tuple(s.stop_token_ids),
             stop=tuple(s.stop),
@@ -228,6 +239,3 @@ def _sampling(s: pb.SamplingParams, model: ModelInfo, max_tokens_limit: int) -> 
         )
     except InvalidRequestError as e:
         raise InvalidRequestError(f"sampling.{e}") from None
-    if params.min_tokens > params.max_tokens:
-        raise bad("min_tokens", f"must be <= max_tokens ({params.max_tokens}), got {s.min_tokens}")
-    return params

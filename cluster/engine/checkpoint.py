@@ -255,6 +255,29 @@ def gguf_blocks_servable(path: Path) -> bool:
     return kinds - {"F32", "F16", "BF16"} <= GGUF_BLOCKS.keys()
 
 
+# The sampling defaults a model ships (vLLM's `--generation-config auto`): the keys of an
+# HF generation_config.json, and the GGUF metadata llama.cpp writes for them.
+SAMPLING_DEFAULTS = {"temperature": "general.sampling.temp", "top_p": "general.sampling.top_p",
+                     "top_k": "general.sampling.top_k", "min_p": "general.sampling.min_p",
+                     "repetition_penalty": "general.sampling.penalty_repeat"}  # fmt: skip
+
+
+def read_sampling_defaults(path: Path) -> tuple[tuple[str, float], ...]:
+    """(field, value) for each sampling default the model's files set; () when none."""
+    if path.is_dir():
+        config = path / "generation_config.json"
+        values = json.loads(config.read_text()) if config.is_file() else {}
+        found = {name: values.get(name) for name in SAMPLING_DEFAULTS}
+    else:
+        reader = open_gguf(path)
+        found = {name: gguf_field(reader, key) for name, key in SAMPLING_DEFAULTS.items()}
+    return tuple(
+        (name, int(v) if name == "top_k" else float(v))
+        for name, v in found.items()
+        if isinstance(v, int | float) and not isinstance(v, bool)
+    )
+
+
 def read_spec(path: str | Path) -> ModelSpec:
     """The model's shape alone, from its config or GGUF metadata: no weights are read."""
     p = Path(path)

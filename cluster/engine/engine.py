@@ -20,14 +20,19 @@ import torch
 
 from cluster.config import ConfigError, EngineConfig
 from cluster.engine.attention import resolve_backend
-from cluster.engine.checkpoint import ModelSpec, gguf_blocks_servable, load_checkpoint
+from cluster.engine.checkpoint import (
+    ModelSpec,
+    gguf_blocks_servable,
+    load_checkpoint,
+    read_sampling_defaults,
+)
 from cluster.engine.cpu_isa import BF16_FLAGS, cpu, fast_dtype, isa, native_bf16
 from cluster.engine.kv_cache import KVCache, KVLayout
 from cluster.engine.kv_sink import KVSink, PageHolds, PromptDone, layer_hook
 from cluster.engine.memory import device_memory, fits, kv_share
 from cluster.engine.model import LlamaModel
 from cluster.engine.model_files import bundled_model_path
-from cluster.engine.page_pool import PagePool, pages_for
+from cluster.engine.page_pool import PagePool
 from cluster.engine.quantization import QuantizationError
 from cluster.engine.runner import build_runner, workspace_bytes
 from cluster.engine.sampler import History, adjust, sample, skip_draws
@@ -178,6 +183,7 @@ class LLMEngine:
         memory = device_memory(self.device)  # before the weights: what other processes left
         self.spec, self.model = _load_model(path, self.quantization, dtype, self.device)
         self.tokenizer = Tokenizer.load(path)
+        self.sampling_defaults = read_sampling_defaults(path)
         spec = self.spec
         self.max_model_len = min(config.max_model_len or spec.max_position, spec.max_position)
         self.layout = KVLayout.of(spec, config.page_size, dtype)
@@ -201,6 +207,15 @@ class LLMEngine:
         num_pages = self.layout.pages_for(kv_bytes)
         if num_pages < 1:
             raise ValueError(f"kv_cache_gb: {kv_bytes / 2**30:g} GiB holds no page of KV")
+        if num_pages * config.page_size < self.max_model_len:
+            # One request must fit the whole cache (vLLM refuses to start here instead).
+            log.warning(
+                "context capped to %d tokens, what the KV cache holds (the model's: %d); "
+                "raise kv_cache_gb to serve it whole",
+                num_pages * config.page_size,
+                self.max_model_len,
+            )
+            self.max_model_len = num_pages * config.page_size
         self.cache = KVCache(self.layout, num_pages, self.device)
         self.pool = PagePool(num_pages, config.page_size, config.prefix_caching)
         self.step_rate = StepRate()  # seconds per token of this engine's steps
@@ -309,7 +324,11 @@ class LLMEngine:
     @property
     def model_info(self) -> ModelInfo:
         return ModelInfo(
-            self.model_id, self.max_model_len, self.spec.vocab_size, self.pool.page_size
+            self.model_id,
+            self.max_model_len,
+            self.spec.vocab_size,
+            self.pool.page_size,
+            self.sampling_defaults,
         )
 
     def _time_step(self, started: float, tokens: int, synced: bool) -> None:
@@ -416,12 +435,6 @@ class LLMEngine:
                 f"resumed: must be in [0, {len(ids)}) for a {len(ids)}-token prompt, got {resumed}"
             )
         refuse_past_context("max_tokens", len(ids), sampling.max_tokens, self.max_model_len)
-        pages = pages_for(len(ids) + sampling.max_tokens, self.pool.page_size)
-        if pages > self.pool.num_pages:
-            raise InvalidRequestError(
-                f"max_tokens: the request needs {pages} KV pages, the whole cache has "
-                f"{self.pool.num_pages}; raise kv_cache_gb or lower max_tokens"
-            )
         generator = None
         if not sampling.greedy and sampling.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(sampling.seed)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -94,3 +95,17 @@ def test_a_share_of_the_gpu_sizes_the_kv_cache():
     _, total = torch.cuda.mem_get_info()
     kv_bytes = engine.pool.num_pages * engine.layout.bytes_per_page
     assert 0 < kv_bytes < 0.5 * total - engine.model.weight_bytes
+
+
+def test_a_kv_cache_smaller_than_the_context_caps_the_served_context(
+    make_engine: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("WARNING"):
+        small = make_engine("small-kv", kv_cache_gb=0.01)
+    held = small.pool.num_pages * small.pool.page_size
+    assert small.max_model_len == held == small.model_info.max_model_len < 8192
+    assert any("context capped to" in r.getMessage() for r in caplog.records)
+    with pytest.raises(InvalidRequestError, match=r"^max_tokens: "):
+        small.add_request("Hello", SamplingParams(max_tokens=held))
+    done = small.generate(["Hello"], SamplingParams(max_tokens=held - 8, ignore_eos=True))
+    assert len(done[0].token_ids) == held - 8  # a whole-context request fits the cache

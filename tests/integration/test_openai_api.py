@@ -73,11 +73,13 @@ def test_completions_from_token_ids_with_a_stop_string(
 ) -> None:
     ids = engine.tokenizer.encode("Count with me: one, two, three,")
     offline = engine.generate([ids], SamplingParams(max_tokens=20, stop=(" six",)))[0]
-    reply = client.completions.create(model=MODEL, prompt=ids, max_tokens=20, stop=" six")
+    reply = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=20, stop=" six", temperature=0
+    )
     assert reply.choices[0].text == offline.text
     assert reply.choices[0].finish_reason == "stop"
     streamed = client.completions.create(
-        model=MODEL, prompt=ids, max_tokens=20, stop=[" six"], stream=True
+        model=MODEL, prompt=ids, max_tokens=20, stop=[" six"], stream=True, temperature=0
     )
     assert "".join(c.choices[0].text for c in streamed) == offline.text
 
@@ -101,7 +103,9 @@ def test_penalties_bias_min_tokens_and_stop_ids_are_honoured_as_the_engine_does(
     ids = engine.tokenizer.encode("Count with me: one, two, three,")
 
     def served(**extra: Any) -> openai.types.Completion:
-        return client.completions.create(model=MODEL, prompt=ids, max_tokens=16, **extra)
+        return client.completions.create(
+            model=MODEL, prompt=ids, max_tokens=16, temperature=0, **extra
+        )
 
     plain = engine.generate([ids], SamplingParams(max_tokens=16))[0]
     first = plain.token_ids[0]
@@ -129,19 +133,27 @@ def test_min_tokens_bars_eos_until_reached_and_a_stop_string_can_be_kept(
     client: openai.OpenAI, engine: LLMEngine, workers: Any
 ) -> None:
     messages = [{"role": "user", "content": "What is 2+2? Answer with a number only."}]
-    short = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40)
+    short = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=40, temperature=0
+    )
     assert short.choices[0].finish_reason == "stop" and short.usage is not None
     n = short.usage.completion_tokens
     longer = client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=40, extra_body={"min_tokens": n + 5}
+        model=MODEL,
+        messages=messages,
+        max_tokens=40,
+        temperature=0,
+        extra_body={"min_tokens": n + 5},
     )
     assert longer.usage is not None and longer.usage.completion_tokens >= n + 5
     ids = engine.tokenizer.encode("Count with me: one, two, three,")
     kept = client.completions.create(
-        model=MODEL, prompt=ids, max_tokens=20, stop=" five",
+        model=MODEL, prompt=ids, max_tokens=20, stop=" five", temperature=0,
         extra_body={"include_stop_str_in_output": True},
     )  # fmt: skip
-    cut = client.completions.create(model=MODEL, prompt=ids, max_tokens=20, stop=" five")
+    cut = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=20, stop=" five", temperature=0
+    )
     assert kept.choices[0].text == cut.choices[0].text + " five"
 
 
@@ -216,6 +228,32 @@ def http(base: str, path: str, body: Any = None, method: str | None = None) -> t
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+
+
+def test_omitted_max_tokens_fills_the_context_and_temperature_is_1(
+    router: RouterHarness, client: openai.OpenAI, engine: LLMEngine, workers: Any
+) -> None:
+    """OpenAI's and vLLM's defaults (this model ships no generation config): a reply runs
+    until EOS, not a fixed cap, and sampling draws (seeded: the same twice, not greedy)."""
+    ids = engine.tokenizer.encode("Once upon a time")
+    assert router.app.http is not None
+    room = router.app.http.model.max_model_len - len(ids)
+    with pytest.raises(openai.BadRequestError, match="min_tokens: must be <= max_tokens"):
+        client.completions.create(model=MODEL, prompt=ids, extra_body={"min_tokens": room + 1})
+    # Past the old cap of 64: stop ids barred for 70 tokens, then the first common one ends it.
+    common = [engine.tokenizer.encode(t, special_tokens=False)[0] for t in (".", ",", " the")]
+    long = client.completions.create(
+        model=MODEL, prompt=ids, temperature=0,
+        extra_body={"min_tokens": 70, "stop_token_ids": common},
+    )  # fmt: skip
+    assert long.choices[0].finish_reason == "stop" and long.usage is not None
+    assert long.usage.completion_tokens > 70
+    greedy = engine.generate([ids], SamplingParams(max_tokens=24))[0].text
+    drawn = [
+        client.completions.create(model=MODEL, prompt=ids, max_tokens=24, seed=s).choices[0].text
+        for s in (1, 1, 2)
+    ]
+    assert drawn[0] == drawn[1] and greedy not in drawn
 
 
 def test_tokenize_detokenize_version_and_one_model(

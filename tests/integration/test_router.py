@@ -218,8 +218,9 @@ BAD = [
     ({"prompt": "hi", "model": "m" * 10_000}, "model"),  # echoed whole, it overflowed metadata
     ({"prompt": [{"role": "r" * 10_000, "content": "hi"}]}, "chat.messages[0].role"),
     ({"prompt": "word " * 9000}, "text"),
-    # Fits the model's context but not a worker's whole KV cache (0.2 GB): the worker says so.
-    ({"prompt": "word " * 900, "max_tokens": 4000}, "max_tokens: the request needs"),
+    # Fits the model's context but not a worker's whole KV cache (0.2 GB): the served
+    # context is what that cache holds (LLMEngine caps it), so the router refuses it.
+    ({"prompt": "word " * 900, "max_tokens": 4000}, "sampling.max_tokens: prompt"),
 ]
 
 

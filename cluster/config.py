@@ -21,6 +21,7 @@ DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")  # cluster/engine/quantization.py
 ATTENTION_BACKENDS = ("auto", "cpu", "triton", "flashinfer")  # cluster/engine/attention.py
+ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/\s]+")
 
 
 @dataclass(frozen=True)
@@ -333,10 +334,17 @@ class RouterConfig:
     # The model's name in /v1/models, ServerInfo and requests' `model`; null: the model
     # file's stem or checkpoint directory's name (ModelInfo.name).
     served_model_name: str | None = None
+    # TLS on both front doors: a PEM certificate (chain) and its private key; both or
+    # neither (router/tls.py). null: plain text.
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    # Browser origins allowed to call the HTTP API (CORS, router/cors.py), "*" any; empty:
+    # no CORS headers at all.
+    allowed_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _check(isinstance(self.host, str) and bool(self.host), "host", "must be a host name")
-        for name in ("api_key", "api_key_file", "served_model_name"):
+        for name in ("api_key", "api_key_file", "served_model_name", "ssl_keyfile", "ssl_certfile"):
             value = getattr(self, name)
             _check(
                 value is None or (isinstance(value, str) and value.strip() != ""),
@@ -348,6 +356,20 @@ class RouterConfig:
             "api_key",
             "give api_key or api_key_file, not both",
         )
+        for given, missing in (("ssl_keyfile", "ssl_certfile"), ("ssl_certfile", "ssl_keyfile")):
+            _check(
+                getattr(self, given) is None or getattr(self, missing) is not None,
+                given,
+                f"TLS needs {missing} too: give both or neither",
+            )
+        origins = self.allowed_origins
+        _check(
+            isinstance(origins, list | tuple) and all(_is_origin(o) for o in origins),
+            "allowed_origins",
+            f"must be a list of origins, scheme://host[:port] (no path) or * for any, "
+            f"got {origins!r}",
+        )
+        object.__setattr__(self, "allowed_origins", tuple(origins))  # YAML gives a list
         _check(
             _is_int(self.port) and 0 <= self.port < 65536,
             "port",
@@ -447,6 +469,11 @@ class ServeConfig:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is_origin(value: object) -> bool:
+    """A browser's Origin as it sends it (scheme://host[:port]), or * for any."""
+    return value == "*" or (isinstance(value, str) and ORIGIN.fullmatch(value) is not None)
 
 
 def _is_int(value: object) -> bool:

@@ -20,6 +20,7 @@ from router.placement import PlacementStore
 from router.policy import PolicyConfig, PolicyName
 from router.router import Router
 from router.server import GenerationServicer, RouterServer
+from router.tls import server_tls
 from router.tokenize_pool import TokenizePool
 from router.workers import WorkerRegistry
 
@@ -65,8 +66,9 @@ async def start_router(
     redis_url: str | None,
     model: str | None = None,
 ) -> RouterApp:
-    """Start serving gRPC on config.host:config.port for these workers. `model` is the
-    checkpoint the workers run (None: the bundled one): the router tokenizes with it."""
+    """Start serving gRPC on config.host:config.port for these workers (and HTTP on
+    http_port), both over TLS when router.ssl_certfile is set. `model` is the checkpoint
+    the workers run (None: the bundled one): the router tokenizes with it."""
     if not decode:
         raise ValueError("a router needs at least one decode worker")
     info: ModelInfo = await next(iter(decode.values())).info.remote()
@@ -99,7 +101,8 @@ async def start_router(
     servicer = GenerationServicer(router, tokenizer, info, config, metrics, pool)
     key = api_key(config)
     warn_if_open(config.host, key)
-    server = RouterServer(servicer, config, key)
+    tls = server_tls(config)
+    server = RouterServer(servicer, config, key, None if tls is None else tls.grpc)
     app = RouterApp(server, router, workers, placements, metrics, None, None, pool)
     try:
         await workers.start()
@@ -124,8 +127,11 @@ async def start_router(
                 lambda: bool(workers.snapshot().decode),
                 pool,
                 key,
+                config.allowed_origins,
             )
-            await app.http.start(config.host, config.http_port, config.grace_s)
+            await app.http.start(
+                config.host, config.http_port, config.grace_s, None if tls is None else tls.http
+            )
             log.info("router: OpenAI-compatible HTTP API on %s/v1", app.http.address)
         if config.metrics_port is not None:
             app.metrics_http = metrics.serve(config.host, config.metrics_port)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import ssl
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -28,11 +29,12 @@ from importlib.metadata import version
 from typing import Any
 
 from aiohttp import web
-from aiohttp.typedefs import Handler
+from aiohttp.typedefs import Handler, Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cluster.engine.tokenizer import Tokenizer
 from cluster.types import FinishReason, InvalidRequestError, ModelInfo, TokenDelta
+from router import cors
 from router.auth import UNAUTHORIZED, http_middleware
 from router.metrics import RouterMetrics
 from router.request import Prepared, prepare_off_loop, shown
@@ -309,9 +311,11 @@ class OpenAIFrontDoor:
         serving: Callable[[], bool],
         pool: TokenizePool,
         api_key: str | None = None,
+        allowed_origins: tuple[str, ...] = (),
     ) -> None:
         self.router = router
         self.api_key = api_key
+        self.allowed_origins = allowed_origins  # CORS (router/cors.py); empty: off
         self.pool = pool
         self.tokenizer = tokenizer
         self.model = model
@@ -324,11 +328,14 @@ class OpenAIFrontDoor:
         self.address = ""
 
     def app(self) -> web.Application:
-        middlewares = []
+        middlewares: list[Middleware] = [_errors_as_json]
+        if self.allowed_origins:  # before the key: a browser's preflight carries none
+            middlewares.append(cors.preflight(self.allowed_origins))
         if self.api_key is not None:
             middlewares.append(http_middleware(self.api_key, _unauthorized))
-        middlewares = [_errors_as_json, *middlewares]
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
+        if self.allowed_origins:
+            app.on_response_prepare.append(cors.allow_origin(self.allowed_origins))
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
@@ -340,18 +347,21 @@ class OpenAIFrontDoor:
         app.router.add_get("/metrics", self._metrics)
         return app
 
-    async def start(self, host: str, port: int, grace_s: float) -> None:
-        """Serve on host:port (0: any free port); on stop, requests in flight get grace_s."""
+    async def start(
+        self, host: str, port: int, grace_s: float, tls: ssl.SSLContext | None = None
+    ) -> None:
+        """Serve on host:port (0: any free port), over TLS with `tls` (router/tls.py); on
+        stop, requests in flight get grace_s."""
         # handler_cancellation: a client that goes away cancels its handler at once, even
         # while it waits for a first token, so the request is aborted on every worker.
         self.runner = web.AppRunner(
             self.app(), access_log=None, handler_cancellation=True, shutdown_timeout=grace_s
         )
         await self.runner.setup()
-        site = web.TCPSite(self.runner, host, port, backlog=BACKLOG)
+        site = web.TCPSite(self.runner, host, port, backlog=BACKLOG, ssl_context=tls)
         await site.start()
         bound = self.runner.addresses[0]
-        self.address = f"http://{bound[0]}:{bound[1]}"
+        self.address = f"{'http' if tls is None else 'https'}://{bound[0]}:{bound[1]}"
 
     async def stop(self) -> None:
         if self.runner is not None:

@@ -173,11 +173,16 @@ def _response(delta: TokenDelta, final: Final | None) -> pb.GenerateResponse:
 
 class RouterServer:
     """The router's gRPC server with health (NOT_SERVING without a live decode worker)
-    and reflection, bound to config.host:config.port. With an api_key, Generation's calls
-    without it are UNAUTHENTICATED (router/auth.py)."""
+    and reflection, bound to config.host:config.port: over TLS with `tls` (router/tls.py),
+    else plain text. With an api_key, Generation's calls without it are UNAUTHENTICATED
+    (router/auth.py)."""
 
     def __init__(
-        self, servicer: GenerationServicer, config: RouterConfig, api_key: str | None = None
+        self,
+        servicer: GenerationServicer,
+        config: RouterConfig,
+        api_key: str | None = None,
+        tls: grpc.ServerCredentials | None = None,
     ) -> None:
         self.config = config
         self.servicer = servicer
@@ -194,7 +199,11 @@ class RouterServer:
         names = (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
         reflection.enable_server_reflection((*names, reflection.SERVICE_NAME), self.server)
         try:
-            self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+            address = f"{config.host}:{config.port}"
+            if tls is None:
+                self.port = self.server.add_insecure_port(address)
+            else:
+                self.port = self.server.add_secure_port(address, tls)
         except RuntimeError as e:  # grpc's word for a port it cannot bind
             raise OSError(f"router.port: cannot listen on {config.host}:{config.port}") from e
 

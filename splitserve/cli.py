@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Sequence
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -27,6 +27,9 @@ from cluster.config import (
 from cluster.engine.model_files import ModelLoadError
 from cluster.types import InvalidRequestError, SamplingParams
 from splitserve.serve_flags import API_KEY, BY_NAME, add_serve_flags, serve_config
+
+if TYPE_CHECKING:
+    from splitserve.client import Client
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
@@ -63,13 +66,13 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 async def _generate_remote(args: argparse.Namespace) -> int:
-    from splitserve.client import Client, Prompt
+    from splitserve.client import Prompt
 
     prompt: Prompt = args.prompt
     if args.chat:
         prompt = [{"role": "user", "content": args.prompt}]
     wait = {"timeout_s": args.wait_s, "wait_for_ready": True} if args.wait_s else {}
-    async with Client(args.server, _client_key(args)) as client:
+    async with _client(args) as client:
         async for piece in client.stream(prompt, **wait, **_sampling(args)):
             sys.stdout.write(piece.text)
             sys.stdout.flush()
@@ -83,12 +86,10 @@ def _chat(args: argparse.Namespace) -> int:
 
 async def _chat_loop(args: argparse.Namespace) -> int:
     """Read a line, stream the reply, keep the conversation (and its session) going."""
-    from splitserve.client import Client
-
     session = uuid.uuid4().hex
     messages = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
-    async with Client(args.server, _client_key(args)) as client:
+    async with _client(args) as client:
         while True:
             if interactive:
                 print("you> ", end="", flush=True)
@@ -115,10 +116,15 @@ async def _chat_loop(args: argparse.Namespace) -> int:
             messages.append({"role": "assistant", "content": "".join(reply)})
 
 
-def _client_key(args: argparse.Namespace) -> str | None:
-    """--api-key, else $SPLITSERVE_API_KEY, else none."""
-    key: str | None = args.api_key or os.environ.get(API_KEY.env) or None
-    return key
+def _client(args: argparse.Namespace) -> Client:
+    """A client of --server with its key (--api-key, else $SPLITSERVE_API_KEY, else none),
+    over TLS when --ssl-ca names the certificate to trust."""
+    from splitserve.client import Client
+
+    if args.ssl_ca is not None and not Path(args.ssl_ca).is_file():
+        raise ConfigError(f"--ssl-ca: {args.ssl_ca}: no such file")
+    key = args.api_key or os.environ.get(API_KEY.env) or None
+    return Client(args.server, key, args.ssl_ca)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -196,6 +202,9 @@ def _bench(args: argparse.Namespace) -> int:
     return result
 
 
+SSL_CA = "talk TLS, trusting this PEM certificate (the server's own, if self-signed, or its CA)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -215,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--server", default="127.0.0.1:50051")
     chat.add_argument("--system", default=None, help="a system message to start with")
     chat.add_argument("--api-key", default=None, help=f"the server's key (default ${API_KEY.env})")
+    chat.add_argument("--ssl-ca", default=None, help=SSL_CA)
     _sampling_args(chat, max_tokens=256)
     chat.set_defaults(func=_chat)
 
@@ -224,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--api-key", default=None, help=f"with --server: its key (default ${API_KEY.env})"
     )
+    gen.add_argument("--ssl-ca", default=None, help=f"with --server: {SSL_CA}")
     gen.add_argument(
         "--wait-s", type=float, default=0, help="with --server: wait this long for it to be up"
     )

@@ -1,6 +1,6 @@
 """A small asyncio client for a splitserve server (what `splitserve chat` uses).
 
-    async with Client("127.0.0.1:50051") as client:
+    async with Client("127.0.0.1:50051") as client:  # TLS: Client(..., ssl_ca="ca.pem")
         async for piece in client.stream("The capital of France is", max_tokens=16):
             print(piece.text, end="")
         reply = await client.generate([{"role": "user", "content": "Hi!"}], session_id="s1")
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -64,12 +65,23 @@ def request(
 
 
 class Client:
-    """`api_key`: sent as `authorization: Bearer <key>` metadata on every call."""
+    """`api_key`: sent as `authorization: Bearer <key>` metadata on every call. `ssl_ca`:
+    talk TLS, trusting the CA certificate(s) in this PEM file (a self-signed server's own
+    certificate will do); None: plain text."""
 
-    def __init__(self, address: str = "127.0.0.1:50051", api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        address: str = "127.0.0.1:50051",
+        api_key: str | None = None,
+        ssl_ca: str | None = None,
+    ) -> None:
         self.address = address
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
-        self.channel = grpc.aio.insecure_channel(address)
+        if ssl_ca is None:
+            self.channel = grpc.aio.insecure_channel(address)
+        else:
+            trusted = grpc.ssl_channel_credentials(Path(ssl_ca).read_bytes())
+            self.channel = grpc.aio.secure_channel(address, trusted)
         self.stub = pb_grpc.GenerationStub(self.channel)
 
     async def __aenter__(self) -> Client:

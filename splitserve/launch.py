@@ -1,10 +1,11 @@
 """`splitserve serve`: Redis, Ray, a prefill and a decode pool, the gRPC router, and a
 scaler per pool.
 
-Start order: the memory check (splitserve/fit.py: the model is here and each pool's worker
-fits its device), the port check (splitserve/ports.py: each listening port is free),
-Redis (embedded valkey-server unless redis_url is set), a local Ray (or join one), the
-workers (all spawned at once, then awaited), the router, the scalers.
+Start order: the TLS certificate and key load (router/tls.py), the memory check
+(splitserve/fit.py: the model is here and each pool's worker fits its device), the port
+check (splitserve/ports.py: each listening port is free), Redis (embedded valkey-server
+unless redis_url is set), a local Ray (or join one), the workers (all spawned at once,
+then awaited), the router, the scalers.
 SIGINT or SIGTERM: scaling stops, the router stops accepting and gives requests in
 flight `grace_s` to finish (then aborts them), and everything started here is stopped
 in reverse order, whatever failed before.
@@ -24,6 +25,7 @@ import ray
 
 from cluster.config import ServeConfig
 from router.app import RouterApp, start_router
+from router.tls import server_tls
 from splitserve.fit import check_fit
 from splitserve.pool import DECODE, PREFILL, AnyPool, WorkerPool
 from splitserve.ports import check_ports
@@ -34,6 +36,7 @@ log = logging.getLogger("splitserve")
 
 
 def serve(config: ServeConfig) -> int:
+    server_tls(config.router)  # a certificate that does not load: refused before anything
     check_fit(config)  # before Redis, Ray or any worker starts
     check_ports(config)
     asyncio.run(_serve(config))

@@ -63,6 +63,11 @@ def _engines(field: str) -> tuple[str, ...]:
     return tuple(f"{engine}.{field}" for engine in ENGINES)
 
 
+def _origins(text: str) -> tuple[str, ...]:
+    """`https://a.example,https://b.example` as the YAML's list."""
+    return tuple(origin.strip() for origin in text.split(",") if origin.strip())
+
+
 API_KEY = Flag(
     "--api-key",
     ("router.api_key",),
@@ -130,6 +135,19 @@ FLAGS = (
         ("router.api_key_file",),
         "... or read the key from this file",
         clears=("router.api_key",),
+    ),
+    Flag(
+        "--ssl-keyfile",
+        ("router.ssl_keyfile",),
+        "TLS on both front doors: the certificate's private key, PEM (with --ssl-certfile)",
+    ),
+    Flag("--ssl-certfile", ("router.ssl_certfile",), "... and the certificate (chain), PEM"),
+    Flag(
+        "--allowed-origins",
+        ("router.allowed_origins",),
+        "CORS: browser origins that may call the HTTP API, comma-separated (* any; default "
+        "none: no CORS headers)",
+        _origins,
     ),
 )
 BY_NAME = {flag.name: flag for flag in FLAGS}

@@ -50,6 +50,15 @@ def test_serve_with_no_arguments_runs_the_defaults() -> None:
         (["--redis-url", "redis://r:6379"], {"redis_url": "redis://r:6379"}),
         (["--address", "auto"], {"ray_address": "auto"}),
         (["--api-key-file", "k.txt"], {"router.api_key_file": "k.txt"}),
+        (
+            ["--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem"],
+            {"router.ssl_keyfile": "k.pem", "router.ssl_certfile": "c.pem"},
+        ),
+        (
+            ["--allowed-origins", "https://a.example, https://b.example:8443,"],
+            {"router.allowed_origins": ("https://a.example", "https://b.example:8443")},
+        ),
+        (["--allowed-origins", "*"], {"router.allowed_origins": ("*",)}),
     ],
 )
 def test_each_flag_sets_its_field(argv: list[str], fields: dict[str, Any]) -> None:
@@ -70,7 +79,8 @@ def test_every_flag_names_real_fields_and_its_variable() -> None:
 YAML = """
 engine: {dtype: float32}
 decode: {replicas: 2}
-router: {http_port: 8100, port: 50100, served_model_name: yaml-name}
+router: {http_port: 8100, port: 50100, served_model_name: yaml-name,
+         allowed_origins: [https://yaml.example], ssl_keyfile: y.key, ssl_certfile: y.pem}
 """
 
 
@@ -87,6 +97,21 @@ router: {http_port: 8100, port: 50100, served_model_name: yaml-name}
         (["--dtype", "auto"], {"SPLITSERVE_DTYPE": "bfloat16"}, "decode.engine.dtype", "auto"),
         ([], {"SPLITSERVE_SERVED_MODEL_NAME": "env"}, "router.served_model_name", "env"),
         ([], {"SPLITSERVE_MAX_MODEL_LEN": "256"}, "decode.engine.max_model_len", 256),
+        ([], {}, "router.allowed_origins", ("https://yaml.example",)),  # a YAML list
+        (
+            [],
+            {"SPLITSERVE_ALLOWED_ORIGINS": "https://a.example,https://b.example"},
+            "router.allowed_origins",
+            ("https://a.example", "https://b.example"),
+        ),
+        (
+            ["--allowed-origins", "*"],
+            {"SPLITSERVE_ALLOWED_ORIGINS": "https://a.example"},
+            "router.allowed_origins",
+            ("*",),
+        ),
+        ([], {"SPLITSERVE_SSL_CERTFILE": "env.pem"}, "router.ssl_certfile", "env.pem"),
+        (["--ssl-keyfile", "f.key"], {}, "router.ssl_keyfile", "f.key"),
         ([], {}, "prefill.engine.max_model_len", None),  # the default, none of them set
         # The KV cache in GiB or as a share of the GPU: one choice, the higher level's.
         ([], {"SPLITSERVE_GPU_MEMORY_UTILIZATION": "0.8"}, "decode.engine.kv_cache_gb", None),
@@ -155,6 +180,17 @@ def test_serve_reads_its_own_environment(
         ),
         ({}, ["--max-model-len", "1"], "--max-model-len: prefill.engine.max_model_len: must be"),
         ({}, ["--served-model-name", " "], "--served-model-name: router.served_model_name:"),
+        (
+            {},
+            ["--ssl-keyfile", "k.pem"],
+            "--ssl-keyfile: router.ssl_keyfile: TLS needs ssl_certfile too: give both or neither",
+        ),
+        (
+            {"SPLITSERVE_ALLOWED_ORIGINS": "https://app.example.com/"},
+            [],
+            "SPLITSERVE_ALLOWED_ORIGINS: router.allowed_origins: must be a list of origins, "
+            "scheme://host[:port] (no path)",
+        ),
         (
             {},
             ["--kv-cache-gb", "2", "--gpu-memory-utilization", "0.9"],

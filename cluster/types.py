@@ -45,6 +45,26 @@ class FinishReason(enum.Enum):
     ERROR = "error"
 
 
+STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class Structured:
+    """Output held to a grammar (cluster/engine/grammar.py): any JSON object, one valid
+    under a JSON schema, a regex's match, one of a list of strings, or an EBNF grammar's
+    sentence. `spec`: the schema (JSON text), the regex, the choices (a JSON list) or the
+    grammar; "" for json_object."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise InvalidRequestError(
+                f"structured: kind must be one of {STRUCTURED_KINDS}, got {self.kind!r}"
+            )
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens. A temperature at or under GREEDY_TEMPERATURE (0 too) is greedy;
@@ -67,6 +87,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, [-100, 100]) added
     min_tokens: int = 0  # EOS and stop token ids barred before this many new tokens
     include_stop_str_in_output: bool = False
+    structured: Structured | None = None  # the output's grammar, applied as a token mask
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> InvalidRequestError:

@@ -66,7 +66,7 @@ class HTTPError(Exception):
 
 # The shared checks name fields as the gRPC API spells them; here, as OpenAI's body does.
 OPENAI_NAMES = (("sampling.", ""), ("chat.messages", "messages"), ("token_ids", "prompt"),
-                ("text", "prompt"))  # fmt: skip
+                ("text", "prompt"), ("structured", "response_format"))  # fmt: skip
 
 
 def invalid(e: InvalidRequestError) -> HTTPError:
@@ -91,12 +91,15 @@ class Call:
     logprobs: bool
 
 
+# The fields that hold the output to a grammar: OpenAI's, vLLM's older and newer spellings.
+STRUCTURED = ("response_format", "guided_json", "guided_regex", "guided_choice",
+              "guided_grammar", "structured_outputs")  # fmt: skip
 # Every body field either changes what is served as asked (read by `to_call`) or is in
 # UNSERVED; any other field is refused by name, so no field is accepted and ignored.
 COMMON = {"model", "max_tokens", "temperature", "top_p", "min_p", "top_k", "seed", "stop",
           "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "min_tokens",
           "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "n",
-          "logprobs", "stream", "stream_options", "user", "request_id"}  # fmt: skip
+          "logprobs", "stream", "stream_options", "user", "request_id", *STRUCTURED}  # fmt: skip
 # `user`, `prompt_cache_key`, `safety_identifier` and `metadata` identify, they change
 # nothing served; `parallel_tool_calls` is moot without tools. Accepted as they are.
 INERT = {"user", "prompt_cache_key", "safety_identifier", "metadata", "parallel_tool_calls"}
@@ -108,12 +111,10 @@ HONOURED = {
 # other value is refused with a 400 naming the field.
 UNSERVED: dict[str, tuple[Any, ...]] = {
     "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
-    "response_format": ({"type": "text"},), "echo": (False,), "suffix": ("",), "best_of": (1,),
-    "audio": (), "modalities": (["text"],), "prediction": (), "reasoning_effort": (),
-    "web_search_options": (), "verbosity": (), "store": (False,),
-    "service_tier": ("auto", "default"), "guided_json": (), "guided_regex": (),
-    "guided_choice": (), "guided_grammar": (), "guided_decoding_backend": (),
-    "guided_whitespace_pattern": (), "structural_tag": (), "structured_outputs": (),
+    "echo": (False,), "suffix": ("",), "best_of": (1,), "audio": (), "modalities": (["text"],),
+    "prediction": (), "reasoning_effort": (), "web_search_options": (), "verbosity": (),
+    "store": (False,), "service_tier": ("auto", "default"), "guided_decoding_backend": (),
+    "guided_whitespace_pattern": (), "structural_tag": (),
     "prompt_logprobs": (), "allowed_token_ids": (), "bad_words": ([],),
     "use_beam_search": (False,), "length_penalty": (1,), "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (),
@@ -176,6 +177,7 @@ def to_call(body: Any, chat: bool, session_id: str | None) -> Call:
     else:
         _prompt(msg, body.get("prompt"))
     _sampling(body, msg.sampling)
+    _structured(body, msg.sampling.structured)
     n = _field(body, "n", (int,), "an integer")
     if n not in (None, 1):
         raise InvalidRequestError(f"n: only 1 choice per request is served, got {n}")
@@ -230,6 +232,64 @@ def _sampling(body: dict[str, Any], s: pb.SamplingParams) -> None:
     s.include_stop_str_in_output = bool(
         _field(body, "include_stop_str_in_output", (bool,), "true or false")
     )
+
+
+def _structured(body: dict[str, Any], out: pb.StructuredOutput) -> None:
+    """The grammar the output keeps to, from whichever one field gives it."""
+    given = [name for name in STRUCTURED if body.get(name) is not None]
+    given = [n for n in given if not (n == "response_format" and body[n] == {"type": "text"})]
+    if len(given) > 1:
+        raise InvalidRequestError(f"{given[1]}: give one of {', '.join(given)}, not both")
+    if not given:
+        return
+    name, value = given[0], body[given[0]]
+    if name == "response_format":
+        kind = value.get("type") if isinstance(value, dict) else None
+        if kind == "json_object":
+            out.json_object = True
+        elif kind == "json_schema" and isinstance(value.get("json_schema"), dict):
+            _json_schema(name, value["json_schema"].get("schema", {}), out)
+        else:
+            raise InvalidRequestError(
+                f"{name}: must be {{'type': 'text' | 'json_object' | 'json_schema', "
+                f"'json_schema': {{'schema': ...}}}}, got {json.dumps(value)[:60]}"
+            )
+    elif name == "structured_outputs":
+        if not isinstance(value, dict) or len(value) != 1:
+            raise InvalidRequestError(
+                f"{name}: one of json, json_object, regex, choice, grammar, "
+                f"got {json.dumps(value)[:60]}"
+            )
+        ((key, inner),) = value.items()
+        vllm = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice",
+                "grammar": "guided_grammar"}  # fmt: skip
+        if key == "json_object" and inner is True:
+            out.json_object = True
+        elif key in vllm:
+            _structured({vllm[key]: inner}, out)
+        else:
+            raise InvalidRequestError(f"{name}: unknown kind {key!r}")
+    elif name == "guided_json":
+        _json_schema(name, value, out)
+    elif name == "guided_choice":
+        if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+            raise InvalidRequestError(f"{name}: must be a list of strings")
+        out.choice.choices.extend(value)
+    else:
+        if not isinstance(value, str):
+            raise InvalidRequestError(f"{name}: must be a string")
+        setattr(out, "regex" if name == "guided_regex" else "grammar", value)
+
+
+def _json_schema(name: str, schema: Any, out: pb.StructuredOutput) -> None:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise InvalidRequestError(f"{name}: the schema is not JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise InvalidRequestError(f"{name}: the schema must be a JSON object")
+    out.json_schema = json.dumps(schema)
 
 
 def _content(content: Any, i: int) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 
 from cluster.engine.tokenizer import Tokenizer
 from cluster.request_checks import refuse_long_prompt, refuse_past_context
-from cluster.types import InvalidRequestError, ModelInfo, RequestId, SamplingParams
+from cluster.types import InvalidRequestError, ModelInfo, RequestId, SamplingParams, Structured
 from router.token_count import CHUNK_CHARS, count_tokens
 from splitserve_api.v1 import splitserve_pb2 as pb
 
@@ -199,6 +200,40 @@ def _messages(chat: pb.Chat) -> list[dict[str, str]]:
     return [{"role": m.role, "content": m.content} for m in chat.messages]
 
 
+MAX_GRAMMAR_CHARS = 64 * 1024
+MAX_CHOICES = 1024
+
+
+def _structured(s: pb.StructuredOutput) -> Structured:
+    """The grammar a request's output keeps to; whether it compiles is the worker's word."""
+    kind = s.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequestError("sampling.structured: set one kind")
+    if kind == "json_object":
+        return Structured(kind)
+    if kind == "choice":
+        choices = list(s.choice.choices)
+        if not choices or len(choices) > MAX_CHOICES or not all(choices):
+            raise InvalidRequestError(
+                f"sampling.structured.choice: 1-{MAX_CHOICES} non-empty strings"
+            )
+        spec = json.dumps(choices)
+    else:
+        spec = getattr(s, kind)
+        if kind == "json_schema":
+            try:
+                json.loads(spec)
+            except json.JSONDecodeError as e:
+                raise InvalidRequestError(
+                    f"sampling.structured.json_schema: not JSON: {e}"
+                ) from None
+    if not spec or len(spec) > MAX_GRAMMAR_CHARS:
+        raise InvalidRequestError(
+            f"sampling.structured.{kind}: 1-{MAX_GRAMMAR_CHARS} characters, got {len(spec)}"
+        )
+    return Structured(kind, spec)
+
+
 def _sampling(s: pb.SamplingParams, model: ModelInfo, limit: int) -> SamplingParams:
     def bad(name: str, why: str) -> InvalidRequestError:
         return InvalidRequestError(f"sampling.{name}: {why}")
@@ -226,6 +261,8 @@ def _sampling(s: pb.SamplingParams, model: ModelInfo, limit: int) -> SamplingPar
         if not math.isfinite(bias):
             raise bad("logit_bias", f"the bias of token {token} must be a finite number")
     fields = {name: getattr(s, name) for name in OPTIONAL if s.HasField(name)}
+    if s.HasField("structured"):
+        fields["structured"] = _structured(s.structured)
     try:
         return SamplingParams(
             **fields,

@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -52,6 +53,11 @@ from cluster.types import (
     RequestStatus,
     SamplingParams,
 )
+
+if TYPE_CHECKING:  # xgrammar loads only when a request asks for structured output
+    from xgrammar import GrammarMatcher
+
+    from cluster.engine.grammar import Grammars
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +169,7 @@ class _Live:
     generator: torch.Generator | None  # a seeded request's own; unseeded rows draw together
     stop_ids: frozenset[int]
     output_from: int  # where its output starts in seq.token_ids (resumed tokens are output)
+    matcher: GrammarMatcher | None = None  # a structured output's place in its grammar
 
 
 class LLMEngine:
@@ -229,6 +236,7 @@ class LLMEngine:
         )
         self._live: dict[RequestId, _Live] = {}
         self._ids = itertools.count()
+        self._grammars: Grammars | None = None  # built by the first structured request
         log.info(
             "loaded %s (%s, %s, %s attention%s) in %.1fs: weights %.1f MiB resident",
             self.spec.name,
@@ -368,6 +376,10 @@ class LLMEngine:
         if any(p.adjusts_logits for p in params):
             histories = [History(lv.seq.token_ids, lv.output_from, lv.stop_ids) for lv in lives]
             logits = adjust(logits, params, histories)
+        held = [i for i, lv in enumerate(lives) if lv.matcher is not None]
+        if held:
+            assert self._grammars is not None
+            logits = self._grammars.mask(logits, held, [lives[i].matcher for i in held])
         tokens, logprobs = sample(logits, params, [lv.generator for lv in lives])
         self._time_step(started, step.num_tokens, synced=True)
         outputs = [
@@ -449,8 +461,19 @@ class LLMEngine:
         )
         for token in ids[output_from:]:
             text.add(token)  # no stop string in them: the request would have ended there
-        self._live[rid] = _Live(seq, text, generator, frozenset(stop_ids), output_from)
+        matcher = None
+        if sampling.structured is not None:
+            matcher = self._grammar().matcher(sampling.structured, ids[output_from:])
+        self._live[rid] = _Live(seq, text, generator, frozenset(stop_ids), output_from, matcher)
         return self._live[rid]
+
+    def _grammar(self) -> Grammars:
+        if self._grammars is None:  # xgrammar is loaded by the first request that needs it
+            from cluster.engine.grammar import Grammars
+
+            eos = self.spec.eos_token_ids
+            self._grammars = Grammars(self.tokenizer, self.spec.vocab_size, eos)
+        return self._grammars
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -476,7 +499,14 @@ class LLMEngine:
         if logprob is not None:
             seq.logprobs.append(logprob)
         reason = None
-        if live.text.add(token) or token in live.stop_ids:
+        if live.matcher is not None and not live.matcher.accept_token(token):
+            reason = FinishReason.ERROR  # the mask allowed no such token: a bug, not a reply
+            log.error("request %s: token %d breaks its grammar", seq.request_id, token)
+        elif (
+            live.text.add(token)
+            or token in live.stop_ids
+            or (live.matcher is not None and live.matcher.is_terminated())
+        ):
             reason = FinishReason.STOP
         elif len(seq.token_ids) - seq.num_prompt >= seq.sampling.max_tokens:
             reason = FinishReason.LENGTH

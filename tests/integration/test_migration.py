@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import ray
 
-from cluster.types import SamplingParams
+from cluster.types import SamplingParams, Structured
 from router.dispatch import Delivered, Dispatcher, WorkerLost
 from tests.helpers import until, wait_until
 from tests.integration.disagg import Result, collect, run
@@ -65,14 +65,25 @@ async def kill_then_continue(
     return out
 
 
+# A grammar: the continuation's matcher resumes from the delivered tokens (an array long
+# enough to pass 48 tokens).
+STRUCTURED = SamplingParams(
+    max_tokens=48, temperature=0.9, seed=5,
+    structured=Structured("json_schema", '{"type": "array", "items": {"type": "integer"}, '
+                                         '"minItems": 40}'),
+)  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    "sp", [GREEDY, SEEDED, STOPS, PENALISED], ids=["greedy", "seeded", "stops", "penalised"]
+    "sp",
+    [GREEDY, SEEDED, STOPS, PENALISED, STRUCTURED],
+    ids=["greedy", "seeded", "stops", "penalised", "structured"],
 )
 def test_a_stream_moved_off_a_dead_decode_worker_goes_on_as_if_never_moved(
     workers: Any, prompts: list[list[int]], sp: SamplingParams
 ) -> None:
     p, d, c = workers.trio()
-    doomed = f"doomed-{sp.temperature}-{len(sp.stop)}-{sp.frequency_penalty}"
+    doomed = f"doomed-{sp.temperature}-{len(sp.stop)}-{sp.frequency_penalty}-{sp.seed}"
     workers.decode(doomed, local_prefill_tokens=0)
 
     async def go() -> None:

@@ -5,11 +5,13 @@ with the right status, and a client that disconnects frees its pages."""
 from __future__ import annotations
 
 import json
+import re
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
+import jsonschema
 import openai
 import pytest
 import ray
@@ -165,9 +167,9 @@ def test_min_tokens_bars_eos_until_reached_and_a_stop_string_can_be_kept(
         ({"max_tokens": 0}, 400, "max_tokens"),
         ({"messages": []}, 400, "messages"),
         ({"top_logprobs": 3}, 400, "top_logprobs"),
-        ({"response_format": {"type": "json_object"}}, 400, "response_format"),
+        ({"response_format": {"type": "yaml"}}, 400, "response_format"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-        ({"extra_body": {"guided_json": {}}}, 400, "guided_json"),
+        ({"extra_body": {"guided_decoding_backend": "outlines"}}, 400, "guided_decoding_backend"),
         ({"extra_body": {"temprature": 0.5}}, 400, "temprature"),
         ({"presence_penalty": 3}, 400, "presence_penalty"),
         ({"logit_bias": {"99999999": 1}}, 400, "logit_bias"),
@@ -312,3 +314,45 @@ def test_a_client_that_disconnects_mid_stream_frees_its_pages(
     )
     assert cancelled() == before + 1
     # the `workers` fixture then asserts every page on every worker is free
+
+
+SCHEMAS: list[dict[str, Any]] = [
+    {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {
+        "colour": {"enum": ["red", "green", "blue"]},
+        "tags": {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 3},
+        "owner": {"type": "object", "properties": {"id": {"type": "integer"}},
+                  "required": ["id"], "additionalProperties": False}},
+     "required": ["colour", "tags", "owner"], "additionalProperties": False},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("schema", SCHEMAS, ids=["flat", "nested"])
+def test_a_json_schema_reply_parses_and_validates(
+    client: openai.OpenAI, schema: dict[str, Any], workers: Any
+) -> None:
+    """Disaggregated: the prefill worker samples the first token under the grammar too."""
+    reply = client.chat.completions.create(
+        model=MODEL, max_tokens=120, temperature=0,
+        messages=[{"role": "user", "content": "Describe a person as JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    )  # fmt: skip
+    assert reply.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(reply.choices[0].message.content or ""), schema)
+
+
+def test_json_object_choice_and_regex_hold(client: openai.OpenAI, workers: Any) -> None:
+    def ask(**extra: Any) -> str:
+        messages = [{"role": "user", "content": "Is the sky blue? Answer."}]
+        reply = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=60, temperature=0.8, seed=3, **extra
+        )
+        return reply.choices[0].message.content or ""
+
+    assert isinstance(json.loads(ask(response_format={"type": "json_object"})), dict)
+    assert ask(extra_body={"guided_choice": ["yes", "no"]}) in ("yes", "no")
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", ask(extra_body={"guided_regex": "[0-9]{3}-[a-z]{2}"}))
+    with pytest.raises(openai.BadRequestError) as err:
+        ask(extra_body={"guided_regex": "(("})
+    assert isinstance(err.value.body, dict) and err.value.body["param"] == "response_format"

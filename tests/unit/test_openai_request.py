@@ -118,6 +118,9 @@ SHOWN: dict[str, Any] = {
     "presence_penalty": 1, "frequency_penalty": 1, "repetition_penalty": 1.2,
     "logit_bias": {"1": 5}, "stream": True, "request_id": "r1",
     "messages": [{"role": "user", "content": "other"}], "prompt": "other",
+    "response_format": {"type": "json_object"}, "guided_json": {"type": "object"},
+    "guided_regex": "a+", "guided_choice": ["a", "b"], "guided_grammar": 'root ::= "a"',
+    "structured_outputs": {"regex": "a+"},
 }  # fmt: skip
 REFUSED_VALUES = {"n": 2, "top_logprobs": 2}
 
@@ -190,3 +193,47 @@ def test_the_logit_adjustments_reach_the_request() -> None:
 def test_bad_adjustments_are_refused_naming_the_field(extra: Any, message: str) -> None:
     with pytest.raises(InvalidRequestError, match=f"^{message}"):
         to_call({**base(False), **extra}, False, None)
+
+
+@pytest.mark.parametrize(
+    "fields, kind, spec",
+    [
+        ({"response_format": {"type": "json_object"}}, "json_object", True),
+        (
+            {"response_format": {"type": "json_schema",
+                                 "json_schema": {"name": "p", "schema": {"type": "integer"}}}},
+            "json_schema", '{"type": "integer"}',
+        ),
+        ({"guided_json": '{"type": "string"}'}, "json_schema", '{"type": "string"}'),
+        ({"guided_regex": "[0-9]+"}, "regex", "[0-9]+"),
+        ({"guided_choice": ["yes", "no"]}, "choice", ["yes", "no"]),
+        ({"guided_grammar": 'root ::= "x"'}, "grammar", 'root ::= "x"'),
+        ({"structured_outputs": {"choice": ["a"]}}, "choice", ["a"]),
+        ({"structured_outputs": {"json_object": True}}, "json_object", True),
+        ({"response_format": {"type": "text"}}, None, None),
+    ],
+)  # fmt: skip
+def test_every_spelling_of_a_grammar_reaches_the_request(
+    fields: dict[str, Any], kind: str | None, spec: Any
+) -> None:
+    out = to_call({**base(True), **fields}, True, None).request.sampling
+    assert out.structured.WhichOneof("kind") == kind
+    if kind == "choice":
+        assert list(out.structured.choice.choices) == spec
+    elif kind is not None:
+        assert getattr(out.structured, kind) == spec
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"response_format": {"type": "yaml"}}, "response_format: must be"),
+        ({"guided_json": "{nope"}, "guided_json: the schema is not JSON"),
+        ({"guided_choice": "yes"}, "guided_choice: must be a list of strings"),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice: give one of"),
+        ({"structured_outputs": {"xml": "a"}}, "structured_outputs: unknown kind"),
+    ],
+)
+def test_a_bad_grammar_field_is_refused_by_name(fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidRequestError, match=f"^{message}"):
+        to_call({**base(True), **fields}, True, None)

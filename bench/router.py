@@ -61,7 +61,14 @@ import ray
 from cluster.config import EngineConfig, RouterConfig, TransferConfig
 from cluster.engine.model_files import bundled_model_path
 from cluster.engine.tokenizer import Tokenizer
-from cluster.protocol import DecodeHandle, DecodeStats, KVEvent, KVEventKind, KVEvents
+from cluster.protocol import (
+    DecodeHandle,
+    DecodeStats,
+    EngineCounts,
+    KVEvent,
+    KVEventKind,
+    KVEvents,
+)
 from cluster.types import (
     BlockHash,
     FinishReason,
@@ -169,7 +176,8 @@ class StubDecode:
     def __init__(self) -> None:
         self._out: asyncio.Queue[TokenDelta] = asyncio.Queue()
         self._cursor = 0
-        stats = DecodeStats("e", 1000, 1000, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, None)
+        counts = EngineCounts(0, 0, 0, 0, 0)
+        stats = DecodeStats("e", 1000, 1000, 0, 0, 0, 0, 0, counts, 0, 0, 0, None, None)
         self.submit, self.outputs = Method(remote=self._submit), Method(remote=self._outputs)
         self.stats = Method(remote=lambda: _value(stats))
         self.kv_events = Method(remote=lambda epoch, after: _value(KVEvents("e", True, (), 0)))

@@ -49,6 +49,11 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own context length
     threads: int | None = None  # CPU threads for torch; None: torch's default
     cpu_cores: tuple[int, ...] | None = None  # pin the engine's threads to these cores (Linux)
+    # The worker that runs this engine serves its own Prometheus /metrics on host:port
+    # (cluster/worker_metrics.py; its URL is in the worker's stats and log); 0: any free
+    # port, null: off. One worker per node (a pod) can take a fixed port.
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = 0
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
@@ -121,6 +126,17 @@ class EngineConfig:
         )
         if cores is not None:
             object.__setattr__(self, "cpu_cores", tuple(cores))  # YAML gives a list
+        _check(
+            isinstance(self.metrics_host, str) and bool(self.metrics_host),
+            "metrics_host",
+            f"must be a host name, got {self.metrics_host!r}",
+        )
+        port = self.metrics_port
+        _check(
+            port is None or (_is_int(port) and 0 <= port < 65536),
+            "metrics_port",
+            f"must be a port in [0, 65536) or null, got {port!r}",
+        )
 
 
 TIMEOUT_POLICIES = ("recompute", "fail")

@@ -38,6 +38,20 @@ R = TypeVar("R")
 
 
 @dataclass(frozen=True)
+class EngineCounts:
+    """What a worker's engine has done since it started, as vLLM counts it (its counters
+    prompt_tokens, generation_tokens, prefix_cache_queries and _hits, num_preemptions).
+    A prompt counts once, whole, where its prefill finishes; a token counts where it was
+    sampled (a remote prefill's first token on its prefill worker)."""
+
+    prompt_tokens: int
+    generation_tokens: int
+    prefix_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_hits: int  # ... and found there
+    preemptions: int
+
+
+@dataclass(frozen=True)
 class DecodeStats:
     epoch: str  # new each time the worker starts: its prefix cache is gone with the old one
     free_pages: int
@@ -47,12 +61,12 @@ class DecodeStats:
     transferring: int
     admitting: int
     queued_tokens: int  # prompt tokens of waiting requests, not yet computed
-    prefix_queries: int  # prompt tokens looked up in the prefix cache, since the start
-    prefix_hits: int  # ... and found there
+    counts: EngineCounts
     pages_received: int
     bytes_received: int
     transfer_failures: int  # transfers that ended without their KV (then recomputed or failed)
     s_per_token: float | None  # what a token adds to a step here (StepRate); None: not measured
+    metrics_url: str | None  # this worker's own /metrics (EngineConfig.metrics_port); None: off
 
     @property
     def in_flight(self) -> int:
@@ -77,7 +91,8 @@ class PrefillStats:
     epoch: str  # new each time the worker starts: its prefix cache is gone with the old one
     free_pages: int
     num_pages: int
-    queued_requests: int
+    queued_requests: int  # waiting or prefilling
+    prefilling: int  # ... of them, in the engine's running batch
     queued_tokens: int  # prompt tokens queued or prefilling, not yet computed
     transferring: int  # requests whose KV is still being pushed
     sent: SendStats
@@ -85,7 +100,9 @@ class PrefillStats:
     # KVTarget.num_cached_tokens past this worker's own prefix-cache hit), since the start:
     # compute a local prefill there would have skipped, e.g. a conversation's last reply.
     recomputed_tokens: int
+    counts: EngineCounts
     s_per_token: float | None  # what a token adds to a step here (StepRate); None: not measured
+    metrics_url: str | None  # this worker's own /metrics (EngineConfig.metrics_port); None: off
 
     @property
     def in_flight(self) -> int:

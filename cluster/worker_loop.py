@@ -11,6 +11,7 @@ and a call wakes it earlier.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -43,6 +44,20 @@ class WorkerLoop:
 
         self._calls.put(run)
         return await done
+
+    def call_blocking(self, fn: Callable[[], T], timeout_s: float) -> T:
+        """`call` for a thread outside the actor's event loop (a /metrics scrape): blocks
+        it until fn has run on the engine thread, at most timeout_s (then TimeoutError)."""
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                done.set_result(fn())
+            except Exception as e:
+                done.set_exception(e)
+
+        self._calls.put(run)
+        return done.result(timeout_s)
 
     def _run(self) -> None:
         wait = 0.0

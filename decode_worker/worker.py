@@ -29,7 +29,7 @@ from collections import deque
 from dataclasses import dataclass
 from functools import partial
 
-from cluster import role_worker
+from cluster import role_worker, worker_metrics
 from cluster.config import EngineConfig, TransferConfig
 from cluster.engine.engine import LLMEngine
 from cluster.protocol import DecodeHandle, DecodeStats, KVEvents
@@ -76,6 +76,9 @@ class DecodeWorker:
         self._transfer_failures = 0
         self._outboxes = Outboxes()
         self._loop = WorkerLoop(self._tick, name=f"{name}-engine")
+        self.metrics_url: str | None = None  # a fixed port may be scraped before serve returns
+        stats = partial(self._loop.call_blocking, self._stats, 5.0)
+        self.metrics_url = worker_metrics.serve(name, self.engine.model_id, stats, engine)
 
     # --- actor API -----------------------------------------------------------------------
 
@@ -155,26 +158,26 @@ class DecodeWorker:
         return await self._loop.call(lambda: self.engine.pool.kv_events(self.epoch, epoch, after))
 
     async def stats(self) -> DecodeStats:
-        def read() -> DecodeStats:
-            sched = self.engine.scheduler
-            return DecodeStats(
-                self.epoch,
-                self.engine.num_free_pages,
-                self.engine.pool.num_pages,
-                len(sched.running),
-                len(sched.waiting),
-                len(self.receiver),
-                len(self._admitting),
-                sum(seq.num_uncomputed for seq in sched.waiting),
-                self.engine.pool.prefix_queries,
-                self.engine.pool.prefix_hits,
-                self.receiver.pages_received,
-                self.receiver.bytes_received,
-                self._transfer_failures,
-                self.engine.step_rate.per_token,
-            )
+        return await self._loop.call(self._stats)
 
-        return await self._loop.call(read)
+    def _stats(self) -> DecodeStats:
+        sched = self.engine.scheduler
+        return DecodeStats(
+            self.epoch,
+            self.engine.num_free_pages,
+            self.engine.pool.num_pages,
+            len(sched.running),
+            len(sched.waiting),
+            len(self.receiver),
+            len(self._admitting),
+            sum(seq.num_uncomputed for seq in sched.waiting),
+            self.engine.counts,
+            self.receiver.pages_received,
+            self.receiver.bytes_received,
+            self._transfer_failures,
+            self.engine.step_rate.per_token,
+            self.metrics_url,
+        )
 
     # --- the engine thread ---------------------------------------------------------------
 

@@ -27,7 +27,7 @@ import logging
 import uuid
 from functools import partial
 
-from cluster import role_worker
+from cluster import role_worker, worker_metrics
 from cluster.config import EngineConfig, TransferConfig
 from cluster.engine.engine import LLMEngine
 from cluster.protocol import KVEvents, PrefillHandle, PrefillStats
@@ -62,6 +62,9 @@ class PrefillWorker:
         self._held: dict[RequestId, int] = {}  # prompt tokens the target already holds
         self._recomputed_tokens = 0
         self._loop = WorkerLoop(self._tick, name=f"{name}-engine")
+        self.metrics_url: str | None = None  # a fixed port may be scraped before serve returns
+        stats = partial(self._loop.call_blocking, self._stats, 5.0)
+        self.metrics_url = worker_metrics.serve(name, self.engine.model_id, stats, engine)
 
     async def prefill(
         self,
@@ -125,22 +128,25 @@ class PrefillWorker:
         return await self._loop.call(lambda: self.engine.pool.kv_events(self.epoch, epoch, after))
 
     async def stats(self) -> PrefillStats:
-        def read() -> PrefillStats:
-            sched = self.engine.scheduler
-            queued = [*sched.waiting, *sched.running]
-            return PrefillStats(
-                self.epoch,
-                self.engine.num_free_pages,
-                self.engine.pool.num_pages,
-                len(queued),
-                sum(seq.num_uncomputed for seq in queued),
-                self.sender.num_pushes,
-                dataclasses.replace(self.sender.stats),
-                self._recomputed_tokens,
-                self.engine.step_rate.per_token,
-            )
+        return await self._loop.call(self._stats)
 
-        return await self._loop.call(read)
+    def _stats(self) -> PrefillStats:
+        sched = self.engine.scheduler
+        queued = [*sched.waiting, *sched.running]
+        return PrefillStats(
+            self.epoch,
+            self.engine.num_free_pages,
+            self.engine.pool.num_pages,
+            len(queued),
+            len(sched.running),
+            sum(seq.num_uncomputed for seq in queued),
+            self.sender.num_pushes,
+            dataclasses.replace(self.sender.stats),
+            self._recomputed_tokens,
+            self.engine.counts,
+            self.engine.step_rate.per_token,
+            self.metrics_url,
+        )
 
     def _tick(self) -> float:
         busy = self.engine.has_unfinished()

@@ -96,7 +96,7 @@ async def start_router(
         migration_wait_s=config.migration_wait_s,
         max_pending_per_client=config.max_pending_per_client,
     )
-    metrics = RouterMetrics(workers)
+    metrics = RouterMetrics(workers, info)
     pool = TokenizePool(config.tokenize_threads, config.max_tokenize_queue)
     servicer = GenerationServicer(router, tokenizer, info, config, metrics, pool)
     key = api_key(config)

@@ -41,6 +41,7 @@ from cluster.engine.scheduler import Scheduler
 from cluster.engine.sequence import Sequence
 from cluster.engine.step_rate import StepRate
 from cluster.engine.tokenizer import TextStream, Tokenizer
+from cluster.protocol import EngineCounts
 from cluster.request_checks import refuse_in_flight, refuse_long_prompt, refuse_past_context
 from cluster.types import (
     Completion,
@@ -236,6 +237,8 @@ class LLMEngine:
         )
         self._live: dict[RequestId, _Live] = {}
         self._ids = itertools.count()
+        self._prompt_tokens = 0  # prompts whose prefill finished here, whole (EngineCounts)
+        self._generated_tokens = 0  # tokens sampled here
         self._grammars: Grammars | None = None  # built by the first structured request
         log.info(
             "loaded %s (%s, %s, %s attention%s) in %.1fs: weights %.1f MiB resident",
@@ -339,6 +342,16 @@ class LLMEngine:
             self.sampling_defaults,
         )
 
+    @property
+    def counts(self) -> EngineCounts:
+        return EngineCounts(
+            self._prompt_tokens,
+            self._generated_tokens,
+            self.pool.prefix_queries,
+            self.pool.prefix_hits,
+            self.scheduler.num_preemptions,
+        )
+
     def _time_step(self, started: float, tokens: int, synced: bool) -> None:
         """Feed step_rate. A step that samples ends with the device done (its tokens reach
         the host); the steps before it that did not (prompt chunks, whose device work may
@@ -382,6 +395,10 @@ class LLMEngine:
             logits = self._grammars.mask(logits, held, [lives[i].matcher for i in held])
         tokens, logprobs = sample(logits, params, [lv.generator for lv in lives])
         self._time_step(started, step.num_tokens, synced=True)
+        self._prompt_tokens += sum(
+            s.num_prompt for s, first in zip(sampled, firsts, strict=True) if first
+        )
+        self._generated_tokens += len(tokens)
         outputs = [
             self._append(lv, tok, logprobs[i] if logprobs else None)
             for i, (lv, tok) in enumerate(zip(lives, tokens, strict=True))

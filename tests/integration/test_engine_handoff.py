@@ -78,6 +78,31 @@ def test_kv_copied_into_reserved_pages_decodes_like_one_engine(
         assert handoff(prefill, decode, ids, sp) == expected.token_ids
 
 
+def test_each_engine_counts_the_prompts_it_prefilled_and_the_tokens_it_sampled(
+    make_engine: Any, prompts: list[list[int]]
+) -> None:
+    prefill = make_engine("handoff-prefill", kv_cache_gb=0.05, prefix_caching=False)
+    decode = make_engine("handoff-decode", kv_cache_gb=0.05, prefix_caching=False)
+    both = make_engine("handoff-both", kv_cache_gb=0.05)
+    ids, sp = prompts[7], SamplingParams(max_tokens=6)
+    p, d, b = prefill.counts, decode.counts, both.counts
+    tokens = handoff(prefill, decode, ids, sp)
+    assert len(tokens) == 6
+    # the prompt and the first token where the prompt was computed, the rest where decoded
+    assert prefill.counts.prompt_tokens - p.prompt_tokens == len(ids)
+    assert prefill.counts.generation_tokens - p.generation_tokens == 1
+    assert decode.counts.prompt_tokens - d.prompt_tokens == 0
+    assert decode.counts.generation_tokens - d.generation_tokens == 5
+    # one engine doing both counts both; a second ask finds the prompt's full pages cached
+    both.generate([ids], sp)
+    both.generate([ids], sp)
+    assert both.counts.prompt_tokens - b.prompt_tokens == 2 * len(ids)
+    assert both.counts.generation_tokens - b.generation_tokens == 2 * 6
+    full = (len(ids) - 1) // 16 * 16  # the last prompt token is always computed
+    assert both.counts.prefix_queries - b.prefix_queries == 2 * full
+    assert both.counts.prefix_hits - b.prefix_hits == full
+
+
 def test_recompute_drops_the_reservation_and_prefills_locally(
     make_engine: Any, prompts: list[list[int]]
 ) -> None:

@@ -1,4 +1,5 @@
-"""The router's Prometheus endpoint: request, latency and worker-load series that move."""
+"""The router's Prometheus endpoint: request, latency and worker-load series that move,
+under vLLM's names where vLLM has one; and a worker's own endpoint."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 
 import grpc
 import pytest
+import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import wait_until
@@ -26,11 +28,18 @@ def router(ray_workers: Any) -> Iterator[RouterHarness]:
     harness.stop()
 
 
-def scrape(router: RouterHarness) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample on /metrics, by name and labels."""
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(router: RouterHarness) -> Samples:
+    """Every sample on the router's /metrics, by name and labels."""
     assert router.app.metrics_http is not None
     host, port = router.app.metrics_http.server_address[:2]
-    text = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10).read().decode()
+    return scrape_url(f"http://{host}:{port}/metrics")
+
+
+def scrape_url(url: str) -> Samples:
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for family in text_string_to_metric_families(text)
@@ -41,6 +50,7 @@ def scrape(router: RouterHarness) -> dict[tuple[str, tuple[tuple[str, str], ...]
 def test_metrics_count_requests_and_latencies_and_show_worker_loads(
     router: RouterHarness, workers: Any
 ) -> None:
+    model = ray.get(workers.decode("decode").info.remote()).name
     before = scrape(router)
     story = " ".join(f"The metrics lake reflects cloud number {i}." for i in range(30))
     remote = ask(router.address, story, max_tokens=6)  # long: a prefill worker computes it
@@ -56,10 +66,18 @@ def test_metrics_count_requests_and_latencies_and_show_worker_loads(
     assert remote.prefill_worker == "prefill" and local.prefill_worker == ""
     assert moved("splitserve_requests_total", status="ok") == 2
     assert moved("splitserve_requests_total", status="invalid_argument") == 1
-    assert moved("splitserve_time_to_first_token_seconds_count") == 2
-    assert moved("splitserve_request_duration_seconds_count") == 2
-    assert moved("splitserve_time_per_output_token_seconds_count") == 2
-    assert moved("splitserve_inter_token_latency_seconds_count") == 6 - 1 + 5 - 1
+    assert moved("vllm:request_success_total", model_name=model, finished_reason="length") == 2
+    for name in (
+        "vllm:time_to_first_token_seconds",
+        "vllm:e2e_request_latency_seconds",
+        "vllm:request_time_per_output_token_seconds",
+        "vllm:request_queue_time_seconds",
+        "vllm:request_prompt_tokens",
+        "vllm:request_generation_tokens",
+    ):
+        assert moved(f"{name}_count", model_name=model) == 2, name
+    assert moved("vllm:request_generation_tokens_sum", model_name=model) == 6 + 5
+    assert moved("vllm:inter_token_latency_seconds_count", model_name=model) == 6 - 1 + 5 - 1
     assert moved("splitserve_kv_transfer_seconds_count") == 1
     assert (
         sum(moved("splitserve_kv_transfer_bytes_total", worker=w) for w in ("decode", "colocated"))
@@ -68,20 +86,63 @@ def test_metrics_count_requests_and_latencies_and_show_worker_loads(
     assert after[("splitserve_workers", (("phase", "decode"),))] == 2
     assert after[("splitserve_workers", (("phase", "prefill"),))] == 1
     for phase in ("prefill", "decode"):
-        assert ("splitserve_queue_depth", (("phase", phase),)) in after
         assert ("splitserve_queued_tokens", (("phase", phase),)) in after
-    for w in ("decode", "colocated"):
-        assert 0 <= after[("splitserve_kv_cache_usage_ratio", (("worker", w),))] <= 1
-        assert 0 <= after[("splitserve_prefix_cache_hit_ratio", (("worker", w),))] <= 1
-        # the same loads under vLLM's names, for gateways that balance model servers
-        labels = (("phase", "decode"), ("worker", w))
-        assert after[("vllm:kv_cache_usage_perc", labels)] == pytest.approx(
-            after[("splitserve_kv_cache_usage_ratio", (("worker", w),))]
-        )
-        assert after[("vllm:num_requests_running", labels)] >= 0  # as last polled
-        assert after[("vllm:num_requests_waiting", labels)] >= 0
-    assert ("vllm:num_requests_waiting", (("phase", "prefill"), ("worker", "prefill"))) in after
+    at = {
+        w: (("model_name", model), ("phase", phase), ("worker", w))
+        for w, phase in (("prefill", "prefill"), ("decode", "decode"), ("colocated", "decode"))
+    }
+    for w in at:
+        assert 0 <= after[("vllm:kv_cache_usage_perc", at[w])] <= 1
+        assert after[("vllm:num_requests_running", at[w])] >= 0  # as last polled
+        assert after[("vllm:num_requests_waiting", at[w])] >= 0
+        hits = after[("vllm:prefix_cache_hits_total", at[w])]
+        assert 0 <= hits <= after[("vllm:prefix_cache_queries_total", at[w])]
+
+    # Each prompt counts once, where it was prefilled, and each token where it was sampled
+    # (a remote prefill's first on the prefill worker), as the workers' stats next say.
+    def tokens(samples: Samples, name: str) -> float:
+        return sum(samples.get((name, at[w]), 0.0) - before.get((name, at[w]), 0.0) for w in at)
+
+    prompts = remote.usage.prompt_tokens + local.usage.prompt_tokens
+    wait_until(
+        lambda: (
+            tokens(now := scrape(router), "vllm:prompt_tokens_total") == prompts
+            and tokens(now, "vllm:generation_tokens_total") == 6 + 5
+        ),
+        "the workers' token counts",
+    )
     # The prefill worker's cache holds the story's full pages, once the router reads its events.
     key = ("splitserve_prefix_index_blocks", (("worker", "prefill"),))
     full_pages = remote.usage.prompt_tokens // 16
     wait_until(lambda: scrape(router).get(key, 0) >= full_pages, "the indexed pages")
+
+
+def test_each_worker_serves_its_own_series_on_its_node(router: RouterHarness, workers: Any) -> None:
+    ask(router.address, "Rain is", max_tokens=3)
+    expected: Samples = {}
+    for w, phase in (("prefill", "prefill"), ("colocated", "decode")):
+        handle = workers.prefill(w) if phase == "prefill" else workers.decode(w)
+        stats = ray.get(handle.stats.remote())
+        assert stats.metrics_url is not None and stats.metrics_url.startswith("http://127.0.0.1:")
+        own = scrape_url(stats.metrics_url)
+        labels = (
+            ("model_name", ray.get(handle.info.remote()).name),
+            ("phase", phase),
+            ("worker", w),
+        )
+        assert {name for name, at in own if at == labels} >= {
+            "vllm:num_requests_running",
+            "vllm:num_requests_waiting",
+            "vllm:kv_cache_usage_perc",
+            "vllm:prompt_tokens_total",
+            "vllm:generation_tokens_total",
+            "vllm:prefix_cache_queries_total",
+            "vllm:prefix_cache_hits_total",
+        }
+        key = ("vllm:generation_tokens_total", labels)
+        expected[key] = own[key]
+    # the router shows the same counts once it has polled the workers again
+    wait_until(
+        lambda: all(scrape(router).get(k) == v for k, v in expected.items()),
+        "the workers' own counts on the router",
+    )

@@ -1,0 +1,84 @@
+"""Each worker's load and counters under vLLM's metric names, built from its stats.
+
+Two endpoints show them: the worker's own /metrics (`serve`, started by each worker
+actor on EngineConfig.metrics_host:metrics_port, for a per-pod scrape or an endpoint
+picker that scores the worker), and the router's, which shows every worker from the
+stats it polls. Labels: vLLM's `model_name`, and ours, `worker` and `phase` (prefill |
+decode), which stand where vLLM's `engine` does.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from cluster.config import EngineConfig
+from cluster.protocol import DecodeStats, EngineCounts, PrefillStats
+
+log = logging.getLogger(__name__)
+
+LABELS = ["model_name", "worker", "phase"]
+Stats = DecodeStats | PrefillStats
+COUNTERS: dict[str, tuple[str, Callable[[EngineCounts], int]]] = {
+    "vllm:prompt_tokens": ("Prompt tokens prefilled here", lambda c: c.prompt_tokens),
+    "vllm:generation_tokens": ("Tokens sampled here", lambda c: c.generation_tokens),
+    "vllm:prefix_cache_queries": (
+        "Prompt tokens looked up in the prefix cache",
+        lambda c: c.prefix_queries,
+    ),
+    "vllm:prefix_cache_hits": ("Prompt tokens found in the prefix cache", lambda c: c.prefix_hits),
+    "vllm:num_preemptions": ("Requests preempted to free KV pages", lambda c: c.preemptions),
+}
+
+
+def worker_series(model: str, stats: Mapping[str, Stats]) -> Iterator[Metric]:
+    """The vLLM series of these workers (by worker id), as their stats last said."""
+    running = GaugeMetricFamily(
+        "vllm:num_requests_running", "Requests in the engine's running batch", labels=LABELS
+    )
+    waiting = GaugeMetricFamily(
+        "vllm:num_requests_waiting",
+        "Requests admitted, not running: queued, awaiting KV pages or their KV in transfer",
+        labels=LABELS,
+    )
+    kv = GaugeMetricFamily(
+        "vllm:kv_cache_usage_perc", "KV cache pages in use, as a fraction 0-1", labels=LABELS
+    )
+    counters = {n: CounterMetricFamily(n, doc, labels=LABELS) for n, (doc, _) in COUNTERS.items()}
+    for worker, s in stats.items():
+        if isinstance(s, DecodeStats):
+            labels = [model, worker, "decode"]
+            running.add_metric(labels, s.running)
+            waiting.add_metric(labels, s.waiting + s.transferring + s.admitting)
+        else:
+            labels = [model, worker, "prefill"]
+            running.add_metric(labels, s.prefilling)
+            waiting.add_metric(labels, s.queued_requests - s.prefilling)
+        kv.add_metric(labels, (s.num_pages - s.free_pages) / s.num_pages)
+        for name, (_, count) in COUNTERS.items():
+            counters[name].add_metric(labels, count(s.counts))
+    yield from (running, waiting, kv, *counters.values())
+
+
+class _OneWorker:
+    def __init__(self, worker: str, model: str, read: Callable[[], Stats]) -> None:
+        self.worker, self.model, self.read = worker, model, read
+
+    def collect(self) -> Iterator[Metric]:
+        yield from worker_series(self.model, {self.worker: self.read()})
+
+
+def serve(worker: str, model: str, read: Callable[[], Stats], config: EngineConfig) -> str | None:
+    """Serve the worker's series on http://metrics_host:metrics_port/metrics (port 0: any
+    free one, None: no server), reading its stats with `read` at each scrape; the URL."""
+    if config.metrics_port is None:
+        return None
+    registry = CollectorRegistry()
+    registry.register(_OneWorker(worker, model, read))
+    server, _ = start_http_server(config.metrics_port, addr=config.metrics_host, registry=registry)
+    url = f"http://{config.metrics_host}:{server.server_address[1]}/metrics"
+    log.info("%s: Prometheus metrics on %s", worker, url)
+    return url

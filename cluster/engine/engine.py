@@ -389,10 +389,11 @@ class LLMEngine:
         if any(p.adjusts_logits for p in params):
             histories = [History(lv.seq.token_ids, lv.output_from, lv.stop_ids) for lv in lives]
             logits = adjust(logits, params, histories)
-        held = [i for i, lv in enumerate(lives) if lv.matcher is not None]
-        if held:
+        matchers = [m for lv in lives if (m := lv.matcher) is not None]
+        if matchers:
             assert self._grammars is not None
-            logits = self._grammars.mask(logits, held, [lives[i].matcher for i in held])
+            held = [i for i, lv in enumerate(lives) if lv.matcher is not None]
+            logits = self._grammars.mask(logits, held, matchers)
         tokens, logprobs = sample(logits, params, [lv.generator for lv in lives])
         self._time_step(started, step.num_tokens, synced=True)
         self._prompt_tokens += sum(

@@ -18,6 +18,8 @@ The session header `X-Session-Id` gives a conversation's turns the same worker.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import logging
 import ssl
@@ -33,7 +35,7 @@ from aiohttp.typedefs import Handler, Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cluster.engine.tokenizer import Tokenizer
-from cluster.types import FinishReason, InvalidRequestError, ModelInfo, TokenDelta
+from cluster.types import FinishReason, InvalidRequestError, ModelInfo, RequestId, TokenDelta
 from router import cors
 from router.auth import UNAUTHORIZED, http_middleware
 from router.metrics import RouterMetrics
@@ -50,6 +52,7 @@ MAX_BODY_BYTES = 4 * 2**20
 # Connections the kernel holds for accept(): aiohttp's 128 dropped part of a burst of new
 # clients, who waited a 1 s SYN retransmit to be refused; the kernel caps it (somaxconn).
 BACKLOG = 4096
+MAX_N = 16  # choices per request
 
 
 class HTTPError(Exception):
@@ -89,6 +92,7 @@ class Call:
     stream: bool
     include_usage: bool
     logprobs: bool
+    n: int = 1  # choices: the same prompt sampled n times (router/openai.py `_choices`)
 
 
 # The fields that hold the output to a grammar: OpenAI's, vLLM's older and newer spellings.
@@ -178,9 +182,9 @@ def to_call(body: Any, chat: bool, session_id: str | None) -> Call:
         _prompt(msg, body.get("prompt"))
     _sampling(body, msg.sampling)
     _structured(body, msg.sampling.structured)
-    n = _field(body, "n", (int,), "an integer")
-    if n not in (None, 1):
-        raise InvalidRequestError(f"n: only 1 choice per request is served, got {n}")
+    n = _field(body, "n", (int,), "an integer") or 1
+    if not 1 <= n <= MAX_N:
+        raise InvalidRequestError(f"n: must be in [1, {MAX_N}], got {n}")
     _field(body, "user", (str,), "a string")
     logprobs = _logprobs(body, chat)
     msg.sampling.logprobs = logprobs
@@ -189,7 +193,7 @@ def to_call(body: Any, chat: bool, session_id: str | None) -> Call:
     if options is not None and not stream:
         raise InvalidRequestError("stream_options: only with stream: true")
     include_usage = bool(_field(options or {}, "include_usage", (bool,), "true or false"))
-    return Call(msg, chat, stream, include_usage, logprobs)
+    return Call(msg, chat, stream, include_usage, logprobs, n)
 
 
 def _sampling(body: dict[str, Any], s: pb.SamplingParams) -> None:
@@ -350,14 +354,26 @@ class Reply:
     final: Final | None = None
 
 
-def _usage(final: Final) -> dict[str, Any]:
-    u = final.usage
+def _usage(finals: list[Final]) -> dict[str, Any]:
+    """One prompt, however many choices: its tokens once, every choice's completion."""
+    prompt = finals[0].usage.prompt_tokens
+    completion = sum(f.usage.completion_tokens for f in finals)
     return {
-        "prompt_tokens": u.prompt_tokens,
-        "completion_tokens": u.completion_tokens,
-        "total_tokens": u.prompt_tokens + u.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": finals[0].usage.cached_prompt_tokens},
     }
+
+
+def _child(p: Prepared, i: int) -> Prepared:
+    """Choice i of a request: the same prompt, its own id, and, when seeded, seed + i (an
+    unseeded one gets a random seed of its own in the router)."""
+    sampling = p.sampling
+    if sampling.seed is not None:
+        sampling = dataclasses.replace(sampling, seed=sampling.seed + i)
+    rid = None if p.request_id is None else RequestId(f"{p.request_id}-{i}")
+    return dataclasses.replace(p, sampling=sampling, request_id=rid)
 
 
 class OpenAIFrontDoor:
@@ -517,8 +533,8 @@ class OpenAIFrontDoor:
         call, prepared = await self._prepare(request, chat)
         if call.stream:
             return await self._stream(request, call, prepared)
-        reply = await self._collect(prepared)
-        return web.json_response(self._body(call, reply)), "ok"
+        replies = await self._collect(prepared, call.n)
+        return web.json_response(self._body(call, replies)), "ok"
 
     async def _prepare(self, request: web.Request, chat: bool) -> tuple[Call, Prepared]:
         body = await _body(request)
@@ -551,16 +567,55 @@ class OpenAIFrontDoor:
             log.exception("HTTP generate failed")
             raise HTTPError(500, f"internal error: {e}", "server_error") from None
 
-    async def _collect(self, p: Prepared) -> Reply:
-        reply = Reply()
-        async for delta, final in self._deltas(p):
+    async def _choices(
+        self, p: Prepared, n: int
+    ) -> AsyncIterator[tuple[int, TokenDelta, Final | None]]:
+        """Each of n choices' deltas as they come, with the choice's index. Choice 0 runs
+        alone until its first token: the others, the same prompt, then find its KV pages in
+        the prefix cache, so the prompt is prefilled once and its full pages are shared
+        (the last, partial one each request computes and owns)."""
+        children = [p] if n == 1 else [_child(p, i) for i in range(n)]
+        queue: asyncio.Queue[tuple[int, TokenDelta | Exception | None, Final | None]]
+        queue = asyncio.Queue()
+
+        async def run(i: int) -> None:
+            try:
+                async for delta, final in self._deltas(children[i]):
+                    queue.put_nowait((i, delta, final))
+            except Exception as e:
+                queue.put_nowait((i, e, None))
+            else:
+                queue.put_nowait((i, None, None))
+
+        tasks = [asyncio.create_task(run(0))]
+        try:
+            ended = 0
+            while ended < n:
+                i, got, final = await queue.get()
+                if isinstance(got, Exception):
+                    raise got
+                if len(tasks) < n:  # choice 0's first token: its prompt is cached
+                    tasks += [asyncio.create_task(run(j)) for j in range(1, n)]
+                if got is None:
+                    ended += 1
+                    continue
+                yield i, got, final
+        finally:
+            for task in tasks:  # a choice still running is aborted on its workers
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _collect(self, p: Prepared, n: int) -> list[Reply]:
+        replies = [Reply() for _ in range(n)]
+        async for i, delta, final in self._choices(p, n):
+            reply = replies[i]
             reply.text += delta.text
             reply.token_ids.extend(delta.token_ids)
             reply.logprobs.extend(delta.logprobs)
             if delta.finish_reason is not None:
                 reply.finish = FINISH.get(delta.finish_reason, "stop")
             reply.final = final or reply.final
-        return reply
+        return replies
 
     def _envelope(self, call: Call, rid: str) -> dict[str, Any]:
         kind = "chat.completion" if call.chat else "text_completion"
@@ -576,19 +631,24 @@ class OpenAIFrontDoor:
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": None,
                 "text_offset": None}  # fmt: skip
 
-    def _body(self, call: Call, reply: Reply) -> dict[str, Any]:
+    def _body(self, call: Call, replies: list[Reply]) -> dict[str, Any]:
         rid = ("chatcmpl-" if call.chat else "cmpl-") + uuid.uuid4().hex
-        logprobs = None
-        if call.logprobs:
-            logprobs = self._logprobs(call, reply.token_ids, reply.logprobs)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": reply.finish, "logprobs": logprobs}
-        if call.chat:
-            choice["message"] = {"role": "assistant", "content": reply.text}
-        else:
-            choice["text"] = reply.text
-        body = {**self._envelope(call, rid), "choices": [choice]}
-        if reply.final is not None:
-            body["usage"] = _usage(reply.final)
+        choices = []
+        for i, reply in enumerate(replies):
+            logprobs = None
+            if call.logprobs:
+                logprobs = self._logprobs(call, reply.token_ids, reply.logprobs)
+            choice: dict[str, Any] = {"index": i, "finish_reason": reply.finish,
+                                      "logprobs": logprobs}  # fmt: skip
+            if call.chat:
+                choice["message"] = {"role": "assistant", "content": reply.text}
+            else:
+                choice["text"] = reply.text
+            choices.append(choice)
+        body = {**self._envelope(call, rid), "choices": choices}
+        finals = [r.final for r in replies if r.final is not None]
+        if finals:
+            body["usage"] = _usage(finals)
         return body
 
     async def _stream(
@@ -599,13 +659,13 @@ class OpenAIFrontDoor:
         a failure after it ends the stream with an error event. Returns how it ended."""
         envelope = self._envelope(call, ("chatcmpl-" if call.chat else "cmpl-") + uuid.uuid4().hex)
         response: web.StreamResponse | None = None
-        final: Final | None = None
+        finals: list[Final] = []
         try:
-            async for delta, last in self._deltas(p):
+            async for i, delta, last in self._choices(p, call.n):
                 if response is None:
                     response = await self._open(request, call, envelope)
-                await _event(response, {**envelope, "choices": [self._chunk(call, delta)]})
-                final = last or final
+                await _event(response, {**envelope, "choices": [self._chunk(call, delta, i)]})
+                finals += [last] if last is not None else []
         except HTTPError as e:
             if response is None:
                 raise
@@ -616,8 +676,8 @@ class OpenAIFrontDoor:
             assert response is not None
             return response, "cancelled"
         assert response is not None, "a stream ends with a delta that has a finish reason"
-        if call.include_usage and final is not None:
-            await _event(response, {**envelope, "choices": [], "usage": _usage(final)})
+        if call.include_usage and finals:
+            await _event(response, {**envelope, "choices": [], "usage": _usage(finals)})
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response, "ok"
@@ -628,18 +688,19 @@ class OpenAIFrontDoor:
         headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         response = web.StreamResponse(headers=headers)
         await response.prepare(request)
-        if call.chat:  # the role comes first, in a chunk of its own
-            first = {"index": 0, "delta": {"role": "assistant", "content": ""},
-                     "logprobs": None, "finish_reason": None}  # fmt: skip
-            await _event(response, {**envelope, "choices": [first]})
+        if call.chat:  # each choice's role comes first, in a chunk of its own
+            for i in range(call.n):
+                first = {"index": i, "delta": {"role": "assistant", "content": ""},
+                         "logprobs": None, "finish_reason": None}  # fmt: skip
+                await _event(response, {**envelope, "choices": [first]})
         return response
 
-    def _chunk(self, call: Call, delta: TokenDelta) -> dict[str, Any]:
+    def _chunk(self, call: Call, delta: TokenDelta, index: int) -> dict[str, Any]:
         finish = None if delta.finish_reason is None else FINISH.get(delta.finish_reason)
         logprobs = None
         if call.logprobs:
             logprobs = self._logprobs(call, list(delta.token_ids), list(delta.logprobs))
-        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": finish}
+        choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish}
         if call.chat:
             choice["delta"] = {"content": delta.text} if delta.text or not finish else {}
         else:

@@ -163,7 +163,7 @@ def test_min_tokens_bars_eos_until_reached_and_a_stop_string_can_be_kept(
     "fields, status, param",
     [
         ({"temperature": "hot"}, 400, "temperature"),
-        ({"n": 2}, 400, "n"),
+        ({"n": 17}, 400, "n"),
         ({"max_tokens": 0}, 400, "max_tokens"),
         ({"messages": []}, 400, "messages"),
         ({"top_logprobs": 3}, 400, "top_logprobs"),
@@ -356,3 +356,25 @@ def test_json_object_choice_and_regex_hold(client: openai.OpenAI, workers: Any) 
     with pytest.raises(openai.BadRequestError) as err:
         ask(extra_body={"guided_regex": "(("})
     assert isinstance(err.value.body, dict) and err.value.body["param"] == "response_format"
+
+
+def test_n_choices_are_the_requests_with_seeds_seed_plus_i(
+    client: openai.OpenAI, workers: Any
+) -> None:
+    messages = [{"role": "user", "content": "Name a colour."}]
+    args: dict[str, Any] = {"model": MODEL, "messages": messages, "max_tokens": 12,
+                            "temperature": 1.0}  # fmt: skip
+    whole = client.chat.completions.create(n=3, seed=40, **args)
+    alone = [client.chat.completions.create(seed=40 + i, **args) for i in range(3)]
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert [c.message.content for c in whole.choices] == [
+        a.choices[0].message.content for a in alone
+    ]
+    assert whole.usage is not None and alone[0].usage is not None
+    assert whole.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert whole.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)  # type: ignore[union-attr]
+    texts = ["", "", ""]
+    for chunk in client.chat.completions.create(n=3, seed=40, stream=True, **args):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts == [c.message.content for c in whole.choices]

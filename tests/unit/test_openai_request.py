@@ -60,7 +60,7 @@ def test_ignore_eos_is_taken_as_vllm_spells_it() -> None:
         ({}, "prompt: required"),
         ({"prompt": "a", "max_tokens": True}, "max_tokens: must be an integer"),
         ({"prompt": "a", "temperature": "hot"}, "temperature: must be a number"),
-        ({"prompt": "a", "n": 3}, "n: only 1 choice per request"),
+        ({"prompt": "a", "n": 17}, r"n: must be in \[1, 16\]"),
         ({"prompt": "a", "stop": [1]}, "stop: must be a string or a list of strings"),
         ({"prompt": "a", "logprobs": 2}, "logprobs: only 0 is served"),
         ({"prompt": "a", "ignore_eos": "yes"}, "ignore_eos: must be true or false"),
@@ -122,7 +122,7 @@ SHOWN: dict[str, Any] = {
     "guided_regex": "a+", "guided_choice": ["a", "b"], "guided_grammar": 'root ::= "a"',
     "structured_outputs": {"regex": "a+"},
 }  # fmt: skip
-REFUSED_VALUES = {"n": 2, "top_logprobs": 2}
+REFUSED_VALUES = {"n": 17, "top_logprobs": 2}
 
 
 def base(chat: bool) -> dict[str, Any]:

@@ -52,7 +52,8 @@ MAX_BODY_BYTES = 4 * 2**20
 # Connections the kernel holds for accept(): aiohttp's 128 dropped part of a burst of new
 # clients, who waited a 1 s SYN retransmit to be refused; the kernel caps it (somaxconn).
 BACKLOG = 4096
-MAX_N = 16  # choices per request
+MAX_N = 16  # choices per prompt
+MAX_PROMPTS = 64  # prompts per completions request
 
 
 class HTTPError(Exception):
@@ -87,12 +88,16 @@ def invalid(e: InvalidRequestError) -> HTTPError:
 
 @dataclass(frozen=True)
 class Call:
-    request: pb.GenerateRequest
+    requests: tuple[pb.GenerateRequest, ...]  # one per prompt (completions take a list)
     chat: bool
     stream: bool
     include_usage: bool
     logprobs: bool
-    n: int = 1  # choices: the same prompt sampled n times (router/openai.py `_choices`)
+    n: int = 1  # choices per prompt: the same prompt sampled n times (`_choices`)
+
+    @property
+    def request(self) -> pb.GenerateRequest:
+        return self.requests[0]
 
 
 # The fields that hold the output to a grammar: OpenAI's, vLLM's older and newer spellings.
@@ -161,6 +166,7 @@ def to_call(body: Any, chat: bool, session_id: str | None) -> Call:
         raise InvalidRequestError("body: must be a JSON object")
     _refuse_unserved(body, chat)
     msg = pb.GenerateRequest(session_id=session_id or "")
+    prompts: list[Any] = []  # completions: each prompt after the first is a request too
     model = _field(body, "model", (str,), "a string")
     if model:
         msg.model = model
@@ -179,7 +185,12 @@ def to_call(body: Any, chat: bool, session_id: str | None) -> Call:
         if not messages:
             msg.chat.SetInParent()  # prepare says what is wrong with no messages
     else:
-        _prompt(msg, body.get("prompt"))
+        given = body.get("prompt")
+        many = isinstance(given, list) and given and all(isinstance(p, str | list) for p in given)
+        prompts = list(given) if many else [given]  # type: ignore[arg-type]
+        if len(prompts) > MAX_PROMPTS:
+            raise InvalidRequestError(f"prompt: at most {MAX_PROMPTS} prompts per request")
+        _prompt(msg, prompts[0])
     _sampling(body, msg.sampling)
     _structured(body, msg.sampling.structured)
     n = _field(body, "n", (int,), "an integer") or 1
@@ -193,7 +204,15 @@ def to_call(body: Any, chat: bool, session_id: str | None) -> Call:
     if options is not None and not stream:
         raise InvalidRequestError("stream_options: only with stream: true")
     include_usage = bool(_field(options or {}, "include_usage", (bool,), "true or false"))
-    return Call(msg, chat, stream, include_usage, logprobs, n)
+    requests = [msg]
+    for prompt in prompts[1:]:
+        other = pb.GenerateRequest()
+        other.CopyFrom(msg)
+        other.ClearField("text")
+        other.ClearField("token_ids")
+        _prompt(other, prompt)
+        requests.append(other)
+    return Call(tuple(requests), chat, stream, include_usage, logprobs, n)
 
 
 def _sampling(body: dict[str, Any], s: pb.SamplingParams) -> None:
@@ -309,8 +328,6 @@ def _content(content: Any, i: int) -> str:
 
 
 def _prompt(msg: pb.GenerateRequest, prompt: Any) -> None:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         msg.text = prompt
     elif (
@@ -323,7 +340,7 @@ def _prompt(msg: pb.GenerateRequest, prompt: Any) -> None:
         raise InvalidRequestError("prompt: required")
     else:
         raise InvalidRequestError(
-            "prompt: must be a string or a list of token ids (one prompt per request)"
+            "prompt: must be a string, a list of token ids, or a list of either"
         )
 
 
@@ -354,15 +371,16 @@ class Reply:
     final: Final | None = None
 
 
-def _usage(finals: list[Final]) -> dict[str, Any]:
-    """One prompt, however many choices: its tokens once, every choice's completion."""
-    prompt = finals[0].usage.prompt_tokens
-    completion = sum(f.usage.completion_tokens for f in finals)
+def _usage(finals: dict[int, Final], n: int) -> dict[str, Any]:
+    """Each prompt's tokens once (its choice 0's), every choice's completion; by index."""
+    firsts = [f.usage for i, f in finals.items() if i % n == 0]
+    prompt = sum(u.prompt_tokens for u in firsts)
+    completion = sum(f.usage.completion_tokens for f in finals.values())
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": finals[0].usage.cached_prompt_tokens},
+        "prompt_tokens_details": {"cached_tokens": sum(u.cached_prompt_tokens for u in firsts)},
     }
 
 
@@ -536,16 +554,19 @@ class OpenAIFrontDoor:
         replies = await self._collect(prepared, call.n)
         return web.json_response(self._body(call, replies)), "ok"
 
-    async def _prepare(self, request: web.Request, chat: bool) -> tuple[Call, Prepared]:
+    async def _prepare(self, request: web.Request, chat: bool) -> tuple[Call, list[Prepared]]:
         body = await _body(request)
         try:
             call = to_call(body, chat, request.headers.get(SESSION_HEADER))
             self._check_model(call.request.model)
-            for name, value in self.sampling_defaults.items():
-                if not call.request.sampling.HasField(name):
-                    setattr(call.request.sampling, name, value)
-            args = (call.request, self.tokenizer, self.model, self.max_tokens, self.pool)
-            return call, await prepare_off_loop(*args, fill_context=True)
+            prepared = []
+            for msg in call.requests:
+                for name, value in self.sampling_defaults.items():
+                    if not msg.sampling.HasField(name):
+                        setattr(msg.sampling, name, value)
+                args = (msg, self.tokenizer, self.model, self.max_tokens, self.pool)
+                prepared.append(await prepare_off_loop(*args, fill_context=True))
+            return call, prepared
         except InvalidRequestError as e:
             raise invalid(e) from None
 
@@ -568,13 +589,14 @@ class OpenAIFrontDoor:
             raise HTTPError(500, f"internal error: {e}", "server_error") from None
 
     async def _choices(
-        self, p: Prepared, n: int
+        self, prompts: list[Prepared], n: int
     ) -> AsyncIterator[tuple[int, TokenDelta, Final | None]]:
-        """Each of n choices' deltas as they come, with the choice's index. Choice 0 runs
-        alone until its first token: the others, the same prompt, then find its KV pages in
-        the prefix cache, so the prompt is prefilled once and its full pages are shared
-        (the last, partial one each request computes and owns)."""
-        children = [p] if n == 1 else [_child(p, i) for i in range(n)]
+        """Every choice's deltas as they come, with its index (prompt k's choice i is
+        k * n + i, as OpenAI numbers them). The prompts run together; of each prompt's n
+        choices, choice 0 runs alone until its first token: the others, the same prompt,
+        then find its KV pages in the prefix cache, so the prompt is prefilled once and its
+        full pages are shared (the last, partial one each request computes and owns)."""
+        children = [p if n == 1 else _child(p, i) for p in prompts for i in range(n)]
         queue: asyncio.Queue[tuple[int, TokenDelta | Exception | None, Final | None]]
         queue = asyncio.Queue()
 
@@ -587,15 +609,16 @@ class OpenAIFrontDoor:
             else:
                 queue.put_nowait((i, None, None))
 
-        tasks = [asyncio.create_task(run(0))]
+        tasks = [asyncio.create_task(run(k * n)) for k in range(len(prompts))]
         try:
             ended = 0
-            while ended < n:
+            while ended < len(children):
                 i, got, final = await queue.get()
                 if isinstance(got, Exception):
                     raise got
-                if len(tasks) < n:  # choice 0's first token: its prompt is cached
-                    tasks += [asyncio.create_task(run(j)) for j in range(1, n)]
+                if i % n == 0 and n > 1 and got is not None and got.index == 0:
+                    # choice 0's first token: its prompt is cached for the others
+                    tasks += [asyncio.create_task(run(i + j)) for j in range(1, n)]
                 if got is None:
                     ended += 1
                     continue
@@ -605,9 +628,9 @@ class OpenAIFrontDoor:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _collect(self, p: Prepared, n: int) -> list[Reply]:
-        replies = [Reply() for _ in range(n)]
-        async for i, delta, final in self._choices(p, n):
+    async def _collect(self, prompts: list[Prepared], n: int) -> list[Reply]:
+        replies = [Reply() for _ in range(len(prompts) * n)]
+        async for i, delta, final in self._choices(prompts, n):
             reply = replies[i]
             reply.text += delta.text
             reply.token_ids.extend(delta.token_ids)
@@ -646,26 +669,27 @@ class OpenAIFrontDoor:
                 choice["text"] = reply.text
             choices.append(choice)
         body = {**self._envelope(call, rid), "choices": choices}
-        finals = [r.final for r in replies if r.final is not None]
+        finals = {i: r.final for i, r in enumerate(replies) if r.final is not None}
         if finals:
-            body["usage"] = _usage(finals)
+            body["usage"] = _usage(finals, call.n)
         return body
 
     async def _stream(
-        self, request: web.Request, call: Call, p: Prepared
+        self, request: web.Request, call: Call, prompts: list[Prepared]
     ) -> tuple[web.StreamResponse, str]:
         """Server-sent events: one chunk per delta, then usage if asked, then [DONE]. The
         response starts with the first delta, so a refusal still gets its status code;
         a failure after it ends the stream with an error event. Returns how it ended."""
         envelope = self._envelope(call, ("chatcmpl-" if call.chat else "cmpl-") + uuid.uuid4().hex)
         response: web.StreamResponse | None = None
-        finals: list[Final] = []
+        finals: dict[int, Final] = {}
         try:
-            async for i, delta, last in self._choices(p, call.n):
+            async for i, delta, last in self._choices(prompts, call.n):
                 if response is None:
                     response = await self._open(request, call, envelope)
                 await _event(response, {**envelope, "choices": [self._chunk(call, delta, i)]})
-                finals += [last] if last is not None else []
+                if last is not None:
+                    finals[i] = last
         except HTTPError as e:
             if response is None:
                 raise
@@ -677,7 +701,7 @@ class OpenAIFrontDoor:
             return response, "cancelled"
         assert response is not None, "a stream ends with a delta that has a finish reason"
         if call.include_usage and finals:
-            await _event(response, {**envelope, "choices": [], "usage": _usage(finals)})
+            await _event(response, {**envelope, "choices": [], "usage": _usage(finals, call.n)})
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response, "ok"
@@ -689,7 +713,7 @@ class OpenAIFrontDoor:
         response = web.StreamResponse(headers=headers)
         await response.prepare(request)
         if call.chat:  # each choice's role comes first, in a chunk of its own
-            for i in range(call.n):
+            for i in range(call.n * len(call.requests)):
                 first = {"index": i, "delta": {"role": "assistant", "content": ""},
                          "logprobs": None, "finish_reason": None}  # fmt: skip
                 await _event(response, {**envelope, "choices": [first]})

@@ -378,3 +378,15 @@ def test_n_choices_are_the_requests_with_seeds_seed_plus_i(
         for c in chunk.choices:
             texts[c.index] += c.delta.content or ""
     assert texts == [c.message.content for c in whole.choices]
+
+
+def test_a_list_of_prompts_answers_each_as_alone(client: openai.OpenAI, workers: Any) -> None:
+    prompts = ["The capital of France is", "Water boils at", "One, two,"]
+    args: dict[str, Any] = {"model": MODEL, "max_tokens": 8, "temperature": 0}
+    whole = client.completions.create(prompt=prompts, n=2, **args)
+    alone = [client.completions.create(prompt=p, **args) for p in prompts]
+    assert [c.index for c in whole.choices] == list(range(6))
+    assert [c.text for c in whole.choices] == [a.choices[0].text for a in alone for _ in "ab"]
+    assert whole.usage is not None
+    assert whole.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)  # type: ignore[union-attr]
+    assert whole.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone)  # type: ignore[union-attr]

@@ -40,6 +40,7 @@ def test_a_chat_body_becomes_a_chat_request_with_its_sampling() -> None:
     [("Once", "text"), (["Once"], "text"), ([1, 2, 3], "token_ids"), ([[1, 2]], "token_ids")],
 )
 def test_a_completion_prompt_is_text_or_token_ids(prompt: Any, kind: str) -> None:
+    """A list of one prompt is one request."""
     msg = to_call({"prompt": prompt, "max_tokens": 4}, chat=False, session_id=None).request
     assert msg.WhichOneof("input") == kind and msg.sampling.max_tokens == 4
 
@@ -55,8 +56,9 @@ def test_ignore_eos_is_taken_as_vllm_spells_it() -> None:
 @pytest.mark.parametrize(
     "body, message",
     [
-        ({"prompt": ["a", "b"]}, "prompt: must be a string or a list of token ids"),
-        ({"prompt": [1, True]}, "prompt: must be a string or a list of token ids"),
+        ({"prompt": ["a", 3]}, "prompt: must be a string, a list of token ids, or a list"),
+        ({"prompt": [1, True]}, "prompt: must be a string, a list of token ids, or a list"),
+        ({"prompt": ["a"] * 65}, "prompt: at most 64 prompts"),
         ({}, "prompt: required"),
         ({"prompt": "a", "max_tokens": True}, "max_tokens: must be an integer"),
         ({"prompt": "a", "temperature": "hot"}, "temperature: must be a number"),
@@ -237,3 +239,12 @@ def test_every_spelling_of_a_grammar_reaches_the_request(
 def test_a_bad_grammar_field_is_refused_by_name(fields: dict[str, Any], message: str) -> None:
     with pytest.raises(InvalidRequestError, match=f"^{message}"):
         to_call({**base(True), **fields}, True, None)
+
+
+def test_a_list_of_prompts_is_one_request_each_with_the_same_sampling() -> None:
+    body = {"prompt": ["Once", [5, 6], "Twice"], "max_tokens": 3, "seed": 9}
+    call = to_call(body, chat=False, session_id=None)
+    assert [m.WhichOneof("input") for m in call.requests] == ["text", "token_ids", "text"]
+    assert [m.text for m in call.requests] == ["Once", "", "Twice"]
+    assert list(call.requests[1].token_ids.ids) == [5, 6]
+    assert {(m.sampling.max_tokens, m.sampling.seed) for m in call.requests} == {(3, 9)}

@@ -13,7 +13,7 @@ from cluster.engine.model_files import bundled_model_path
 from cluster.engine.tokenizer import Tokenizer
 from cluster.protocol import DecodeHandle, PrefillHandle
 from cluster.types import ModelInfo
-from router.auth import api_key, warn_if_open
+from router.auth import api_key
 from router.metrics import RouterMetrics
 from router.openai import OpenAIFrontDoor
 from router.placement import PlacementStore
@@ -100,7 +100,6 @@ async def start_router(
     pool = TokenizePool(config.tokenize_threads, config.max_tokenize_queue)
     servicer = GenerationServicer(router, tokenizer, info, config, metrics, pool)
     key = api_key(config)
-    warn_if_open(config.host, key)
     tls = server_tls(config)
     server = RouterServer(servicer, config, key, None if tls is None else tls.grpc)
     app = RouterApp(server, router, workers, placements, metrics, None, None, pool)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
-import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -20,8 +19,6 @@ from aiohttp import web
 
 from cluster.config import ConfigError, RouterConfig
 
-log = logging.getLogger(__name__)
-
 # What the key guards: the API and the tokenizer; /health, /version and /metrics stay open.
 HTTP_GUARDED = ("/v1/", "/tokenize", "/detokenize")
 UNAUTHORIZED = "invalid API key: send Authorization: Bearer <key>"
@@ -29,15 +26,25 @@ UNAUTHORIZED = "invalid API key: send Authorization: Bearer <key>"
 
 def api_key(config: RouterConfig) -> str | None:
     """The key clients must send: router.api_key, or router.api_key_file's contents
-    (stripped); None: no check."""
-    if config.api_key_file is None:
-        return config.api_key
+    (stripped); None: no check, which only a loopback router.host may go without (anything
+    bound wider asks for a key: a ConfigError naming router.host and router.api_key)."""
+    key = config.api_key if config.api_key_file is None else _read(config.api_key_file)
+    if key is None and not _loopback(config.host):
+        raise ConfigError(
+            f"router.host: {config.host} is reachable from other machines, so it needs "
+            "router.api_key (--api-key, SPLITSERVE_API_KEY, or router.api_key_file); or "
+            "listen on 127.0.0.1"
+        )
+    return key
+
+
+def _read(path: str) -> str:
     try:
-        key = Path(config.api_key_file).read_text().strip()
+        key = Path(path).read_text().strip()
     except OSError as e:
-        raise ConfigError(f"router.api_key_file: cannot read {config.api_key_file}: {e}") from e
+        raise ConfigError(f"router.api_key_file: cannot read {path}: {e}") from e
     if not key:
-        raise ConfigError(f"router.api_key_file: {config.api_key_file} is empty")
+        raise ConfigError(f"router.api_key_file: {path} is empty")
     return key
 
 
@@ -47,17 +54,6 @@ def authorized(header: str | None, key: str) -> bool:
     if scheme.lower() != "bearer":
         presented = ""
     return hmac.compare_digest(presented.strip().encode(), key.encode())
-
-
-def warn_if_open(host: str, key: str | None) -> None:
-    """One warning line when the front doors listen beyond loopback with no key."""
-    if key is not None or _loopback(host):
-        return
-    log.warning(
-        "router: listening on %s with no API key: anyone who can reach it may use it "
-        "(set --api-key, SPLITSERVE_API_KEY or router.api_key)",
-        host,
-    )
 
 
 def _loopback(host: str) -> bool:

@@ -322,14 +322,18 @@ SERVE_EXAMPLES = """examples:
   splitserve serve                                   # bundled model, one prefill + one decode
   splitserve serve path/to/model.gguf --quantization gguf --dtype bfloat16
   splitserve serve path/to/hf-dir --served-model-name llama --max-model-len 8192 \\
-      --host 0.0.0.0 --port 8080 --grpc-port 50052 --decode-replicas 2
+      --host 0.0.0.0 --api-key-file key.txt --port 8080 --grpc-port 50052 --decode-replicas 2
+  splitserve serve --ssl-keyfile key.pem --ssl-certfile cert.pem \\
+      --allowed-origins https://app.example.com   # https:// and TLS gRPC; CORS for one origin
   splitserve serve --config configs/serve.example.yaml --redis-url redis://host:6379
-  splitserve serve --config deploy/splitserve.yaml   # join a GPU Ray cluster
+  SPLITSERVE_API_KEY=$(cat key.txt) \\
+      splitserve serve --config deploy/splitserve.yaml   # join a GPU Ray cluster (0.0.0.0)
   SPLITSERVE_PORT=8080 splitserve serve              # any flag: SPLITSERVE_<FLAG>
 precedence: flag > SPLITSERVE_<FLAG> > the --config YAML > the default
 then: curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{"messages": [{"role": "user", "content": "Hi"}]}'
       splitserve chat                                # over gRPC on 127.0.0.1:50051
+      splitserve chat --ssl-ca cert.pem              # ... over TLS, trusting that certificate
 """
 
 

@@ -1,11 +1,12 @@
 """`splitserve serve`: Redis, Ray, a prefill and a decode pool, the gRPC router, and a
 scaler per pool.
 
-Start order: the TLS certificate and key load (router/tls.py), the memory check
-(splitserve/fit.py: the model is here and each pool's worker fits its device), the port
-check (splitserve/ports.py: each listening port is free), Redis (embedded valkey-server
-unless redis_url is set), a local Ray (or join one), the workers (all spawned at once,
-then awaited), the router, the scalers.
+Start order: the API key (router/auth.py: one is needed beyond loopback) and the TLS
+certificate (router/tls.py) load, the memory check (splitserve/fit.py: the model is here
+and each pool's worker fits its device), the port check (splitserve/ports.py: each
+listening port is free), Redis (embedded valkey-server unless redis_url is set), a local
+Ray (or join one), the workers (all spawned at once, then awaited), the router, the
+scalers.
 SIGINT or SIGTERM: scaling stops, the router stops accepting and gives requests in
 flight `grace_s` to finish (then aborts them), and everything started here is stopped
 in reverse order, whatever failed before.
@@ -25,6 +26,7 @@ import ray
 
 from cluster.config import ServeConfig
 from router.app import RouterApp, start_router
+from router.auth import api_key
 from router.tls import server_tls
 from splitserve.fit import check_fit
 from splitserve.pool import DECODE, PREFILL, AnyPool, WorkerPool
@@ -36,7 +38,10 @@ log = logging.getLogger("splitserve")
 
 
 def serve(config: ServeConfig) -> int:
-    server_tls(config.router)  # a certificate that does not load: refused before anything
+    # Before anything starts: a host beyond loopback with no key, an unreadable key file, a
+    # certificate that does not load.
+    api_key(config.router)
+    server_tls(config.router)
     check_fit(config)  # before Redis, Ray or any worker starts
     check_ports(config)
     asyncio.run(_serve(config))

@@ -1,17 +1,17 @@
 """The API key: which header carries it, where it comes from (flag over environment over
-YAML), and the one warning for a wide listener without one."""
+YAML), and that a router bound beyond loopback needs one."""
 
 from __future__ import annotations
 
 import inspect
 import json
-import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from cluster.config import ConfigError, RouterConfig, serve_config_from_dict
-from router.auth import api_key, authorized, warn_if_open
+from router.auth import api_key, authorized
 from splitserve.cli import build_parser, main
 from splitserve.serve_flags import serve_config
 
@@ -116,22 +116,38 @@ def test_both_flags_are_refused_naming_them(capsys: pytest.CaptureFixture[str]) 
 
 
 @pytest.mark.parametrize(
-    ("host", "key", "warned"),
+    ("host", "router", "refused"),
     [
-        ("127.0.0.1", None, False),
-        ("localhost", None, False),
-        ("::1", None, False),
-        ("0.0.0.0", None, True),
-        ("10.1.2.3", None, True),
-        ("router.internal", None, True),
-        ("0.0.0.0", KEY, False),
+        ("127.0.0.1", {}, False),
+        ("localhost", {}, False),
+        ("::1", {}, False),
+        ("0.0.0.0", {}, True),
+        ("10.1.2.3", {}, True),
+        ("router.internal", {}, True),
+        ("0.0.0.0", {"api_key": KEY}, False),
     ],
 )
-def test_a_wide_listener_without_a_key_logs_one_warning(
-    caplog: pytest.LogCaptureFixture, host: str, key: str | None, warned: bool
+def test_a_router_bound_beyond_loopback_asks_for_a_key(
+    host: str, router: dict[str, str], refused: bool
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="router.auth"):
-        warn_if_open(host, key)
-    assert len(caplog.records) == (1 if warned else 0)
-    if warned:
-        assert host in caplog.records[0].getMessage()
+    config = RouterConfig(host=host, **router)
+    if not refused:
+        assert api_key(config) == router.get("api_key")
+        return
+    with pytest.raises(ConfigError) as err:
+        api_key(config)
+    assert str(err.value).startswith(f"router.host: {host} is reachable from other machines")
+    assert "router.api_key" in str(err.value)
+
+
+def test_serve_on_a_wide_host_without_a_key_stops_before_anything_starts(
+    started: list[Any], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("SPLITSERVE_API_KEY", raising=False)
+    assert main(["serve", "--host", "0.0.0.0"]) == 2
+    assert started == []
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("splitserve: error: router.host: 0.0.0.0 is reachable")
+    monkeypatch.setenv("SPLITSERVE_API_KEY", KEY)
+    assert main(["serve", "--host", "0.0.0.0", "--port", "0", "--grpc-port", "0"]) == 0
+    assert [config.router.host for config in started] == ["0.0.0.0"]

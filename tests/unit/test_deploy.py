@@ -3,6 +3,7 @@ worker and a GPU it fits; the images, ports, probes and model mounts line up."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import tomllib
@@ -13,8 +14,9 @@ import pytest
 import yaml
 from packaging.requirements import Requirement
 
-from cluster.config import PoolConfig, load_serve_config
+from cluster.config import ConfigError, PoolConfig, load_serve_config
 from cluster.engine.memory import DeviceMemory, fits
+from router.auth import HTTP_GUARDED, api_key
 from splitserve.capacity import ARCHITECTURES
 from splitserve.fit import engine_weight_bytes
 from splitserve.hardware import GPUS
@@ -205,7 +207,8 @@ def test_the_probes_ask_the_router_on_ports_it_listens_on() -> None:
     for probe in ("startupProbe", "readinessProbe"):
         assert HEAD[probe]["grpc"] == {"port": router.port}  # grpc.health.v1, router/server.py
     liveness = HEAD["livenessProbe"]["httpGet"]
-    assert liveness == {"path": "/v1/models", "port": router.http_port}  # router/openai.py
+    assert liveness == {"path": "/version", "port": router.http_port}  # router/openai.py
+    assert not liveness["path"].startswith(HTTP_GUARDED)  # a probe sends no API key
 
 
 # --- what KubeRay, the kubelet and the AMI make of them -------------------------------------
@@ -289,6 +292,35 @@ def test_ray_asks_for_a_token_from_a_kubernetes_secret_on_every_pod() -> None:
         assert ref == {"name": "splitserve-ray-token", "key": "token"}
     steps = (ROOT / "docs" / "deploy.md").read_text()
     assert "kubectl create secret generic splitserve-ray-token --from-literal=token=" in steps
+
+
+def _runs_serve(container: dict[str, Any]) -> bool:
+    return "splitserve serve" in " ".join([*container["command"], *container.get("args", [])])
+
+
+def test_every_container_running_serve_takes_its_api_key_from_a_kubernetes_secret() -> None:
+    """The deploy config listens on 0.0.0.0, where serve refuses to start without a key;
+    the manifests name a Secret and hold no key themselves."""
+    with pytest.raises(ConfigError, match=r"^router\.host: 0\.0\.0\.0 .* router\.api_key"):
+        api_key(CONFIG.router)
+    assert api_key(dataclasses.replace(CONFIG.router, api_key="from-the-secret"))
+    serving = [c for c in CONTAINERS if _runs_serve(c)]
+    assert serving == [HEAD]
+    for container in serving:
+        env = {e["name"]: e for e in container["env"]}
+        assert "value" not in env["SPLITSERVE_API_KEY"]
+        ref = env["SPLITSERVE_API_KEY"]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": "splitserve-api-key", "key": "key"}
+    assert {doc["kind"] for doc in KUBERAY} == {"RayCluster", "Service"}  # no Secret here
+    steps = (ROOT / "docs" / "deploy.md").read_text()
+    assert "kubectl create secret generic splitserve-api-key --from-literal=key=" in steps
+
+
+def test_the_cpu_image_binds_wide_and_its_run_line_passes_a_key() -> None:
+    assert 'CMD ["splitserve", "serve", "--host", "0.0.0.0"]' in _dockerfile("cpu")
+    steps = (ROOT / "docs" / "deploy.md").read_text()
+    for text in (_dockerfile("cpu"), steps):
+        assert "docker run --rm --shm-size=2g -e SPLITSERVE_API_KEY " in text
 
 
 def test_the_launcher_installs_into_a_python_311_venv_with_the_images_pins() -> None:

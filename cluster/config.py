@@ -357,10 +357,14 @@ class RouterConfig:
     # Browser origins allowed to call the HTTP API (CORS, router/cors.py), "*" any; empty:
     # no CORS headers at all.
     allowed_origins: tuple[str, ...] = ()
+    # A Jinja chat template file in place of the model's own (vLLM's --chat-template): for
+    # a model whose template does not render tools, say (router/tools.py).
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         _check(isinstance(self.host, str) and bool(self.host), "host", "must be a host name")
-        for name in ("api_key", "api_key_file", "served_model_name", "ssl_keyfile", "ssl_certfile"):
+        for name in ("api_key", "api_key_file", "served_model_name", "ssl_keyfile", "ssl_certfile",
+                     "chat_template"):  # fmt: skip
             value = getattr(self, name)
             _check(
                 value is None or (isinstance(value, str) and value.strip() != ""),

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from cluster.config import RouterConfig
+from cluster.config import ConfigError, RouterConfig
 from cluster.engine.model_files import bundled_model_path
 from cluster.engine.tokenizer import Tokenizer
 from cluster.protocol import DecodeHandle, PrefillHandle
@@ -76,6 +76,11 @@ async def start_router(
         info = replace(info, name=config.served_model_name)
     path = Path(model) if model else bundled_model_path()
     tokenizer = await asyncio.to_thread(Tokenizer.load, path)
+    if config.chat_template is not None:
+        try:
+            tokenizer.hf.chat_template = Path(config.chat_template).read_text()
+        except OSError as e:
+            raise ConfigError(f"router.chat_template: {e}") from None
     workers = WorkerRegistry(prefill, decode, info.page_size, config.stats_interval_s)
     placements = None
     if redis_url is not None:

@@ -42,6 +42,7 @@ from router.metrics import RouterMetrics
 from router.request import Prepared, prepare_off_loop, shown
 from router.router import Final, Overloaded, RequestFailed, Router, Unavailable
 from router.tokenize_pool import TokenizePool
+from router.tools import ToolCall, Tools, parser_for, read_tools
 from splitserve_api.v1 import splitserve_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,7 @@ class Call:
     include_usage: bool
     logprobs: bool
     n: int = 1  # choices per prompt: the same prompt sampled n times (`_choices`)
+    tools: Tools | None = None  # a chat's tools (router/tools.py)
 
     @property
     def request(self) -> pb.GenerateRequest:
@@ -110,16 +112,18 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "min_p", "top_k", "seed
           "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "n",
           "logprobs", "stream", "stream_options", "user", "request_id", *STRUCTURED}  # fmt: skip
 # `user`, `prompt_cache_key`, `safety_identifier` and `metadata` identify, they change
-# nothing served; `parallel_tool_calls` is moot without tools. Accepted as they are.
-INERT = {"user", "prompt_cache_key", "safety_identifier", "metadata", "parallel_tool_calls"}
+# nothing served. Accepted as they are.
+INERT = {"user", "prompt_cache_key", "safety_identifier", "metadata"}
 HONOURED = {
-    True: COMMON | INERT | {"messages", "max_completion_tokens", "top_logprobs"},
+    True: COMMON | INERT | {"messages", "max_completion_tokens", "top_logprobs", "tools",
+                            "tool_choice", "parallel_tool_calls"},
     False: COMMON | INERT | {"prompt"},
-}
+}  # fmt: skip
 # Fields not served, with the values that ask for nothing (then they are accepted): any
 # other value is refused with a 400 naming the field.
 UNSERVED: dict[str, tuple[Any, ...]] = {
-    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (True, False),
+    "functions": ([],), "function_call": ("none",),
     "echo": (False,), "suffix": ("",), "best_of": (1,), "audio": (), "modalities": (["text"],),
     "prediction": (), "reasoning_effort": (), "web_search_options": (), "verbosity": (),
     "store": (False,), "service_tier": ("auto", "default"), "guided_decoding_backend": (),
@@ -167,6 +171,7 @@ def to_call(body: Any, chat: bool, session_id: str | None) -> Call:
     _refuse_unserved(body, chat)
     msg = pb.GenerateRequest(session_id=session_id or "")
     prompts: list[Any] = []  # completions: each prompt after the first is a request too
+    tools: Tools | None = None  # chat
     model = _field(body, "model", (str,), "a string")
     if model:
         msg.model = model
@@ -181,9 +186,17 @@ def to_call(body: Any, chat: bool, session_id: str | None) -> Call:
             if not isinstance(m, dict):
                 raise InvalidRequestError(f"messages[{i}]: must be an object")
             role = "system" if m.get("role") == "developer" else str(m.get("role"))
-            msg.chat.messages.add(role=role, content=_content(m.get("content"), i))
+            calls = m.get("tool_calls")
+            content = m.get("content")
+            text = "" if content is None and calls else _content(content, i)
+            msg.chat.messages.add(role=role, content=text, tool_calls=_calls(calls, i),
+                                  tool_call_id=str(m.get("tool_call_id") or ""))  # fmt: skip
         if not messages:
             msg.chat.SetInParent()  # prepare says what is wrong with no messages
+        tools = read_tools(body.get("tools"), body.get("tool_choice"),
+                           body.get("parallel_tool_calls"))  # fmt: skip
+        if tools is not None:
+            msg.chat.tools = json.dumps(body["tools"])
     else:
         given = body.get("prompt")
         many = isinstance(given, list) and given and all(isinstance(p, str | list) for p in given)
@@ -193,6 +206,11 @@ def to_call(body: Any, chat: bool, session_id: str | None) -> Call:
         _prompt(msg, prompts[0])
     _sampling(body, msg.sampling)
     _structured(body, msg.sampling.structured)
+    schema = None if tools is None else tools.schema()
+    if schema is not None:
+        if msg.sampling.HasField("structured"):
+            raise InvalidRequestError("tool_choice: forces a call; give no response_format too")
+        msg.sampling.structured.json_schema = json.dumps(schema)
     n = _field(body, "n", (int,), "an integer") or 1
     if not 1 <= n <= MAX_N:
         raise InvalidRequestError(f"n: must be in [1, {MAX_N}], got {n}")
@@ -212,7 +230,7 @@ def to_call(body: Any, chat: bool, session_id: str | None) -> Call:
         other.ClearField("token_ids")
         _prompt(other, prompt)
         requests.append(other)
-    return Call(tuple(requests), chat, stream, include_usage, logprobs, n)
+    return Call(tuple(requests), chat, stream, include_usage, logprobs, n, tools)
 
 
 def _sampling(body: dict[str, Any], s: pb.SamplingParams) -> None:
@@ -315,6 +333,21 @@ def _json_schema(name: str, schema: Any, out: pb.StructuredOutput) -> None:
     out.json_schema = json.dumps(schema)
 
 
+def _calls(calls: Any, i: int) -> str:
+    """An assistant message's tool_calls as the proto carries them: a JSON list of
+    {"name", "arguments"}, the arguments an object (OpenAI sends them as JSON text)."""
+    if not calls:
+        return ""
+    try:
+        out = [{"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}
+               for c in calls]  # fmt: skip
+    except (TypeError, KeyError, json.JSONDecodeError):
+        raise InvalidRequestError(
+            f"messages[{i}].tool_calls: each {{'function': {{'name', 'arguments': JSON}}}}"
+        ) from None
+    return json.dumps(out)
+
+
 def _content(content: Any, i: int) -> str:
     """A message's text: a string, or a list of text parts (the only kind served)."""
     if isinstance(content, str):
@@ -414,6 +447,7 @@ class OpenAIFrontDoor:
         self.tokenizer = tokenizer
         self.model = model
         self.max_tokens = max_tokens
+        self.tool_parser = parser_for(getattr(tokenizer.hf, "chat_template", None))
         # What a request leaves out gets the model's generation config, else OpenAI's 1.0.
         self.sampling_defaults = {"temperature": 1.0, **dict(model.sampling_defaults)}
         self.metrics = metrics
@@ -549,9 +583,11 @@ class OpenAIFrontDoor:
 
     async def _answer(self, request: web.Request, chat: bool) -> tuple[web.StreamResponse, str]:
         call, prepared = await self._prepare(request, chat)
-        if call.stream:
+        if call.stream and call.tools is None:
             return await self._stream(request, call, prepared)
         replies = await self._collect(prepared, call.n)
+        if call.stream:  # with tools: the calls are read from the whole reply
+            return await self._stream_whole(request, call, replies), "ok"
         return web.json_response(self._body(call, replies)), "ok"
 
     async def _prepare(self, request: web.Request, chat: bool) -> tuple[Call, list[Prepared]]:
@@ -559,6 +595,12 @@ class OpenAIFrontDoor:
         try:
             call = to_call(body, chat, request.headers.get(SESSION_HEADER))
             self._check_model(call.request.model)
+            if call.tools is not None and call.tools.choice == "auto" and not self.tool_parser:
+                raise InvalidRequestError(
+                    "tools: no tool-call parser fits this model's chat template (Hermes "
+                    "<tool_call> or Llama 3 JSON); tool_choice required or a named function "
+                    "work without one"
+                )
             prepared = []
             for msg in call.requests:
                 for name, value in self.sampling_defaults.items():
@@ -664,7 +706,11 @@ class OpenAIFrontDoor:
             choice: dict[str, Any] = {"index": i, "finish_reason": reply.finish,
                                       "logprobs": logprobs}  # fmt: skip
             if call.chat:
-                choice["message"] = {"role": "assistant", "content": reply.text}
+                content, calls = self._tool_calls(call, reply)
+                choice["message"] = {"role": "assistant", "content": content}
+                if calls:
+                    choice["message"]["tool_calls"] = [c.body() for c in calls]
+                    choice["finish_reason"] = "tool_calls"
             else:
                 choice["text"] = reply.text
             choices.append(choice)
@@ -673,6 +719,38 @@ class OpenAIFrontDoor:
         if finals:
             body["usage"] = _usage(finals, call.n)
         return body
+
+    def _tool_calls(self, call: Call, reply: Reply) -> tuple[str | None, list[ToolCall]]:
+        if call.tools is None or reply.finish != "stop":
+            return reply.text, []
+        return call.tools.calls(reply.text, self.tool_parser)
+
+    async def _stream_whole(
+        self, request: web.Request, call: Call, replies: list[Reply]
+    ) -> web.StreamResponse:
+        """Whole replies as one stream: per choice its role, its content, its tool calls
+        (each whole), its finish; then usage if asked, then [DONE]."""
+        body = self._body(call, replies)
+        envelope = {**self._envelope(call, body["id"]), "object": "chat.completion.chunk"}
+        response = await self._open(request, call, envelope)
+        for choice in body["choices"]:
+            message, i = choice["message"], choice["index"]
+            delta: dict[str, Any] = {"content": message["content"]} if message["content"] else {}
+            if "tool_calls" in message:
+                delta["tool_calls"] = [
+                    {**c, "index": j} for j, c in enumerate(message["tool_calls"])
+                ]
+            chunks = [{"index": i, "delta": delta, "logprobs": choice["logprobs"],
+                       "finish_reason": None},
+                      {"index": i, "delta": {}, "logprobs": None,
+                       "finish_reason": choice["finish_reason"]}]  # fmt: skip
+            for chunk in chunks:
+                await _event(response, {**envelope, "choices": [chunk]})
+        if call.include_usage and "usage" in body:
+            await _event(response, {**envelope, "choices": [], "usage": body["usage"]})
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
 
     async def _stream(
         self, request: web.Request, call: Call, prompts: list[Prepared]

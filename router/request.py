@@ -12,7 +12,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from google.protobuf.message import Message
 from google.protobuf.unknown_fields import UnknownFieldSet
@@ -26,7 +26,7 @@ from splitserve_api.v1 import splitserve_pb2 as pb
 if TYPE_CHECKING:  # it refuses with the router's Overloaded, and the router imports this
     from router.tokenize_pool import TokenizePool
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 MAX_MESSAGES = 1024
 MAX_STOP = 16
 MAX_STOP_CHARS = 256
@@ -163,7 +163,7 @@ def _prompt_ids(msg: pb.GenerateRequest, tokenizer: Tokenizer, model: ModelInfo)
         _refuse_past_context(tokenizer, msg.text, True, model, kind)
         ids = tokenizer.encode(msg.text)
     else:
-        text = tokenizer.apply_chat_template(_messages(msg.chat))
+        text = tokenizer.apply_chat_template(_messages(msg.chat), _tools(msg.chat.tools))
         _refuse_past_context(tokenizer, text, False, model, kind)
         ids = tokenizer.encode(text, special_tokens=False)
     if not ids:
@@ -197,7 +197,33 @@ def _messages(chat: pb.Chat) -> list[dict[str, str]]:
             raise InvalidRequestError(
                 f"chat.messages[{i}].role: must be one of {ROLES}, got {shown(m.role)}"
             )
-    return [{"role": m.role, "content": m.content} for m in chat.messages]
+    return [_message(i, m) for i, m in enumerate(chat.messages)]
+
+
+def _message(i: int, m: pb.ChatMessage) -> dict[str, Any]:
+    """One message as chat templates read it (HF's convention: a call's arguments as an
+    object, a tool result with the id of the call it answers)."""
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        calls = _json(f"chat.messages[{i}].tool_calls", m.tool_calls, list)
+        out["tool_calls"] = [{"type": "function", "function": c} for c in calls]
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def _tools(tools: str) -> list[Any] | None:
+    return _json("chat.tools", tools, list) if tools else None
+
+
+def _json(name: str, text: str, kind: type) -> Any:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidRequestError(f"{name}: not JSON: {e}") from None
+    if not isinstance(value, kind):
+        raise InvalidRequestError(f"{name}: must be a JSON {kind.__name__}")
+    return value
 
 
 MAX_GRAMMAR_CHARS = 64 * 1024

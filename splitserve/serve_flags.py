@@ -143,6 +143,11 @@ FLAGS = (
     ),
     Flag("--ssl-certfile", ("router.ssl_certfile",), "... and the certificate (chain), PEM"),
     Flag(
+        "--chat-template",
+        ("router.chat_template",),
+        "a Jinja chat template file in place of the model's own (e.g. one that renders tools)",
+    ),
+    Flag(
         "--allowed-origins",
         ("router.allowed_origins",),
         "CORS: browser origins that may call the HTTP API, comma-separated (* any; default "

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.engine.model_files import ModelLoadError
+from cluster.types import InvalidRequestError
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +58,21 @@ class Tokenizer:
         text: str = self.hf.decode(ids, skip_special_tokens=True)
         return text
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        """Messages with roles, rendered by the model's own template, ready for the reply."""
-        if not getattr(self.hf, "chat_template", None):
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[Any] | None = None
+    ) -> str:
+        """Messages with roles (and tools, for a template that renders them), rendered by
+        the model's own template, ready for the reply."""
+        template = getattr(self.hf, "chat_template", None)
+        if not template:
             raise ModelLoadError("this model has no chat template")
+        if tools and "tools" not in template:
+            raise InvalidRequestError(
+                "tools: this model's chat template does not render tools (serve it with a "
+                "chat template that does: router.chat_template)"
+            )
         text: str = self.hf.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
+            messages, tools=tools, tokenize=False, add_generation_prompt=True
         )
         return text
 

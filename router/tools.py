@@ -1,0 +1,149 @@
+"""Tool calls on the OpenAI chat API: the request's `tools` and `tool_choice` as the chat
+template and a grammar see them, and the reply as `tool_calls`.
+
+- `auto`: the model's template renders the tools; a parser chosen by the template reads
+  the calls out of the reply: Hermes/Qwen `<tool_call>{json}</tool_call>` blocks, or
+  Llama 3's bare `{"name": ..., "parameters": ...}`. No parser fits: the request is refused.
+- `required` / a named function: the reply is held by a JSON schema (cluster/engine/
+  grammar.py) to a list of calls of the given tools, or to the named function's
+  arguments, so it always parses (as vLLM does).
+- `none`: the tools are rendered, the reply is text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from cluster.types import InvalidRequestError
+
+HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text
+
+    def body(self) -> dict[str, Any]:
+        return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Tools:
+    """A request's tools, checked, and what its tool_choice asks."""
+
+    functions: dict[str, dict[str, Any]]  # name -> parameters (a JSON schema)
+    choice: str  # "auto" | "none" | "required" | "named"
+    named: str | None = None
+    parallel: bool = True
+
+    def schema(self) -> dict[str, Any] | None:
+        """The reply's JSON schema when the choice forces calls, else None."""
+        if self.choice == "named":
+            assert self.named is not None
+            return self.functions[self.named]
+        if self.choice != "required":
+            return None
+        calls = [{"type": "object", "required": ["name", "parameters"],
+                  "additionalProperties": False,
+                  "properties": {"name": {"const": name}, "parameters": parameters}}
+                 for name, parameters in self.functions.items()]  # fmt: skip
+        array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if not self.parallel:
+            array["maxItems"] = 1
+        return array
+
+    def calls(self, text: str, parser: str | None) -> tuple[str | None, list[ToolCall]]:
+        """The reply's remaining content and its calls."""
+        if self.choice in ("named", "required"):
+            try:  # held to the schema, it parses unless cut short (finish_reason length)
+                value = json.loads(text)
+            except json.JSONDecodeError:
+                return text, []
+            if self.choice == "named":
+                assert self.named is not None
+                return None, [ToolCall(self.named, json.dumps(value))]
+            return None, [ToolCall(c["name"], json.dumps(c["parameters"])) for c in value]
+        if self.choice == "none" or parser is None:
+            return text, []
+        content, calls = (hermes if parser == "hermes" else llama3_json)(text)
+        calls = [c for c in calls if c.name in self.functions]
+        return content, calls if self.parallel else calls[:1]
+
+
+def read_tools(tools: Any, choice: Any, parallel: Any) -> Tools | None:
+    """The body's tools and tool_choice, checked; None when no tools are given."""
+    if parallel is not None and not isinstance(parallel, bool):
+        raise InvalidRequestError("parallel_tool_calls: must be true or false")
+    if tools in (None, []):
+        if choice not in (None, "none", "auto"):
+            raise InvalidRequestError("tool_choice: needs tools")
+        return None
+    if not isinstance(tools, list):
+        raise InvalidRequestError("tools: must be a list of functions")
+    functions: dict[str, dict[str, Any]] = {}
+    for i, tool in enumerate(tools):
+        f = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(f, dict):
+            raise InvalidRequestError(
+                f"tools[{i}]: must be {{'type': 'function', 'function': ...}}"
+            )
+        name, parameters = f.get("name"), f.get("parameters", {"type": "object"})
+        if not isinstance(name, str) or not name or not isinstance(parameters, dict):
+            raise InvalidRequestError(f"tools[{i}].function: needs a name and object parameters")
+        functions[name] = parameters
+    named = None
+    if isinstance(choice, dict):
+        named = (choice.get("function") or {}).get("name")
+        if choice.get("type") != "function" or named not in functions:
+            raise InvalidRequestError(
+                f"tool_choice: names no given function: {json.dumps(choice)[:60]}"
+            )
+        kind = "named"
+    elif choice in (None, "auto", "none", "required"):
+        kind = choice or "auto"
+    else:
+        raise InvalidRequestError(
+            f"tool_choice: auto, none, required or a function, got {choice!r}"
+        )
+    return Tools(functions, kind, named, parallel is not False)
+
+
+def parser_for(template: str | None) -> str | None:
+    """The reply format a chat template teaches its model, if one we read."""
+    if not template or "tools" not in template:
+        return None
+    if "<tool_call>" in template:
+        return "hermes"
+    if "<|python_tag|>" in template or "<|eom_id|>" in template:
+        return "llama3_json"
+    return None
+
+
+def hermes(text: str) -> tuple[str | None, list[ToolCall]]:
+    calls = []
+    for block in HERMES.findall(text):
+        try:
+            call = json.loads(block)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(call, dict) and isinstance(call.get("name"), str):
+            calls.append(ToolCall(call["name"], json.dumps(call.get("arguments", {}))))
+    content = HERMES.sub("", text).strip() if calls else text
+    return content or None, calls
+
+
+def llama3_json(text: str) -> tuple[str | None, list[ToolCall]]:
+    try:
+        call = json.loads(text.strip().removeprefix("<|python_tag|>"))
+    except json.JSONDecodeError:
+        return text, []
+    if isinstance(call, dict) and isinstance(call.get("name"), str):
+        arguments = call.get("parameters", call.get("arguments", {}))
+        return None, [ToolCall(call["name"], json.dumps(arguments))]
+    return text, []

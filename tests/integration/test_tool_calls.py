@@ -1,0 +1,114 @@
+"""Tool calls through the official `openai` package on a colocated worker (it prefills
+itself), the router serving a Hermes-style chat template (router.chat_template) that
+renders tools: a named call that always parses, streamed and not, then the tool's result
+in the history and a final answer: a whole agent loop."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+
+from tests.integration.router_harness import RouterHarness
+
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+TEMPLATE = """{%- if tools %}<|im_start|>system
+You may call functions. Tools:
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+Call one as <tool_call>{"name": <name>, "arguments": <arguments>}</tool_call><|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == "assistant" and message.tool_calls %}<|im_start|>assistant
+{%- for call in message.tool_calls %}
+{%- set f = call.function %}
+<tool_call>{"name": "{{ f.name }}", "arguments": {{ f.arguments | tojson }}}</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role == "tool" %}<|im_start|>user
+<tool_response>{{ message.content }}</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"], "additionalProperties": False}  # fmt: skip
+WEATHER = {"name": "get_weather", "description": "The weather in a city", "parameters": CITY}
+TOOLS: list[Any] = [{"type": "function", "function": WEATHER}]
+
+
+@pytest.fixture(scope="module")
+def client(ray_workers: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
+    template = tmp_path_factory.mktemp("template") / "hermes.jinja"
+    template.write_text(TEMPLATE)
+    decode = {"colocated": ray_workers.decode("colocated")}
+    harness = RouterHarness({}, decode, redis_url=None, http_port=0, chat_template=str(template))
+    assert harness.app.http is not None
+    yield openai.OpenAI(base_url=harness.app.http.address + "/v1", api_key="x", timeout=120)
+    harness.stop()
+
+
+def test_an_agent_loop_calls_a_tool_reads_its_result_and_answers(
+    client: openai.OpenAI, workers: Any
+) -> None:
+    messages: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    first = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, tool_choice=named, max_tokens=40,
+        temperature=0,
+    )  # fmt: skip
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather"
+    assert isinstance(json.loads(call.function.arguments)["city"], str)
+    messages.append(choice.message.model_dump(exclude_none=True))
+    messages.append({"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C"})
+    final = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=30,
+        temperature=0,
+    )  # fmt: skip
+    assert final.choices[0].message.content and not final.choices[0].message.tool_calls
+
+
+def test_required_streamed_gives_whole_calls_and_auto_parses_or_answers(
+    client: openai.OpenAI, workers: Any
+) -> None:
+    messages = [{"role": "user", "content": "Weather in Rome and in Oslo?"}]
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, tool_choice="required", max_tokens=80,
+        temperature=0, stream=True,
+    ))  # fmt: skip
+    calls = [c for ch in chunks for choice in ch.choices for c in choice.delta.tool_calls or []]
+    assert calls and all(c.function and c.function.name == "get_weather" for c in calls)
+    assert all("city" in json.loads(c.function.arguments or "") for c in calls)  # type: ignore[union-attr]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    auto = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, max_tokens=40, temperature=0
+    )
+    message = auto.choices[0].message
+    assert message.content or message.tool_calls  # the model's choice, parsed either way
+
+
+def test_tools_on_a_template_that_cannot_render_them_are_refused(
+    ray_workers: Any, workers: Any
+) -> None:
+    harness = RouterHarness({}, {"colocated": ray_workers.decode("colocated")}, None, http_port=0)
+    try:
+        assert harness.app.http is not None
+        plain = openai.OpenAI(base_url=harness.app.http.address + "/v1", api_key="x")
+        with pytest.raises(openai.BadRequestError) as err:
+            plain.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "Hi"}], tools=TOOLS,
+                tool_choice="required", max_tokens=8,
+            )  # fmt: skip
+        assert isinstance(err.value.body, dict) and err.value.body["param"] == "tools"
+    finally:
+        harness.stop()

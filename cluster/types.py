@@ -16,6 +16,9 @@ BlockHash = NewType("BlockHash", bytes)
 # 1e-37 the probabilities are NaN, which drew token 0 every step), and this close to 0 a
 # draw is the argmax but for near-ties anyway. vLLM draws the same line at 1e-5.
 GREEDY_TEMPERATURE = 1e-5
+MAX_TOP_LOGPROBS = 20
+# One sampled token's most likely alternatives: (token id, logprob), most likely first.
+TopLogprobs = tuple[tuple[int, float], ...]
 
 
 def _is_number(value: object) -> bool:
@@ -80,6 +83,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0  # with each token, this many most likely alternatives
     # Logit adjustments (cluster/engine/sampler.py `adjust`), off at these values.
     presence_penalty: float = 0.0  # [-2, 2], per token present in the output
     frequency_penalty: float = 0.0  # [-2, 2], times the token's count in the output
@@ -113,6 +117,10 @@ class SamplingParams:
             raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
         if any(not -100 <= bias <= 100 for _, bias in self.logit_bias):
             raise bad("logit_bias", "every bias must be in [-100, 100]")
+        if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise bad(
+                "top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}"
+            )
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise bad("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
 
@@ -140,6 +148,7 @@ class RequestOutput:
     new_text: str
     finish_reason: FinishReason | None = None
     new_logprobs: list[float] = field(default_factory=list)
+    new_top_logprobs: list[TopLogprobs] = field(default_factory=list)  # when asked for
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     text_offset: int = 0  # characters of the request's output text before new_text
@@ -189,6 +198,7 @@ class FirstToken:
     text: str
     num_cached_tokens: int = 0  # prompt tokens the prefill found in its prefix cache
     text_offset: int = 0  # characters of the request's output text before `text`
+    top_logprobs: TopLogprobs = ()  # when asked for
 
 
 @dataclass(frozen=True)
@@ -208,6 +218,7 @@ class TokenDelta:
     num_cached_tokens: int = 0  # prompt tokens this worker found in its prefix cache
     text_offset: int = 0
     evicted: bool = False
+    top_logprobs: tuple[TopLogprobs, ...] = ()  # per token, when asked for
 
 
 @dataclass(frozen=True)

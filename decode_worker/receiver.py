@@ -109,7 +109,9 @@ class KVReceiver:
                 self.pages_received += len(notice.pages)
         event = _EVENTS.get(kind)
         if kind is NoticeKind.DONE:
-            event = machine.Done(notice.num_writes, notice.first_token, notice.first_logprob)
+            event = machine.Done(
+                notice.num_writes, notice.first_token, notice.first_logprob, notice.first_top
+            )
         if event is None:
             log.warning("request %s: a sender sent %s, a receiver's notice: dropped", rid, kind)
             return []

@@ -220,8 +220,9 @@ class DecodeWorker:
         """Transfers no WRITE can land in any more: decode, recompute, fail or free each."""
         for rid, release in released:
             match release:
-                case inbound.StartDecode(token, logprob):
-                    self._publish(self._delta(self.engine.start_decode(rid, token, logprob)))
+                case inbound.StartDecode(token, logprob, top):
+                    out = self.engine.start_decode(rid, token, logprob, top)
+                    self._publish(self._delta(out))
                 case inbound.Recompute(why):
                     self._transfer_failures += 1
                     log.warning("request %s: %s; recomputing its prefill here", rid, why)
@@ -266,6 +267,7 @@ class DecodeWorker:
             out.finish_reason,
             num_cached_tokens=out.num_cached_tokens,
             text_offset=out.text_offset,
+            top_logprobs=tuple(out.new_top_logprobs),
         )
 
     def _final(

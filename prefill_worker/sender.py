@@ -127,7 +127,10 @@ class KVSender:
         """DONE tells the receiver the first token and how many WRITEs to expect, once
         every planned WRITE is posted (at once unless the device lags)."""
         self._post_ready(event.request_id)
-        self._on(event.request_id, machine.FirstToken(event.token, event.logprob or 0.0))
+        self._on(
+            event.request_id,
+            machine.FirstToken(event.token, event.logprob or 0.0, event.top_logprobs),
+        )
 
     def stop(self, request_id: RequestId) -> None:
         """Post nothing more for this request (abort); CANCEL follows when nothing is in flight."""
@@ -217,13 +220,14 @@ class KVSender:
                 )
             case machine.SendRenew():
                 return self._notice(rid, Notice(NoticeKind.RENEW, rid))
-            case machine.SendDone(num_writes, token, logprob):
+            case machine.SendDone(num_writes, token, logprob, top):
                 done = Notice(
                     NoticeKind.DONE,
                     rid,
                     num_writes=num_writes,
                     first_token=token,
                     first_logprob=logprob,
+                    first_top=top,
                 )
                 return self._notice(rid, done)
             case machine.SendCancel():

@@ -170,6 +170,7 @@ class PrefillWorker:
                         out.new_text,
                         out.num_cached_tokens,
                         out.text_offset,
+                        out.new_top_logprobs[0] if out.new_top_logprobs else (),
                     )
                     self._settle(out.request_id, first)
         pending = self.sender.poll()

@@ -240,7 +240,8 @@ class Dispatcher:
             # start, which it cannot hold back (its part ends here): the decode worker's
             # deltas carry the text instead.
             text = "" if stream.stops else first.text
-            delta = TokenDelta(rid, resumed, (first.token_id,), text, lps)
+            tops = (first.top_logprobs,) if first.top_logprobs else ()
+            delta = TokenDelta(rid, resumed, (first.token_id,), text, lps, top_logprobs=tops)
             stream.queue.put_nowait(dataclasses.replace(delta, text_offset=first.text_offset))
 
     def _poll(self, decode: DecodeHandle) -> None:
@@ -301,6 +302,7 @@ def _unseen(delta: TokenDelta, caller: RequestId, done: Delivered) -> TokenDelta
         index=delta.index + skip,
         token_ids=delta.token_ids[skip:],
         logprobs=delta.logprobs[skip:],
+        top_logprobs=delta.top_logprobs[skip:],
         text=delta.text[cut:],
         text_offset=delta.text_offset + cut,
     )

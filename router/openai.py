@@ -35,7 +35,15 @@ from aiohttp.typedefs import Handler, Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cluster.engine.tokenizer import Tokenizer
-from cluster.types import FinishReason, InvalidRequestError, ModelInfo, RequestId, TokenDelta
+from cluster.types import (
+    MAX_TOP_LOGPROBS,
+    FinishReason,
+    InvalidRequestError,
+    ModelInfo,
+    RequestId,
+    TokenDelta,
+    TopLogprobs,
+)
 from router import cors
 from router.auth import UNAUTHORIZED, http_middleware
 from router.metrics import RouterMetrics
@@ -215,8 +223,9 @@ def to_call(body: Any, chat: bool, session_id: str | None) -> Call:
     if not 1 <= n <= MAX_N:
         raise InvalidRequestError(f"n: must be in [1, {MAX_N}], got {n}")
     _field(body, "user", (str,), "a string")
-    logprobs = _logprobs(body, chat)
+    logprobs, top = _logprobs(body, chat)
     msg.sampling.logprobs = logprobs
+    msg.sampling.top_logprobs = top
     stream = bool(_field(body, "stream", (bool,), "true or false"))
     options = _field(body, "stream_options", (dict,), "an object")
     if options is not None and not stream:
@@ -377,17 +386,21 @@ def _prompt(msg: pb.GenerateRequest, prompt: Any) -> None:
         )
 
 
-def _logprobs(body: dict[str, Any], chat: bool) -> bool:
-    """Chat: `logprobs: true`; completions: `logprobs: 0`. Only the chosen token's."""
+def _logprobs(body: dict[str, Any], chat: bool) -> tuple[bool, int]:
+    """Whether the chosen tokens' logprobs are asked for, and how many alternatives with
+    each. Chat: `logprobs: true` and `top_logprobs: k`; completions: `logprobs: k`."""
     if chat:
-        top = _field(body, "top_logprobs", (int,), "an integer")
-        if top:
-            raise InvalidRequestError("top_logprobs: only 0 is served (the chosen token's)")
-        return bool(_field(body, "logprobs", (bool,), "true or false"))
-    value = _field(body, "logprobs", (int,), "an integer")
-    if value:
-        raise InvalidRequestError("logprobs: only 0 is served (the chosen token's logprob)")
-    return value == 0
+        asked = bool(_field(body, "logprobs", (bool,), "true or false"))
+        top = _field(body, "top_logprobs", (int,), "an integer") or 0
+        if top and not asked:
+            raise InvalidRequestError("top_logprobs: needs logprobs: true")
+    else:
+        value = _field(body, "logprobs", (int,), "an integer")
+        asked, top = value is not None, value or 0
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        name = "top_logprobs" if chat else "logprobs"
+        raise InvalidRequestError(f"{name}: must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
+    return asked, top
 
 
 # --- responses ---------------------------------------------------------------------------
@@ -400,6 +413,7 @@ class Reply:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # when asked for
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)  # when asked for
     finish: str | None = None
     final: Final | None = None
 
@@ -677,6 +691,7 @@ class OpenAIFrontDoor:
             reply.text += delta.text
             reply.token_ids.extend(delta.token_ids)
             reply.logprobs.extend(delta.logprobs)
+            reply.top_logprobs.extend(delta.top_logprobs)
             if delta.finish_reason is not None:
                 reply.finish = FINISH.get(delta.finish_reason, "stop")
             reply.final = final or reply.final
@@ -687,13 +702,22 @@ class OpenAIFrontDoor:
         return {"id": rid, "object": kind + (".chunk" if call.stream and call.chat else ""),
                 "created": int(time.time()), "model": self.model.name}  # fmt: skip
 
-    def _logprobs(self, call: Call, ids: list[int], values: list[float]) -> dict[str, Any]:
+    def _logprobs(
+        self, call: Call, ids: list[int], values: list[float], tops: list[TopLogprobs]
+    ) -> dict[str, Any]:
+        """OpenAI's logprobs: each token's, with its alternatives when asked for."""
         tokens = [self.tokenizer.decode([t]) for t in ids]
+        alternatives = [[(self.tokenizer.decode([t]), v) for t, v in top] for top in tops]
         if call.chat:
-            content = [{"token": t, "logprob": v, "bytes": list(t.encode()), "top_logprobs": []}
-                       for t, v in zip(tokens, values, strict=True)]  # fmt: skip
+            content = [
+                {"token": t, "logprob": v, "bytes": list(t.encode()),
+                 "top_logprobs": [{"token": a, "logprob": w, "bytes": list(a.encode())}
+                                  for a, w in (alternatives[i] if alternatives else [])]}
+                for i, (t, v) in enumerate(zip(tokens, values, strict=True))
+            ]  # fmt: skip
             return {"content": content}
-        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": None,
+        top = [dict(a) for a in alternatives] if alternatives else None
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": top,
                 "text_offset": None}  # fmt: skip
 
     def _body(self, call: Call, replies: list[Reply]) -> dict[str, Any]:
@@ -702,7 +726,7 @@ class OpenAIFrontDoor:
         for i, reply in enumerate(replies):
             logprobs = None
             if call.logprobs:
-                logprobs = self._logprobs(call, reply.token_ids, reply.logprobs)
+                logprobs = self._logprobs(call, reply.token_ids, reply.logprobs, reply.top_logprobs)
             choice: dict[str, Any] = {"index": i, "finish_reason": reply.finish,
                                       "logprobs": logprobs}  # fmt: skip
             if call.chat:
@@ -801,7 +825,9 @@ class OpenAIFrontDoor:
         finish = None if delta.finish_reason is None else FINISH.get(delta.finish_reason)
         logprobs = None
         if call.logprobs:
-            logprobs = self._logprobs(call, list(delta.token_ids), list(delta.logprobs))
+            logprobs = self._logprobs(
+                call, list(delta.token_ids), list(delta.logprobs), list(delta.top_logprobs)
+            )
         choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish}
         if call.chat:
             choice["delta"] = {"content": delta.text} if delta.text or not finish else {}

@@ -298,6 +298,7 @@ def _sampling(s: pb.SamplingParams, model: ModelInfo, limit: int) -> SamplingPar
             logprobs=s.logprobs,
             logit_bias=tuple(sorted(s.logit_bias.items())),
             min_tokens=s.min_tokens,
+            top_logprobs=s.top_logprobs,
             include_stop_str_in_output=s.include_stop_str_in_output,
         )
     except InvalidRequestError as e:

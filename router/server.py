@@ -146,6 +146,10 @@ def _response(delta: TokenDelta, final: Final | None) -> pb.GenerateResponse:
         token_ids=delta.token_ids,
         text=delta.text,
         logprobs=delta.logprobs,
+        top_logprobs=[
+            pb.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[v for _, v in top])
+            for top in delta.top_logprobs
+        ],
     )
     if final is not None and delta.finish_reason is not None:
         msg.finish_reason = FINISH[delta.finish_reason]

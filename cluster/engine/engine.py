@@ -36,7 +36,7 @@ from cluster.engine.model_files import bundled_model_path
 from cluster.engine.page_pool import PagePool
 from cluster.engine.quantization import QuantizationError
 from cluster.engine.runner import build_runner, workspace_bytes
-from cluster.engine.sampler import History, adjust, sample, skip_draws
+from cluster.engine.sampler import History, adjust, sample, skip_draws, top_logprobs
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.sequence import Sequence
 from cluster.engine.step_rate import StepRate
@@ -53,6 +53,7 @@ from cluster.types import (
     RequestOutput,
     RequestStatus,
     SamplingParams,
+    TopLogprobs,
 )
 
 if TYPE_CHECKING:  # xgrammar loads only when a request asks for structured output
@@ -298,13 +299,15 @@ class LLMEngine:
             return None
         return Reservation(list(live.seq.pages), live.seq.num_computed)
 
-    def start_decode(self, request_id: RequestId, token: int, logprob: float) -> RequestOutput:
+    def start_decode(
+        self, request_id: RequestId, token: int, logprob: float, top: TopLogprobs = ()
+    ) -> RequestOutput:
         """The prompt's KV has landed and another worker sampled its first token: decode on."""
         live = self._live[request_id]
         if live.generator is not None:  # that worker drew the first token from this seed
             skip_draws(live.generator, self.spec.vocab_size, 1)
         self.scheduler.activate(live.seq)
-        return self._append(live, token, logprob if live.seq.sampling.logprobs else None)
+        return self._append(live, token, logprob if live.seq.sampling.logprobs else None, top)
 
     def recompute(self, request_id: RequestId) -> None:
         """The prompt's KV will not arrive: drop the reserved pages and prefill it here."""
@@ -395,20 +398,22 @@ class LLMEngine:
             held = [i for i, lv in enumerate(lives) if lv.matcher is not None]
             logits = self._grammars.mask(logits, held, matchers)
         tokens, logprobs = sample(logits, params, [lv.generator for lv in lives])
+        tops = top_logprobs(logits, params)
         self._time_step(started, step.num_tokens, synced=True)
         self._prompt_tokens += sum(
             s.num_prompt for s, first in zip(sampled, firsts, strict=True) if first
         )
         self._generated_tokens += len(tokens)
         outputs = [
-            self._append(lv, tok, logprobs[i] if logprobs else None)
+            self._append(lv, tok, logprobs[i] if logprobs else None, tops[i])
             for i, (lv, tok) in enumerate(zip(lives, tokens, strict=True))
         ]
         if sink is not None:
             for out, first in zip(outputs, firsts, strict=True):
                 if first:
                     lp = out.new_logprobs[0] if out.new_logprobs else None
-                    sink.prompt_done(PromptDone(out.request_id, out.new_token_ids[0], lp))
+                    top = out.new_top_logprobs[0] if out.new_top_logprobs else ()
+                    sink.prompt_done(PromptDone(out.request_id, out.new_token_ids[0], lp, top))
         return outputs
 
     def generate(
@@ -511,7 +516,9 @@ class LLMEngine:
         refuse_long_prompt("prompt", len(ids), self.max_model_len)
         return ids
 
-    def _append(self, live: _Live, token: int, logprob: float | None) -> RequestOutput:
+    def _append(
+        self, live: _Live, token: int, logprob: float | None, top: TopLogprobs = ()
+    ) -> RequestOutput:
         seq = live.seq
         seq.token_ids.append(token)
         if logprob is not None:
@@ -539,6 +546,7 @@ class LLMEngine:
             new_text=live.text.take(final=reason is not None),
             finish_reason=reason,
             new_logprobs=[logprob] if logprob is not None else [],
+            new_top_logprobs=[top] if seq.sampling.top_logprobs else [],
             num_prompt_tokens=seq.num_prompt,
             num_cached_tokens=seq.num_cached,
         )

@@ -30,7 +30,7 @@ import torch
 from cluster.engine.layer_ready import LayerReady
 from cluster.engine.page_pool import PagePool, pages_for
 from cluster.engine.scheduler import Step
-from cluster.types import PageId, RequestId
+from cluster.types import PageId, RequestId, TopLogprobs
 
 
 class KVStored(NamedTuple):
@@ -54,6 +54,7 @@ class PromptDone:
     request_id: RequestId
     token: int
     logprob: float | None  # None unless the request asked for logprobs
+    top_logprobs: TopLogprobs = ()  # when the request asked for them
 
 
 class KVSink(Protocol):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.types import SamplingParams
+from cluster.types import SamplingParams, TopLogprobs
 
 
 def sample(
@@ -118,6 +118,22 @@ def adjust(
         presence = to_device([p.presence_penalty for p in ps], torch.float32, device)[:, None]
         sub = sub - frequency * counts - presence * (counts > 0)
     return logits.index_copy(0, index, sub)
+
+
+def top_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> list[TopLogprobs]:
+    """Each row's `top_logprobs` most likely tokens with their logprobs (() for a row that
+    asked for none): one log-softmax and one top-k for the rows that did, one copy back."""
+    rows = [i for i, p in enumerate(params) if p.top_logprobs]
+    out: list[TopLogprobs] = [()] * len(params)
+    if not rows:
+        return out
+    k = max(params[i].top_logprobs for i in rows)
+    index = to_device(rows, torch.long, logits.device)
+    values, ids = torch.log_softmax(logits.index_select(0, index), dim=-1).topk(k, dim=-1)
+    for i, row_ids, row_values in zip(rows, ids.tolist(), values.tolist(), strict=True):
+        n = params[i].top_logprobs
+        out[i] = tuple(zip(row_ids[:n], row_values[:n], strict=True))
+    return out
 
 
 def to_device(

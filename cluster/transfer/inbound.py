@@ -30,6 +30,8 @@ import dataclasses
 import enum
 from dataclasses import dataclass
 
+from cluster.types import TopLogprobs
+
 
 class InboundStatus(enum.Enum):
     RESERVED = "reserved"
@@ -72,6 +74,7 @@ class Done:
     num_writes: int
     token: int
     logprob: float
+    top_logprobs: TopLogprobs = ()
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,7 @@ class StartDecode:
 
     token: int
     logprob: float
+    top_logprobs: TopLogprobs = ()
 
 
 @dataclass(frozen=True)
@@ -222,7 +226,7 @@ def _release(s: Inbound, why: str) -> tuple[Inbound, tuple[Action, ...]]:
     if s.aborted:
         action = FreePages()
     elif s.complete and s.done is not None:
-        action = StartDecode(s.done.token, s.done.logprob)
+        action = StartDecode(s.done.token, s.done.logprob, s.done.top_logprobs)
     elif s.terms.recompute:
         action = Recompute(s.why or why)  # a revoke's reason is the first cause
     else:

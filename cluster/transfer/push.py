@@ -30,6 +30,8 @@ import dataclasses
 import enum
 from dataclasses import dataclass
 
+from cluster.types import TopLogprobs
+
 RENEWALS = 4  # RENEWs per lease_s while nothing else is sent
 
 
@@ -93,6 +95,7 @@ class FirstToken:
 
     token: int
     logprob: float
+    top_logprobs: TopLogprobs = ()
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,7 @@ class SendDone:
     num_writes: int
     token: int
     logprob: float
+    top_logprobs: TopLogprobs = ()
 
 
 @dataclass(frozen=True)
@@ -228,7 +232,7 @@ def _then(p: Push, actions: tuple[Action, ...]) -> tuple[Push, tuple[Action, ...
     first = p.first
     if pushing and first is not None and not p.planned and not p.done_sent:
         p = dataclasses.replace(p, done_sent=True)
-        actions = (*actions, SendDone(p.num_writes, first.token, first.logprob))
+        actions = (*actions, SendDone(p.num_writes, first.token, first.logprob, first.top_logprobs))
     if p.in_flight:
         return p, actions
     if p.status is PushStatus.STOPPING:

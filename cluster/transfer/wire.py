@@ -14,10 +14,11 @@ import struct
 from dataclasses import dataclass
 
 from cluster.engine.checkpoint import ModelSpec
-from cluster.types import PageId, RequestId
+from cluster.types import PageId, RequestId, TopLogprobs
 
 MAGIC = b"SPKV"
-VERSION = 2  # 2: STARTED, RENEW, ACK and REVOKE; a STARTED carries its sender's handshake
+# 2: STARTED, RENEW, ACK and REVOKE, a STARTED with its handshake; 3: DONE with top logprobs
+VERSION = 3
 LAYOUT = "layers,pages,page_size,kv_heads,head_dim;k,v"  # the KVCache tensor layout
 
 
@@ -174,6 +175,7 @@ class Notice:
     first_token: int = -1  # DONE
     first_logprob: float = 0.0  # DONE
     handshake: bytes = b""  # STARTED: the sender's Handshake, for the receiver's answers
+    first_top: TopLogprobs = ()  # DONE: the first token's alternatives, when asked for
 
     def encode(self) -> bytes:
         rid = self.request_id.encode()
@@ -192,6 +194,7 @@ class Notice:
                 ),
                 _raw(struct.pack(f"<{len(self.pages)}I", *self.pages)),
                 _raw(self.handshake),
+                _raw(b"".join(struct.pack("<qd", t, lp) for t, lp in self.first_top)),
             )
         )
 
@@ -204,10 +207,12 @@ class Notice:
             raise WireError(f"notice: unknown kind {kind}")
         rid = r.text()
         start, end, nbytes, nwrites, tok, lp = r.take("<HHQIqd")
-        pages, handshake = r.raw(), r.raw()
+        pages, handshake, top = r.raw(), r.raw(), r.raw()
         r.end()
         if len(pages) % 4:
             raise WireError("notice: page list is not a whole number of u32")
+        if len(top) % 16:
+            raise WireError("notice: top logprobs are not whole (i64, f64) pairs")
         return Notice(
             NoticeKind(int(kind)),
             RequestId(rid),
@@ -219,4 +224,5 @@ class Notice:
             int(tok),
             float(lp),
             handshake,
+            tuple((int(t), float(v)) for t, v in struct.iter_unpack("<qd", top)),
         )

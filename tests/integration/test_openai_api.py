@@ -390,3 +390,28 @@ def test_a_list_of_prompts_answers_each_as_alone(client: openai.OpenAI, workers:
     assert whole.usage is not None
     assert whole.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)  # type: ignore[union-attr]
     assert whole.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone)  # type: ignore[union-attr]
+
+
+def test_top_logprobs_come_with_every_token_the_first_one_too(
+    client: openai.OpenAI, workers: Any
+) -> None:
+    """Disaggregated: the first token's alternatives come from the prefill worker."""
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
+        temperature=0, logprobs=True, top_logprobs=5,
+    )  # fmt: skip
+    content = reply.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content and len(content) == reply.usage.completion_tokens  # type: ignore[union-attr]
+    for entry in content:
+        values = [t.logprob for t in entry.top_logprobs]
+        assert len(values) == 5 and values == sorted(values, reverse=True)
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the chosen is the top one
+        assert abs(entry.top_logprobs[0].logprob - entry.logprob) < 1e-4
+    completion = client.completions.create(
+        model=MODEL, prompt="The sky is", max_tokens=4, temperature=0, logprobs=3
+    )
+    lp = completion.choices[0].logprobs
+    assert lp is not None and lp.top_logprobs is not None and lp.tokens is not None
+    assert [len(t) for t in lp.top_logprobs] == [3] * len(lp.tokens)
+    tops = zip(lp.top_logprobs, lp.tokens, strict=True)
+    assert all(max(t, key=t.__getitem__) == tok for t, tok in tops)

@@ -64,7 +64,7 @@ def test_ignore_eos_is_taken_as_vllm_spells_it() -> None:
         ({"prompt": "a", "temperature": "hot"}, "temperature: must be a number"),
         ({"prompt": "a", "n": 17}, r"n: must be in \[1, 16\]"),
         ({"prompt": "a", "stop": [1]}, "stop: must be a string or a list of strings"),
-        ({"prompt": "a", "logprobs": 2}, "logprobs: only 0 is served"),
+        ({"prompt": "a", "logprobs": 21}, r"logprobs: must be in \[0, 20\]"),
         ({"prompt": "a", "ignore_eos": "yes"}, "ignore_eos: must be true or false"),
     ],
 )
@@ -253,3 +253,12 @@ def test_a_list_of_prompts_is_one_request_each_with_the_same_sampling() -> None:
     assert [m.text for m in call.requests] == ["Once", "", "Twice"]
     assert list(call.requests[1].token_ids.ids) == [5, 6]
     assert {(m.sampling.max_tokens, m.sampling.seed) for m in call.requests} == {(3, 9)}
+
+
+def test_top_logprobs_are_asked_as_openai_spells_them() -> None:
+    chat = to_call({**base(True), "logprobs": True, "top_logprobs": 5}, True, None)
+    assert (chat.logprobs, chat.request.sampling.top_logprobs) == (True, 5)
+    completion = to_call({**base(False), "logprobs": 3}, False, None)
+    assert (completion.logprobs, completion.request.sampling.top_logprobs) == (True, 3)
+    with pytest.raises(InvalidRequestError, match=r"^top_logprobs: needs logprobs: true"):
+        to_call({**base(True), "top_logprobs": 2}, True, None)

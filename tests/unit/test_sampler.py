@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.step_budget import counting
-from cluster.engine.sampler import History, _filtered_probs, adjust, sample
+from cluster.engine.sampler import History, _filtered_probs, adjust, sample, top_logprobs
 from cluster.types import GREEDY_TEMPERATURE, SamplingParams
 
 GREEDY = SamplingParams()
@@ -255,3 +255,14 @@ def test_a_resumed_requests_delivered_tokens_count_as_output() -> None:
     p = [SamplingParams(frequency_penalty=1.0)]
     resumed = adjust(logits, p, [History([1, 2, 3, 3, 4], 2, frozenset())])
     assert resumed[0].tolist() == [0, 0, 0, -2, -1, 0, 0, 0, 0, 0]
+
+
+def test_top_logprobs_are_each_rows_k_most_likely_in_order() -> None:
+    logits = random_logits(3, 40, seed=9)
+    params = [SamplingParams(top_logprobs=3), GREEDY, SamplingParams(top_logprobs=1)]
+    tops = top_logprobs(logits, params)
+    want = torch.log_softmax(logits, dim=-1).topk(3, dim=-1)
+    assert [t for t, _ in tops[0]] == want.indices[0].tolist()
+    assert torch.allclose(torch.tensor([v for _, v in tops[0]]), want.values[0])
+    assert tops[1] == () and [t for t, _ in tops[2]] == [int(logits[2].argmax())]
+    assert top_logprobs(logits, [GREEDY] * 3) == [(), (), ()]

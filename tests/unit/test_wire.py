@@ -77,6 +77,8 @@ def test_notices_round_trip(kind: NoticeKind) -> None:
     assert Notice.decode(n.encode()) == n
     started = Notice(kind, RequestId("r"), handshake=handshake().encode())  # as STARTED has
     assert Notice.decode(started.encode()) == started
+    done = Notice(kind, RequestId("r"), first_token=5, first_top=((5, -0.25), (9, -2.5)))
+    assert Notice.decode(done.encode()) == done  # as DONE has, when asked for
 
 
 def test_truncated_bytes_are_refused() -> None:

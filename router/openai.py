@@ -104,6 +104,8 @@ class Call:
     logprobs: bool
     n: int = 1  # choices per prompt: the same prompt sampled n times (`_choices`)
     tools: Tools | None = None  # a chat's tools (router/tools.py)
+    best_of: int = 1  # completions: candidates per prompt, the n likeliest returned
+    echo: bool = False  # completions: the prompt's text leads each choice's
 
     @property
     def request(self) -> pb.GenerateRequest:
@@ -125,7 +127,7 @@ INERT = {"user", "prompt_cache_key", "safety_identifier", "metadata"}
 HONOURED = {
     True: COMMON | INERT | {"messages", "max_completion_tokens", "top_logprobs", "tools",
                             "tool_choice", "parallel_tool_calls"},
-    False: COMMON | INERT | {"prompt"},
+    False: COMMON | INERT | {"prompt", "best_of", "echo"},
 }  # fmt: skip
 # Fields not served, with the values that ask for nothing (then they are accepted): any
 # other value is refused with a 400 naming the field.
@@ -239,7 +241,19 @@ def to_call(body: Any, chat: bool, session_id: str | None) -> Call:
         other.ClearField("token_ids")
         _prompt(other, prompt)
         requests.append(other)
-    return Call(tuple(requests), chat, stream, include_usage, logprobs, n, tools)
+    best_of, echo = 1, False
+    if not chat:
+        best_of = _field(body, "best_of", (int,), "an integer") or n
+        if not n <= best_of <= MAX_N:
+            raise InvalidRequestError(f"best_of: must be in [n, {MAX_N}], got {best_of}")
+        if best_of > n and stream:
+            raise InvalidRequestError("best_of: cannot be streamed (the best are known at the end)")
+        echo = bool(_field(body, "echo", (bool,), "true or false"))
+        if echo and logprobs:
+            raise InvalidRequestError("echo: with logprobs it needs the prompt's, not served")
+        for m in requests:  # the candidates are ranked by their tokens' logprobs
+            m.sampling.logprobs = m.sampling.logprobs or best_of > n
+    return Call(tuple(requests), chat, stream, include_usage, logprobs, n, tools, best_of, echo)
 
 
 def _sampling(body: dict[str, Any], s: pb.SamplingParams) -> None:
@@ -431,6 +445,12 @@ def _usage(finals: dict[int, Final], n: int) -> dict[str, Any]:
     }
 
 
+def _best(replies: list[Reply], best_of: int, n: int) -> list[Reply]:
+    """Of each prompt's best_of candidates, the n whose tokens are likeliest together."""
+    groups = [replies[k : k + best_of] for k in range(0, len(replies), best_of)]
+    return [r for g in groups for r in sorted(g, key=lambda r: -sum(r.logprobs))[:n]]
+
+
 def _child(p: Prepared, i: int) -> Prepared:
     """Choice i of a request: the same prompt, its own id, and, when seeded, seed + i (an
     unseeded one gets a random seed of its own in the router)."""
@@ -599,7 +619,9 @@ class OpenAIFrontDoor:
         call, prepared = await self._prepare(request, chat)
         if call.stream and call.tools is None:
             return await self._stream(request, call, prepared)
-        replies = await self._collect(prepared, call.n)
+        replies = await self._collect(prepared, call.best_of)
+        if call.best_of > call.n:
+            replies = _best(replies, call.best_of, call.n)
         if call.stream:  # with tools: the calls are read from the whole reply
             return await self._stream_whole(request, call, replies), "ok"
         return web.json_response(self._body(call, replies)), "ok"
@@ -736,13 +758,20 @@ class OpenAIFrontDoor:
                     choice["message"]["tool_calls"] = [c.body() for c in calls]
                     choice["finish_reason"] = "tool_calls"
             else:
-                choice["text"] = reply.text
+                choice["text"] = self._echo(call, i) + reply.text
             choices.append(choice)
         body = {**self._envelope(call, rid), "choices": choices}
         finals = {i: r.final for i, r in enumerate(replies) if r.final is not None}
         if finals:
             body["usage"] = _usage(finals, call.n)
         return body
+
+    def _echo(self, call: Call, index: int) -> str:
+        """The prompt choice `index` answers, as text, when the request asked for echo."""
+        if not call.echo:
+            return ""
+        msg = call.requests[index // call.n]
+        return msg.text if msg.HasField("text") else self.tokenizer.decode(list(msg.token_ids.ids))
 
     def _tool_calls(self, call: Call, reply: Reply) -> tuple[str | None, list[ToolCall]]:
         if call.tools is None or reply.finish != "stop":
@@ -832,7 +861,7 @@ class OpenAIFrontDoor:
         if call.chat:
             choice["delta"] = {"content": delta.text} if delta.text or not finish else {}
         else:
-            choice["text"] = delta.text
+            choice["text"] = (self._echo(call, index) if delta.index == 0 else "") + delta.text
         return choice
 
 

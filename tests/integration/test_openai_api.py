@@ -415,3 +415,19 @@ def test_top_logprobs_come_with_every_token_the_first_one_too(
     assert [len(t) for t in lp.top_logprobs] == [3] * len(lp.tokens)
     tops = zip(lp.top_logprobs, lp.tokens, strict=True)
     assert all(max(t, key=t.__getitem__) == tok for t, tok in tops)
+
+
+def test_echo_leads_with_the_prompt_and_best_of_returns_the_likeliest(
+    client: openai.OpenAI, workers: Any
+) -> None:
+    args: dict[str, Any] = {"model": MODEL, "prompt": "The sky is", "max_tokens": 5}
+    plain = client.completions.create(temperature=0, **args).choices[0].text
+    echoed = client.completions.create(temperature=0, echo=True, **args).choices[0].text
+    assert echoed == "The sky is" + plain
+    streamed = client.completions.create(temperature=0, echo=True, stream=True, **args)
+    assert "".join(c.choices[0].text for c in streamed) == echoed
+    candidates = client.completions.create(temperature=1.0, seed=7, n=4, logprobs=0, **args)
+    best = client.completions.create(temperature=1.0, seed=7, n=2, best_of=4, **args)
+    ranked = sorted(candidates.choices, key=lambda c: -sum(c.logprobs.token_logprobs))  # type: ignore[arg-type, union-attr]
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]]
+    assert best.choices[0].logprobs is None  # not asked for: used, not returned

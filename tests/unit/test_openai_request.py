@@ -124,6 +124,7 @@ SHOWN: dict[str, Any] = {
     "guided_regex": "a+", "guided_choice": ["a", "b"], "guided_grammar": 'root ::= "a"',
     "structured_outputs": {"regex": "a+"},
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+    "echo": True, "best_of": 2,
 }  # fmt: skip
 REFUSED_VALUES = {
     "n": 17,
@@ -138,7 +139,8 @@ def base(chat: bool) -> dict[str, Any]:
 
 
 def seen(call: Call) -> tuple[Any, ...]:
-    return (MessageToDict(call.request), call.stream, call.include_usage, call.logprobs)
+    return (MessageToDict(call.request), call.stream, call.include_usage, call.logprobs,
+            call.n, call.best_of, call.echo)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -262,3 +264,16 @@ def test_top_logprobs_are_asked_as_openai_spells_them() -> None:
     assert (completion.logprobs, completion.request.sampling.top_logprobs) == (True, 3)
     with pytest.raises(InvalidRequestError, match=r"^top_logprobs: needs logprobs: true"):
         to_call({**base(True), "top_logprobs": 2}, True, None)
+
+
+def test_best_of_ranks_candidates_it_samples_with_logprobs_and_echo_refuses_logprobs() -> None:
+    call = to_call({**base(False), "n": 2, "best_of": 4}, False, None)
+    assert (call.n, call.best_of, call.logprobs, call.request.sampling.logprobs) == (
+        2, 4, False, True,
+    )  # fmt: skip
+    with pytest.raises(InvalidRequestError, match=r"^best_of: must be in \[n, 16\]"):
+        to_call({**base(False), "n": 3, "best_of": 2}, False, None)
+    with pytest.raises(InvalidRequestError, match=r"^best_of: cannot be streamed"):
+        to_call({**base(False), "best_of": 2, "stream": True}, False, None)
+    with pytest.raises(InvalidRequestError, match=r"^echo: with logprobs"):
+        to_call({**base(False), "echo": True, "logprobs": 0}, False, None)

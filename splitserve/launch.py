@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import signal
+import time
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
@@ -50,6 +51,7 @@ def serve(config: ServeConfig) -> int:
 
 async def _serve(config: ServeConfig) -> None:
     stop = asyncio.Event()
+    started = time.monotonic()
     async with AsyncExitStack() as stack:
         redis_url = config.redis_url
         if redis_url is None:
@@ -84,7 +86,11 @@ async def _serve(config: ServeConfig) -> None:
             loop.add_signal_handler(sig, stop.set)
 
         cluster = await start_cluster(config, redis_url)
-        log.info("splitserve: serving on %s; Ctrl-C to stop", cluster.app.address)
+        log.info(
+            "splitserve: serving on %s; started in %.1fs; Ctrl-C to stop",
+            cluster.app.address,
+            time.monotonic() - started,
+        )
         await stop.wait()
         log.info("splitserve: stopping; requests in flight get %.0fs", config.router.grace_s)
         await cluster.stop(config.router.grace_s)

@@ -133,12 +133,14 @@ class WorkerPool(Generic[H]):
         name = f"{self.prefix}{self.phase}-{self._next}"
         self._next += 1
         c = self.config
+        log.info("%s: starting, loading %s", name, c.engine.model or "the bundled model")
         return name, self.role.spawn(
             name, c.engine, self.transfer, c.num_cpus, c.num_gpus, c.resources
         )
 
     async def _ready(self, name: str, handle: H) -> None:
         timeout_s = self.config.scaling.start_timeout_s
+        started = time.monotonic()
         try:
             info = await asyncio.wait_for(handle.info.remote(), timeout_s)
         except BaseException as e:
@@ -149,7 +151,19 @@ class WorkerPool(Generic[H]):
                     f"have {self.config.resources or 'the CPUs/GPUs it asks for'}?)"
                 ) from None
             raise
-        log.info("%s: ready (%s, max_model_len %d)", name, info.name, info.max_model_len)
+        stats = await handle.stats.remote()
+        tokens = stats.num_pages * info.page_size
+        log.info(
+            "%s: ready in %.1fs (%s, max_model_len %d): KV cache %d pages, %d tokens, "
+            "%d sequences of the max length",
+            name,
+            time.monotonic() - started,
+            info.name,
+            info.max_model_len,
+            stats.num_pages,
+            tokens,
+            tokens // info.max_model_len,
+        )
 
     async def _idle(self, registry: WorkerRegistry, name: str, handle: H, timeout_s: float) -> bool:
         """Wait until nothing is in flight on the worker; False if timeout_s passed first."""

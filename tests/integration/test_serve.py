@@ -77,10 +77,13 @@ def test_serve_answers_cli_clients_and_stops_cleanly(tmp_path: Path) -> None:
     for component in (
         "redis: embedded valkey-server at redis://127.0.0.1:",
         "ray: local",
-        "prefill-0: ready",
-        "decode-0: ready",
+        "prefill-0: starting, loading the bundled model",
+        "prefill-0: ready in",
+        "decode-0: ready in",
+        "sequences of the max length",
         "router: gRPC on 127.0.0.1:",
         "router: Prometheus metrics on http://127.0.0.1:",
+        "; started in ",
     ):
         assert component in text, component
     found = re.search(r"metrics on (\S+)", text)

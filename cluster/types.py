@@ -19,6 +19,9 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_TOP_LOGPROBS = 20
 # One sampled token's most likely alternatives: (token id, logprob), most likely first.
 TopLogprobs = tuple[tuple[int, float], ...]
+# A prompt token, its logprob given the tokens before it (None for the first: nothing
+# predicts it), and its alternatives.
+PromptLogprob = tuple[int, float | None, TopLogprobs]
 
 
 def _is_number(value: object) -> bool:
@@ -84,6 +87,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0  # with each token, this many most likely alternatives
+    # The prompt's own tokens' logprobs (and this many alternatives each), with the first
+    # output token; None: not asked. Computed where the prompt is, never from the cache.
+    prompt_logprobs: int | None = None
     # Logit adjustments (cluster/engine/sampler.py `adjust`), off at these values.
     presence_penalty: float = 0.0  # [-2, 2], per token present in the output
     frequency_penalty: float = 0.0  # [-2, 2], times the token's count in the output
@@ -121,6 +127,9 @@ class SamplingParams:
             raise bad(
                 "top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}"
             )
+        k = self.prompt_logprobs
+        if k is not None and (not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS):
+            raise bad("prompt_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}] or null, got {k!r}")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise bad("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
 
@@ -149,6 +158,8 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     new_logprobs: list[float] = field(default_factory=list)
     new_top_logprobs: list[TopLogprobs] = field(default_factory=list)  # when asked for
+    # With the first output token, when asked for: each prompt token's (PromptLogprob).
+    prompt_logprobs: list[PromptLogprob] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     text_offset: int = 0  # characters of the request's output text before new_text
@@ -219,6 +230,7 @@ class TokenDelta:
     text_offset: int = 0
     evicted: bool = False
     top_logprobs: tuple[TopLogprobs, ...] = ()  # per token, when asked for
+    prompt_logprobs: tuple[PromptLogprob, ...] | None = None  # see RequestOutput
 
 
 @dataclass(frozen=True)

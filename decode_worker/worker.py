@@ -268,6 +268,7 @@ class DecodeWorker:
             num_cached_tokens=out.num_cached_tokens,
             text_offset=out.text_offset,
             top_logprobs=tuple(out.new_top_logprobs),
+            prompt_logprobs=None if out.prompt_logprobs is None else tuple(out.prompt_logprobs),
         )
 
     def _final(

@@ -128,6 +128,12 @@ class Dispatcher:
         assert resumed < sampling.max_tokens, "a request that has all its tokens is finished"
         prompt = prompt_ids + done.token_ids
         sampling = dataclasses.replace(sampling, max_tokens=sampling.max_tokens - resumed)
+        if sampling.prompt_logprobs is not None:
+            # Computed where the prompt is: the decode worker prefills it itself. A resumed
+            # request delivered them with its first token.
+            prefill = None
+            if resumed:
+                sampling = dataclasses.replace(sampling, prompt_logprobs=None)
         trace = trace or Trace()
         stream = _Stream(asyncio.Queue(), decode, prefill, trace, sampling.stop != ())
         self._streams[rid], self._in_flight[caller] = stream, rid

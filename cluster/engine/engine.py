@@ -35,7 +35,7 @@ from cluster.engine.model import LlamaModel
 from cluster.engine.model_files import bundled_model_path
 from cluster.engine.page_pool import PagePool
 from cluster.engine.quantization import QuantizationError
-from cluster.engine.runner import build_runner, workspace_bytes
+from cluster.engine.runner import build_runner, prompt_rows, workspace_bytes
 from cluster.engine.sampler import History, adjust, sample, skip_draws, top_logprobs
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.sequence import Sequence
@@ -49,6 +49,7 @@ from cluster.types import (
     InvalidRequestError,
     ModelInfo,
     PageId,
+    PromptLogprob,
     RequestId,
     RequestOutput,
     RequestStatus,
@@ -172,6 +173,7 @@ class _Live:
     stop_ids: frozenset[int]
     output_from: int  # where its output starts in seq.token_ids (resumed tokens are output)
     matcher: GrammarMatcher | None = None  # a structured output's place in its grammar
+    prompt_logprobs: list[PromptLogprob] | None = None  # filled as the prompt is computed
 
 
 class LLMEngine:
@@ -378,7 +380,11 @@ class LLMEngine:
         started = time.perf_counter()
         ps = self.pool.page_size
         on_layer = None if sink is None else layer_hook(step, ps, self.device, sink)
+        prompt_parts = prompt_rows(step)  # before the commit moves num_computed
         sampled, logits = self.runner.run(step, on_layer)
+        if prompt_parts:
+            self._record_prompt_logprobs(prompt_parts, logits[len(sampled) :])
+            logits = logits[: len(sampled)]
         for seq in step.decodes:
             self.scheduler.commit(seq, 1)
         for seq, n in step.prefills:
@@ -487,8 +493,41 @@ class LLMEngine:
         matcher = None
         if sampling.structured is not None:
             matcher = self._grammar().matcher(sampling.structured, ids[output_from:])
-        self._live[rid] = _Live(seq, text, generator, frozenset(stop_ids), output_from, matcher)
+        prompt_lps: list[PromptLogprob] | None = None
+        if sampling.prompt_logprobs is not None and not resumed:
+            prompt_lps = [(token, None, ()) for token in ids]
+        self._live[rid] = _Live(
+            seq, text, generator, frozenset(stop_ids), output_from, matcher, prompt_lps
+        )
         return self._live[rid]
+
+    @staticmethod
+    def _take_prompt_logprobs(live: _Live) -> list[PromptLogprob] | None:
+        """The prompt's logprobs, once: with the request's first output token."""
+        taken, live.prompt_logprobs = live.prompt_logprobs, None
+        return taken
+
+    def _record_prompt_logprobs(
+        self, parts: list[tuple[Sequence, int, int]], logits: torch.Tensor
+    ) -> None:
+        """Each prompt position's logprob of the prompt's next token, and its alternatives."""
+        logprobs = torch.log_softmax(logits, dim=-1)
+        at = 0
+        for seq, start, count in parts:
+            rows, at = logprobs[at : at + count], at + count
+            recorded = self._live[seq.request_id].prompt_logprobs
+            if recorded is None:  # a resumed request's were delivered before it moved
+                continue
+            nexts = torch.tensor(seq.token_ids[start + 1 : start + 1 + count], device=rows.device)
+            chosen = rows.gather(1, nexts[:, None]).squeeze(1).tolist()
+            k = seq.sampling.prompt_logprobs or 0
+            tops: list[TopLogprobs] = [()] * count
+            if k:
+                values, ids = rows.topk(k, dim=-1)
+                pairs = zip(ids.tolist(), values.tolist(), strict=True)
+                tops = [tuple(zip(i, v, strict=True)) for i, v in pairs]
+            for j in range(count):
+                recorded[start + 1 + j] = (seq.token_ids[start + 1 + j], chosen[j], tops[j])
 
     def _grammar(self) -> Grammars:
         if self._grammars is None:  # xgrammar is loaded by the first request that needs it
@@ -547,6 +586,7 @@ class LLMEngine:
             finish_reason=reason,
             new_logprobs=[logprob] if logprob is not None else [],
             new_top_logprobs=[top] if seq.sampling.top_logprobs else [],
+            prompt_logprobs=self._take_prompt_logprobs(live),
             num_prompt_tokens=seq.num_prompt,
             num_cached_tokens=seq.num_cached,
         )

@@ -1,7 +1,8 @@
 """Executes a scheduled step: lays the batch out, runs the model, returns logits.
 
 Only sequences whose last token's KV is computed in this step get a logits row:
-every decode, and a prefill chunk that finishes its sequence's uncomputed tokens.
+every decode, and a prefill chunk that finishes its sequence's uncomputed tokens; after
+those rows, the prompt positions whose logprobs a request asked for (`prompt_rows`).
 A decode-only step replays a captured CUDA graph when the engine has them.
 """
 
@@ -35,7 +36,18 @@ class StepInputs:
     positions: torch.Tensor  # [tokens] long
     batch: StepBatch
     sampled: list[Sequence]  # the sequences that get a next token
-    logits_rows: list[int]  # their rows
+    logits_rows: list[int]  # their rows, then the rows of prompt_rows(step), in order
+
+
+def prompt_rows(step: Step) -> list[tuple[Sequence, int, int]]:
+    """(seq, first position, count): the prompt positions of this step whose logits the
+    prompt's logprobs need (position p predicts token p + 1 of the prompt)."""
+    return [
+        (seq, seq.num_computed, end - seq.num_computed)
+        for seq, n in step.prefills
+        if seq.sampling.prompt_logprobs is not None
+        and (end := min(seq.num_computed + n, seq.num_prompt - 1)) > seq.num_computed
+    ]
 
 
 def lay_out(step: Step, page_size: int, tables: BlockTables) -> StepInputs:
@@ -63,6 +75,9 @@ def lay_out(step: Step, page_size: int, tables: BlockTables) -> StepInputs:
         if context == len(seq.token_ids):
             sampled.append(seq)
             rows.append(len(ids) - 1)
+    first = {id(s): starts[nd + i] for i, (s, _) in enumerate(step.prefills)}
+    for seq, _, count in prompt_rows(step):
+        rows.extend(range(first[id(seq)], first[id(seq)] + count))
     batch = StepBatch(nd, starts, context_lens, table, torch.cat(slots))
     return StepInputs(ids, torch.cat(positions), batch, sampled, rows)
 

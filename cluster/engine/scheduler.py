@@ -127,7 +127,9 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             ps = self.pool.page_size
-            hashes = seq.page_hashes((len(seq.token_ids) - 1) // ps, ps)
+            # The prompt's logprobs are computed, never taken from the cache.
+            cacheable = seq.sampling.prompt_logprobs is None
+            hashes = seq.page_hashes((len(seq.token_ids) - 1) // ps, ps) if cacheable else []
             cached = self.pool.match_prefix(hashes)
             need = len(seq.token_ids) - len(cached) * ps
             whole_step = budget == self.token_budget  # an unchunked prompt may overrun alone

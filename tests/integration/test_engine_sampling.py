@@ -97,3 +97,39 @@ def test_a_temperature_at_or_under_the_epsilon_gives_the_greedy_tokens(
         [prompts[0]] * len(tiny), [SamplingParams(max_tokens=8, temperature=t) for t in tiny]
     )
     assert {t: o.token_ids for t, o in zip(tiny, outs, strict=True)} == dict.fromkeys(tiny, greedy)
+
+
+def _first_output(engine: LLMEngine, prompt: list[int], sp: SamplingParams) -> Any:
+    rid = engine.add_request(prompt, sp)
+    while True:
+        for out in engine.step():
+            if out.request_id == rid and out.new_token_ids:
+                engine.abort_request(rid)
+                return out
+
+
+def test_prompt_logprobs_are_each_prefix_s_next_token_distribution(
+    make_engine: Any, prompts: list[list[int]]
+) -> None:
+    """Position j's entry is the distribution after the prompt's first j tokens: the same
+    as the first-token alternatives of a request whose prompt ends there; chunked or
+    whole, and with the prompt's pages in the prefix cache, the same."""
+    chunked = make_engine("chunked-16", max_num_batched_tokens=16)
+    prompt = (prompts[0] * 10)[:40]
+    sp = SamplingParams(max_tokens=1, prompt_logprobs=3)
+    whole = _first_output(chunked, prompt, sp).prompt_logprobs
+    again = _first_output(chunked, prompt, sp).prompt_logprobs  # its pages cached by now
+    assert whole is not None and [t for t, _, _ in whole] == prompt
+    assert whole[0][1:] == (None, ())
+    assert again == whole
+    for j in (1, 17, 39):
+        _, lp, top = whole[j]
+        assert lp is not None
+        ref = _first_output(chunked, prompt[:j], SamplingParams(max_tokens=1, top_logprobs=3))
+        want = ref.new_top_logprobs[0]
+        assert [t for t, _ in top] == [t for t, _ in want]
+        got, expected = torch.tensor([v for _, v in top]), torch.tensor([v for _, v in want])
+        assert torch.allclose(got, expected, atol=1e-4)
+        assert lp <= top[0][1] + 1e-6
+    later = _first_output(chunked, prompt, SamplingParams(max_tokens=1))
+    assert later.prompt_logprobs is None  # not asked for, not computed

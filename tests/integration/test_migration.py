@@ -11,6 +11,7 @@ import asyncio
 import threading
 from typing import Any
 
+import openai
 import pytest
 import ray
 
@@ -164,5 +165,51 @@ def test_through_the_router_a_killed_decode_workers_stream_ends_with_all_its_tok
         alone = ask(router.address, "Tell me a story.", **story)
         assert moved.token_ids == alone.token_ids and len(moved.token_ids) == 96
         assert moved.text == alone.text
+    finally:
+        router.stop()
+
+
+def test_through_the_openai_api_a_moved_stream_keeps_its_penalties_and_grammar(
+    workers: Any,
+) -> None:
+    """HTTP end to end, with the openai package: the stream of a request that holds
+    penalties, a logit bias, alternatives and a regex survives its decode worker's death,
+    token for token as a run that never moved."""
+    p = workers.prefill("prefill")
+    names = ("openai-decode-a", "openai-decode-b")
+    decode = {n: workers.decode(n, local_prefill_tokens=0) for n in names}
+    router = RouterHarness({"prefill": p}, decode, redis_url=None, http_port=0)
+    try:
+        assert router.app.http is not None
+        client = openai.OpenAI(base_url=router.app.http.address + "/v1", api_key="x", timeout=120)
+        args: dict[str, Any] = {
+            "model": "", "messages": [{"role": "user", "content": "Count to forty."}],
+            "max_tokens": 60, "temperature": 0.8, "seed": 11, "frequency_penalty": 0.5,
+            "presence_penalty": 0.3, "logit_bias": {"13": -100}, "logprobs": True,
+            "top_logprobs": 2, "extra_body": {"guided_regex": "[0-9 ,]{60,}"},
+        }  # fmt: skip
+        chunks: list[Any] = []
+
+        def stream() -> None:
+            for chunk in client.chat.completions.create(stream=True, **args):
+                chunks.append(chunk)
+
+        streaming = threading.Thread(target=stream)
+        streaming.start()
+        busy = lambda n: ray.get(decode[n].stats.remote()).running >= 1
+        wait_until(lambda: any(busy(n) for n in names), "the stream to be decoding", 30)
+        doomed = next(n for n in names if busy(n))
+        ray.kill(workers.handles.pop(doomed))
+        streaming.join(60)
+        assert not streaming.is_alive(), "the moved stream must end"
+        registry = router.app.metrics.registry
+        assert registry.get_sample_value("splitserve_request_migrations_total") == 1
+        moved = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        alone = client.chat.completions.create(**args)
+        assert moved == alone.choices[0].message.content
+        assert len(moved) >= 60 and set(moved) <= set("0123456789 ,")
+        tops = [t for c in chunks if c.choices and c.choices[0].logprobs
+                for t in c.choices[0].logprobs.content or []]  # fmt: skip
+        assert len(tops) == 60 and all(len(t.top_logprobs) == 2 for t in tops)
     finally:
         router.stop()

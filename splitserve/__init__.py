@@ -1,2 +1,2 @@
 """splitserve, the product: the command line, the control plane, the planner and the
-Python client (the gRPC API it speaks is splitserve_api.v1, generated from proto/)."""
+Python client (the gRPC API it speaks is splitserve_api.v1, generated from its .proto)."""

@@ -190,8 +190,9 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-# The entry-point group bench/ registers its commands in (pyproject.toml): bench stands on
-# splitserve, so the CLI names no bench module and finds them as installed plugins.
+# The entry-point group splitserve/bench/ registers its commands in (pyproject.toml): bench
+# stands on the rest of splitserve, so the CLI names no bench module and finds them as
+# installed plugins.
 BENCHES = "splitserve.bench"
 
 
@@ -213,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser(
         "serve",
         help="run the whole cluster on this machine (gRPC and OpenAI HTTP router)",
-        epilog=SERVE_EXAMPLES,
+        epilog=f"{SERVE_EXAMPLES}example config (every field, its default): {EXAMPLE_CONFIG}\n",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     serve.add_argument("--config", default=None, help="YAML config: pools, transfer, router")
@@ -311,13 +312,14 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--out", default=None, help="default: ~/.cache/splitserve/step-cost.json")
     plan.set_defaults(func=_plan)
 
-    bench = sub.add_parser("bench", help="benchmarks (bench/)")
+    bench = sub.add_parser("bench", help="benchmarks (splitserve/bench/)")
     bench.add_argument("kind", choices=sorted(e.name for e in entry_points(group=BENCHES)))
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)
     return parser
 
 
+EXAMPLE_CONFIG = Path(__file__).with_name("serve.example.yaml")  # installed with the package
 SERVE_EXAMPLES = """examples:
   splitserve serve                                   # bundled model, one prefill + one decode
   splitserve serve path/to/model.gguf --quantization gguf --dtype bfloat16
@@ -325,7 +327,7 @@ SERVE_EXAMPLES = """examples:
       --host 0.0.0.0 --api-key-file key.txt --port 8080 --grpc-port 50052 --decode-replicas 2
   splitserve serve --ssl-keyfile key.pem --ssl-certfile cert.pem \\
       --allowed-origins https://app.example.com   # https:// and TLS gRPC; CORS for one origin
-  splitserve serve --config configs/serve.example.yaml --redis-url redis://host:6379
+  splitserve serve --config serve.yaml --redis-url redis://host:6379   # from the example below
   SPLITSERVE_API_KEY=$(cat key.txt) \\
       splitserve serve --config deploy/splitserve.yaml   # join a GPU Ray cluster (0.0.0.0)
   SPLITSERVE_PORT=8080 splitserve serve              # any flag: SPLITSERVE_<FLAG>

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from bench.serve import main
+from splitserve.bench.serve import main
 from splitserve.serve_workload import load_workload, make_conversations
 from tests.integration.router_harness import RouterHarness
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.chaos import main
+from splitserve.bench.chaos import main
 
 TINY = [
     "--prefill", "1", "--decode", "1", "--kv-cache-gb", "0.1",

@@ -14,10 +14,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from bench.step_budget import counting
 from cluster.config import ConfigError, EngineConfig
 from cluster.engine.engine import LLMEngine
 from cluster.types import SamplingParams
+from splitserve.bench.step_budget import counting
 from tests.helpers import assert_no_leak
 
 # Small enough for the interpreter: a 40-token budget cuts the long prompt into chunks.

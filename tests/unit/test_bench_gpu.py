@@ -3,7 +3,7 @@ of GPU, and the bytes a decode step really reads."""
 
 from __future__ import annotations
 
-from bench.gpu import Decode, decode_bytes, profile_of
+from splitserve.bench.gpu import Decode, decode_bytes, profile_of
 from splitserve.capacity import ARCHITECTURES, weight_bytes
 
 GB = 10**9

@@ -3,8 +3,8 @@ references, refusals by how they were sent, the flood against the idle latency."
 
 from __future__ import annotations
 
-from bench.chaos_doors import Call
-from bench.chaos_pressure import flood_summary, overload_summary, pressure_table
+from splitserve.bench.chaos_doors import Call
+from splitserve.bench.chaos_pressure import flood_summary, overload_summary, pressure_table
 
 
 def test_overload_counts_streams_wrong_outputs_and_refusals_by_mode() -> None:

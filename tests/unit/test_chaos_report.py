@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.chaos_report import (
+from splitserve.bench.chaos_report import (
     Fault,
     Outcome,
     WorkerPages,

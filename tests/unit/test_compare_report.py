@@ -5,7 +5,7 @@ tokens only where a prefill pool ran."""
 
 from __future__ import annotations
 
-from bench.compare import _kv_reuse, _sections, merge
+from splitserve.bench.compare import _kv_reuse, _sections, merge
 
 PAGE = """# Serving benchmark
 

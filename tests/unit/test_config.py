@@ -151,7 +151,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_example_serve_config_spells_out_the_defaults() -> None:
-    assert load_serve_config(ROOT / "configs" / "serve.example.yaml") == ServeConfig()
+    assert load_serve_config(ROOT / "splitserve" / "serve.example.yaml") == ServeConfig()
 
 
 def test_a_pool_without_autoscale_keeps_its_replicas_and_one_with_it_moves_in_bounds() -> None:

@@ -1,19 +1,22 @@
 """Imports point down a floor (DESIGN.md's layout), read from the source with `ast`.
 
 Floors are packages, lowest first; a module may import its own floor and the floors below.
-A module's floor is its top-level package's and nothing else: there is no per-file table.
+A module's floor is that of the innermost package of PACKAGES it lies in (splitserve.bench
+is one, inside splitserve) and nothing else: there is no per-file table.
 1. cluster (types, config, protocol, engine, transfer) and splitserve_api, the code
-   generated from proto/ (it imports nothing of ours).
+   generated from its .proto (it imports nothing of ours).
 2. decode_worker, prefill_worker: the two roles.
 3. router (dispatch included). It reaches the workers through Ray with cluster.protocol's
    types, so it imports neither of them, and they do not import each other.
 4. splitserve: the control plane (launch, pools, scaler, autoscale, embedded Redis), the
    client, the capacity planner with the workload model and metrics that the benchmarks
    share (workload, serve_workload, arrivals, serve_metrics: pure), and the CLI.
-5. bench: load generators, peers and reports, which drive a real server or the planner.
+5. splitserve.bench: load generators, peers and reports, which drive a real server or the
+   planner. It ships inside splitserve's wheel but stands on it: nothing else in splitserve
+   imports it.
 
 `splitserve bench KIND` is the one place a lower floor runs code of a higher one, and it
-does so the way a framework calls a plugin: bench/ registers each command in
+does so the way a framework calls a plugin: splitserve/bench/ registers each command in
 pyproject.toml's "splitserve.bench" entry-point group and splitserve.cli loads it by the
 name the user gives, so no file of splitserve names a bench module; the dependency in
 the source points down (bench names the group). A test below holds the group to that.
@@ -21,8 +24,9 @@ the source points down (bench names the group). A test below holds the group to 
 What counts as an import: every `import` and `from ... import`, at module level or
 inside a function, under TYPE_CHECKING or not; and every call of `import_module` or
 `__import__`, whose module is its first argument: a string literal, or an f-string whose
-literal head names the package (`f"bench.{kind}"` imports from bench). A dynamic import of
-a name the test cannot read this way fails too: an arrow it cannot see is not allowed.
+literal head names the package (`f"splitserve.bench.{kind}"` imports from splitserve.bench;
+`f"splitserve.{name}"` cannot be read, since it may name splitserve.bench). A dynamic import
+of a name the test cannot read this way fails too: an arrow it cannot see is not allowed.
 Every top-level directory or module with Python files (tracked or not, unless ignored by
 git) is one of PACKAGES or of NOT_PACKAGES: a new one fails until it is given a floor.
 
@@ -52,8 +56,9 @@ PACKAGES = {
     "prefill_worker": 2,
     "router": 3,
     "splitserve": 4,
-    "bench": 5,
+    "splitserve.bench": 5,
 }
+TOP_LEVEL = {package.split(".")[0] for package in PACKAGES}
 NOT_PACKAGES = {"tests"}  # may import any floor; nothing imports it
 STRANGERS = {"decode_worker", "prefill_worker", "router"}  # none imports another
 FLOOR_NAMES = {1: "ground", 2: "workers", 3: "router", 4: "control plane", 5: "bench"}
@@ -62,8 +67,10 @@ UNREADABLE = "<a name the test cannot read>"
 
 
 def floor(module: str) -> int | None:
-    """The module's floor: its top-level package's; None for what is not ours."""
-    return PACKAGES.get(module.split(".")[0])
+    """The module's floor: its innermost package's of PACKAGES; None for what is not ours."""
+    parts = module.split(".")
+    heads = (".".join(parts[:n]) for n in range(len(parts), 0, -1))
+    return next((PACKAGES[h] for h in heads if h in PACKAGES), None)
 
 
 def python_files() -> list[Path]:
@@ -86,7 +93,7 @@ def top_level_names(files: list[Path]) -> set[str]:
 def sources() -> Iterator[tuple[str, Path]]:
     for path in python_files():
         module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
-        if module.split(".")[0] in PACKAGES:
+        if floor(module) is not None:
             yield module.removesuffix(".__init__"), path
 
 
@@ -102,7 +109,11 @@ def _literal_head(arg: ast.expr) -> str:
                 break
             head += part.value
         if "." in head:
-            return _literal_head(ast.Constant(head.rpartition(".")[0]))
+            named = _literal_head(ast.Constant(head.rpartition(".")[0]))
+            # A head that holds a package of its own floor (splitserve holds splitserve.bench)
+            # does not say which floor the import reaches.
+            if not any(p.startswith(f"{named}.") for p in PACKAGES):
+                return named
     return UNREADABLE
 
 
@@ -187,7 +198,7 @@ def cycle(graph: dict[str, set[str]]) -> list[str]:
 
 def unknown(names: set[str]) -> list[str]:
     """The top-level names that are neither a floor's package nor one of NOT_PACKAGES."""
-    return sorted(names - PACKAGES.keys() - NOT_PACKAGES)
+    return sorted(names - TOP_LEVEL - NOT_PACKAGES)
 
 
 def test_no_module_imports_a_floor_above_its_own() -> None:
@@ -202,7 +213,7 @@ def test_no_import_cycle() -> None:
 def test_every_top_level_python_directory_has_a_floor() -> None:
     names = top_level_names(python_files())
     assert unknown(names) == []
-    assert names >= PACKAGES.keys(), "a package named here is gone"
+    assert dict(sources()).keys() >= PACKAGES.keys(), "a package named here is gone"
     assert "splitserve.cli" in dict(sources())
 
 
@@ -211,7 +222,9 @@ def test_bench_commands_are_plugins_of_the_cli() -> None:
     what pyproject.toml declares (after editing the group: pip install -e .)."""
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
     commands = declared[BENCHES]
-    assert {floor(target.partition(":")[0]) for target in commands.values()} == {PACKAGES["bench"]}
+    assert {floor(target.partition(":")[0]) for target in commands.values()} == {
+        PACKAGES["splitserve.bench"]
+    }
     assert {e.name: e.value for e in entry_points(group=BENCHES)} == commands
 
 
@@ -219,30 +232,34 @@ def test_an_upward_import_is_caught(tmp_path: Path) -> None:
     """The check itself: a router module that imports a worker, a worker that imports
     its peer, a ground-floor module that imports the control plane from inside a
     function or relatively; what the old per-module table let through (the CLI, the
-    planner or the workload model importing bench, the router importing code under
-    splitserve/); dynamic imports that point up or cannot be read. Imports that point
-    down pass, dynamic ones too."""
+    planner or the workload model importing the benchmarks, the router importing code
+    under splitserve/); splitserve importing splitserve.bench, relatively too; dynamic
+    imports that point up or cannot be read. Imports that point down pass, dynamic ones
+    too."""
     bad = {
         "router.bad": "from decode_worker.worker import DecodeWorker\n",
         "decode_worker.bad": "import prefill_worker.sender\n",
         "cluster.engine.bad": "def f():\n    from splitserve import pool\n",
         "cluster.bad": "from ..splitserve import launch\n",
-        "splitserve.arrivals": "from bench import serve\n",
-        "splitserve.cli": "from bench.serve import main\n",
-        "splitserve.plan": "from bench.serve_workload import load_workload\n",
+        "splitserve.arrivals": "from splitserve.bench import serve\n",
+        "splitserve.cli": "from splitserve.bench.serve import main\n",
+        "splitserve.plan": "from splitserve.bench.serve_workload import load_workload\n",
         "router.request": "from splitserve.v1 import splitserve_pb2\n",
         "router.dynamic": "import importlib\nimportlib.import_module('splitserve.launch')\n",
         "cluster.dunder": "__import__('router.server')\n",
-        "splitserve.fstring": "from importlib import import_module\nimport_module(f'bench.{k}')\n",
+        "splitserve.launch": "from .bench import serve\n",
+        "splitserve.fstring": "__import__(f'splitserve.bench.{k}')\n",
+        "splitserve.wide": "import importlib\nimportlib.import_module(f'splitserve.{k}')\n",
         "splitserve.computed": "import importlib\nimportlib.import_module(name)\n",
-        "splitserve.joined": "import importlib\nimportlib.import_module('ben' + 'ch.serve')\n",
-        "splitserve.relative": "import importlib\nimportlib.import_module('.serve', 'bench')\n",
+        "splitserve.joined": "__import__('splitserve.' + 'bench')\n",
+        "splitserve.rel": "import importlib\nimportlib.import_module('.bench', 'splitserve')\n",
     }
     good = {
         "router.good": "from cluster.protocol import DecodeStats\nfrom . import policy\n",
         "decode_worker.good": "from .outbox import Outboxes\nimport numpy\n",
         "router.server": "from splitserve_api.v1 import splitserve_pb2\n",
-        "bench.dynamic": "import importlib\nimportlib.import_module(f'splitserve.{k}')\n",
+        "splitserve.bench.serve": "from .. import workload\nfrom . import report\n",
+        "splitserve.bench.dynamic": "import importlib\nimportlib.import_module(f'cluster.{k}')\n",
         "splitserve.down": "__import__('cluster.config')\n",
     }
     path = tmp_path / "pkg" / "m.py"
@@ -290,9 +307,9 @@ def test_an_import_cycle_is_caught(tmp_path: Path) -> None:
 def test_an_unknown_top_level_package_is_caught() -> None:
     """A new top-level directory (or root module) with Python files has no floor until
     PACKAGES or NOT_PACKAGES names it."""
-    assert unknown({*PACKAGES, "tests", "gateway"}) == ["gateway"]
-    assert unknown({*PACKAGES, "tests", "setup"}) == ["setup"]
-    assert unknown({*PACKAGES, "tests"}) == []
+    assert unknown({*TOP_LEVEL, "tests", "gateway"}) == ["gateway"]
+    assert unknown({*TOP_LEVEL, "tests", "setup"}) == ["setup"]
+    assert unknown({*TOP_LEVEL, "tests"}) == []
 
 
 def test_the_router_loads_without_torch_the_engine_or_a_worker() -> None:

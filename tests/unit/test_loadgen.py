@@ -1,4 +1,4 @@
-"""bench.loadgen reads AIPerf's summary: the fixture is a real AIPerf 0.13.0 run's
+"""splitserve.bench.loadgen reads AIPerf's summary: the fixture is a real AIPerf 0.13.0 run's
 profile_export_aiperf.json against `splitserve serve`, cut to the metrics it reads."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.loadgen import difference, parse_aiperf
+from splitserve.bench.loadgen import difference, parse_aiperf
 
 FIXTURE = Path(__file__).parent / "data" / "aiperf_profile_export.json"
 

@@ -1,4 +1,5 @@
-"""The generated code in splitserve_api/v1/ matches proto/: regenerate it and compare."""
+"""The generated code in splitserve_api/v1/ matches the .proto beside it: regenerate it and
+compare."""
 
 from __future__ import annotations
 

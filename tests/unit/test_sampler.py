@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bench.step_budget import counting
 from cluster.engine.sampler import History, _filtered_probs, adjust, sample, top_logprobs
 from cluster.types import GREEDY_TEMPERATURE, SamplingParams
+from splitserve.bench.step_budget import counting
 
 GREEDY = SamplingParams()
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from bench.serve_backend import _piece
+from splitserve.bench.serve_backend import _piece
 
 LOGPROBS_CHAT = {"content": [{"token": "in", "logprob": -1.0}, {"token": "-", "logprob": -0.2}]}
 LOGPROBS_TEXT = {"tokens": ["in", "-", "the"], "token_logprobs": [-1.0, -0.2, -1.4]}

@@ -132,7 +132,7 @@ def test_goodput_takes_the_highest_meeting_rate_of_a_noisy_sweep() -> None:
 
 
 def test_a_fifo_server_queues_each_request_behind_the_one_before() -> None:
-    from bench.compare import fifo
+    from splitserve.bench.compare import fifo
 
     # Two requests arrive at 0 and 1 s; each takes 2 s (tokens at 0.5 s and 2 s after it starts).
     records = fifo([0.0, 1.0], [[0.5, 2.0], [0.5, 2.0]], [10, 20])

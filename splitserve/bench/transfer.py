@@ -40,8 +40,8 @@ from cluster.transfer.endpoint import KVEndpoint
 from cluster.transfer.wire import Notice, NoticeKind, compat_hash
 from cluster.types import KVTarget, PageId, RequestId, SamplingParams
 from prefill_worker.sender import KVSender
+from splitserve.bench import RESULTS
 
-RESULTS = Path(__file__).parent / "results"
 TOKENS = (512, 2048, 8192)
 PAGE_SIZE = 16
 UCX_TLS = "self,cma,tcp"

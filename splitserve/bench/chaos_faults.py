@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import psutil
 import redis.asyncio as aioredis
 
-from bench.chaos_report import Fault, WorkerPages
+from splitserve.bench.chaos_report import Fault, WorkerPages
 from splitserve.client import Client
 
 TITLE = re.compile(r"ray::(?:[\w.-]+:)?(PrefillWorker|DecodeWorker)(?:\.\w+)?")

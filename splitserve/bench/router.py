@@ -85,11 +85,11 @@ from router.dispatch import Dispatcher
 from router.placement import Placement, PlacementStore
 from router.prefix_index import PrefixIndex, prompt_hashes
 from router.request import Prepared, prepare
+from splitserve.bench import RESULTS
 from splitserve.client import Client, request
 from splitserve.redis_server import EmbeddedRedis
 from splitserve_api.v1 import splitserve_pb2 as pb
 
-RESULTS = Path(__file__).parent / "results"
 PROMPT = "The capital of France is"
 MAX_TOKENS = 4
 SESSION = "bench-overhead"  # the router+session path's session id

@@ -35,7 +35,7 @@ this CPU, see the README) on this machine's cores:
 
 Per workload (splitserve/workloads/; its plan below: rates, requests per rate, SLOs; for
 multi-turn, conversations of 2-4 turns with a session id, the rate counting conversations):
-1. A sweep of request rates with bench/serve.py (Poisson arrivals, fixed seed, warm-up
+1. A sweep of request rates with splitserve/bench/serve.py (Poisson arrivals, fixed seed, warm-up
    not counted): TTFT, TPOT, ITL, E2E, throughput, SLO attainment, and goodput (the
    highest rate at which 90% of requests meet both SLOs, interpolated between swept rates).
 2. Where the time goes: the server's own timings of the lowest rate's requests, averaged:
@@ -47,8 +47,8 @@ multi-turn, conversations of 2-4 turns with a session id, the rate counting conv
    TPOT and p99 inter-token latency of those decode streams, and their ratio to the alone
    run.
 
-Writes bench/results/compare-<workload>.json, then rebuilds docs/benchmarks.md and its
-plots (docs/img/) from every compare-*.json present.
+Writes compare-<workload>.json into `--results` (./bench-results), then rebuilds
+benchmarks.md and its plots (img/) in `--docs` (./docs) from every compare-*.json there.
 """
 
 from __future__ import annotations
@@ -72,12 +72,12 @@ from typing import Any
 
 import numpy as np
 
-from bench import vllm_peer
-from bench.process import splitserve
-from bench.serve import goodput, ideal_cached, parse_args, sweep
-from bench.serve_backend import Backend, connect
 from cluster.engine.model_files import bundled_model_path
 from splitserve.arrivals import send_offsets
+from splitserve.bench import RESULTS, vllm_peer
+from splitserve.bench.process import splitserve
+from splitserve.bench.serve import goodput, ideal_cached, parse_args, sweep
+from splitserve.bench.serve_backend import Backend, connect
 from splitserve.serve_metrics import (
     RequestRecord,
     ServerTiming,
@@ -89,9 +89,6 @@ from splitserve.serve_metrics import (
 from splitserve.serve_workload import VOCAB_SIZE, Conversation, load_workload, make_conversations
 from splitserve.workload import random_prompt
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results"
-DOCS = ROOT / "docs"
 DECODE_STREAMS = 4  # concurrent decode streams in the interference run
 DECODE_REQUESTS = 12  # ... requests in all (3 rounds)
 DECODE_TOKENS = 64  # ... tokens each, from a 24-token prompt
@@ -523,7 +520,7 @@ def plot_interference(result: dict[str, Any], out: Path) -> None:
 HEADER = [
     "# Serving benchmark: disaggregated vs colocated on this machine",
     "",
-    "Produced by `.venv/bin/splitserve bench compare` (bench/compare.py says exactly "
+    "Produced by `.venv/bin/splitserve bench compare` (splitserve/bench/compare.py says exactly "
     "what each configuration and figure is); rerun it to rebuild this page and its "
     "plots (a workload not rerun keeps its section, and any other section stays as "
     "written). Every configuration ran on the same machine, one after another. The vllm "
@@ -696,17 +693,17 @@ def merge(old: list[str], new: list[str]) -> list[str]:
     return kept + list(fresh.values())
 
 
-def rebuild_docs() -> Path:
-    results = [json.loads(p.read_text()) for p in sorted(RESULTS.glob("compare-*.json"))]
-    (DOCS / "img").mkdir(parents=True, exist_ok=True)
+def rebuild_docs(results_dir: Path, docs: Path) -> Path:
+    results = [json.loads(p.read_text()) for p in sorted(results_dir.glob("compare-*.json"))]
+    (docs / "img").mkdir(parents=True, exist_ok=True)
     for result in results:
-        plot(result, DOCS / "img" / f"compare-{result['workload']}.png")
+        plot(result, docs / "img" / f"compare-{result['workload']}.png")
         if slo_scale_attainment(result, len(result["plan"]["rates"]) // 2):
-            out = DOCS / "img" / f"slo-scale-{result['workload']}.png"
+            out = docs / "img" / f"slo-scale-{result['workload']}.png"
             plot_slo_scale(result, len(result["plan"]["rates"]) // 2, out)
         if any("interference" in e for e in result["configs"].values()):
-            plot_interference(result, DOCS / "img" / f"interference-{result['workload']}.png")
-    out = DOCS / "benchmarks.md"
+            plot_interference(result, docs / "img" / f"interference-{result['workload']}.png")
+    out = docs / "benchmarks.md"
     old = _sections(out.read_text()) if out.is_file() else []
     out.write_text("\n".join([*HEADER, "\n\n".join(merge(old, report(results)))]) + "\n")
     return out
@@ -722,6 +719,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", help=f"comma-separated, of {(*CONFIGS, VLLM, 'transformers')}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--report-only", action="store_true", help="rebuild docs from the JSON")
+    p.add_argument("--results", type=Path, default=RESULTS, help="the JSON's directory")
+    p.add_argument("--docs", type=Path, default=Path("docs"), help="benchmarks.md's directory")
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
     if not args.report_only:
@@ -736,7 +735,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             result = run_workload(workload, plan, args.seed)
             result["command"] = shlex.join([".venv/bin/splitserve", "bench", "compare", *argv])
-            RESULTS.mkdir(parents=True, exist_ok=True)
-            (RESULTS / f"compare-{workload}.json").write_text(json.dumps(result, indent=2))
-    print(f"report: {rebuild_docs()}")
+            args.results.mkdir(parents=True, exist_ok=True)
+            (args.results / f"compare-{workload}.json").write_text(json.dumps(result, indent=2))
+    print(f"report: {rebuild_docs(args.results, args.docs)}")
     return 0

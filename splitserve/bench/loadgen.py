@@ -1,5 +1,6 @@
-"""`python -m bench.loadgen`: a third-party OpenAI load generator and `bench serve --backend
-openai` on one fixed workload against the same server, their TTFT and TPOT side by side.
+"""`python -m splitserve.bench.loadgen`: a third-party OpenAI load generator and `bench serve
+--backend openai` on one fixed workload against the same server, their TTFT and TPOT side by
+side.
 
 The third party is AIPerf (PyPI aiperf 0.13.0), run from its own venv, .venv-loadgen
 (scripts/setup-loadgen makes it). The workload, the same for both:
@@ -31,13 +32,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.serve import RESULTS, parse_args, sweep
 from cluster.engine.model_files import bundled_model_path
 from cluster.engine.tokenizer import Tokenizer
+from splitserve.bench import RESULTS
+from splitserve.bench.serve import parse_args, sweep
 from splitserve.serve_metrics import Slo, summarize
 from splitserve.serve_workload import UniformDist, WorkloadSpec
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 AIPERF = ROOT / ".venv-loadgen" / "bin" / "aiperf"
 TARGET = 0.10  # the issue's: within 10%
 
@@ -159,7 +161,9 @@ def report(theirs: Figures, ours: Figures) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.loadgen", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m splitserve.bench.loadgen", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--target", default="http://127.0.0.1:8000", help="the server's base URL")
     p.add_argument("--input-tokens", type=int, default=128)
     p.add_argument("--output-tokens", type=int, default=64)
@@ -170,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=RESULTS / "loadgen.json")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     if not AIPERF.is_file():
-        print(f"bench.loadgen: {AIPERF} is missing; run scripts/setup-loadgen",
+        print(f"splitserve.bench.loadgen: {AIPERF} is missing; run scripts/setup-loadgen",
               file=sys.stderr)  # fmt: skip
         return 1
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,9 +1,9 @@
-"""`python -m bench.plan_check`: does `splitserve plan cluster` predict this machine?
+"""`python -m splitserve.bench.plan_check`: does `splitserve plan cluster` predict this machine?
 
-For each `bench compare` result present (bench/results/compare-<workload>.json) and each of
+For each `bench compare` result present (`--results`/compare-<workload>.json) and each of
 its served configurations `disaggregated` (1 prefill + 1 decode worker, one core each) and
 `colocated` (one decode worker on both cores, prefill unchunked), it simulates the same
-requests (the same lengths and arrival times: bench/serve.py's seeds) on a cluster built
+requests (the same lengths and arrival times: splitserve/bench/serve.py's seeds) on a cluster built
 from the same serve config, with step costs fitted to this machine's engine by
 `splitserve plan calibrate` at 1 and 2 threads, and prints predicted against measured TTFT
 and TPOT p50 per rate. Writes docs/plan.md's validation table when asked (--write).
@@ -19,12 +19,13 @@ from typing import Any
 
 import numpy as np
 
-from bench.compare import CONFIGS, RESULTS
 from cluster.config import EngineConfig, serve_config_from_dict
 from cluster.engine.checkpoint import read_spec
 from cluster.engine.model_files import bundled_model_path
 from router.policy import PolicyConfig, PolicyName
 from splitserve.arrivals import send_offsets
+from splitserve.bench import RESULTS
+from splitserve.bench.compare import CONFIGS
 from splitserve.calibrate import calibrate
 from splitserve.capacity import kv_bytes_per_token, kv_capacity
 from splitserve.plan import pyplot
@@ -140,20 +141,21 @@ def plot(results: dict[str, dict[str, list[dict[str, float]]]], path: Path) -> N
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.plan_check", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m splitserve.bench.plan_check", description=__doc__)
     p.add_argument("--calibration", nargs=2, metavar=("ONE_THREAD", "TWO_THREADS"),
                    help="plan calibrate outputs to use instead of calibrating now")  # fmt: skip
     p.add_argument("--out", default=None, help="write the table (markdown) here")
     p.add_argument("--plot", default=None, help="write the predicted-vs-measured PNG here")
+    p.add_argument("--results", type=Path, default=RESULTS, help="bench compare's JSON directory")
     args = p.parse_args(argv)
     if args.calibration:
         costs = {t: Linear.load(Path(f)) for t, f in zip((1, 2), args.calibration, strict=True)}
     else:
         engine = EngineConfig()  # the auto modes, as served
         costs = {t: calibrate(dataclasses.replace(engine, threads=t), 900)[0] for t in (1, 2)}
-    found = {p.stem.removeprefix("compare-"): p for p in RESULTS.glob("compare-*.json")}
+    found = {p.stem.removeprefix("compare-"): p for p in args.results.glob("compare-*.json")}
     if "chat" not in found:
-        raise SystemExit(f"no chat result in {RESULTS}: run `splitserve bench compare`")
+        raise SystemExit(f"no chat result in {args.results}: run `splitserve bench compare`")
     loaded = {w: json.loads(found[w].read_text()) for w in ("chat", "long-prompt") if w in found}
     # The serving overheads (each token streamed through Ray, the router and gRPC to the
     # load generator, all sharing the two cores; each request's calls between them) are

@@ -1,7 +1,7 @@
 """`splitserve bench chaos`: kill -9 workers of a real `splitserve serve` under load, and
 check every request against the same request on an idle server.
 
-1. Start `splitserve serve` (bench.process.splitserve) with `--prefill` prefill and
+1. Start `splitserve serve` (splitserve.bench.process.splitserve) with `--prefill` prefill and
    `--decode` decode workers on the bundled model; each pool keeps its size, so it
    replaces a worker that dies.
 2. Idle run: each request of a fixed, seeded mix (token-id prompts of mixed lengths,
@@ -10,7 +10,7 @@ check every request against the same request on an idle server.
 3. Loaded run: `--concurrency` streams over gRPC, each sending the mix's requests in turn
    (every request at least once), while every `--interval-s` seconds a worker process gets
    kill -9 (a random phase of `--kill-phase`, then a random process of that phase;
-   bench/chaos_faults.py says how they are found), `--kills` times; the next kill waits
+   splitserve/bench/chaos_faults.py says how they are found), `--kills` times; the next kill waits
    until the pool has replaced the last victim, so each recovery is measured alone. With
    `--redis-kill`, the embedded valkey-server is killed too, once, halfway. The streams
    stop once the kills are done.
@@ -20,11 +20,11 @@ check every request against the same request on an idle server.
 Prints requests sent, completed, failed by status and message class, wrong-token
 requests (first divergence), recovery times, the extra latency of requests in flight at a
 kill (and of the others, for the batching cost alone), and the pages at the end
-(bench/chaos_report.py). `--kills 0 --no-redis-kill` is the control: the same load with no
-fault, the floor of wrong tokens from batching alone.
+(splitserve/bench/chaos_report.py). `--kills 0 --no-redis-kill` is the control: the same
+load with no fault, the floor of wrong tokens from batching alone.
 
 `--scenario overload` and `--scenario flood` put the front doors under pressure instead
-(bench/chaos_pressure.py): refusals timed at 3x `max_pending` while every accepted stream
+(splitserve/bench/chaos_pressure.py): refusals timed at 3x `max_pending` while every accepted stream
 runs, and a flood of near-limit inputs against a normal client's latency.
 """
 
@@ -46,10 +46,17 @@ from typing import Any
 
 import grpc
 
-from bench.chaos_faults import Victim, kill_valkey, kill_worker, pages, workers
-from bench.chaos_pressure import flood, overload, pressure_doc, pressure_table
-from bench.chaos_report import Fault, Outcome, WorkerPages, message_class, summarize, table
-from bench.process import Served, splitserve
+from splitserve.bench.chaos_faults import Victim, kill_valkey, kill_worker, pages, workers
+from splitserve.bench.chaos_pressure import flood, overload, pressure_doc, pressure_table
+from splitserve.bench.chaos_report import (
+    Fault,
+    Outcome,
+    WorkerPages,
+    message_class,
+    summarize,
+    table,
+)
+from splitserve.bench.process import Served, splitserve
 from splitserve.client import Client
 from splitserve.serve_workload import VOCAB_SIZE
 from splitserve.workload import LengthDist, Request, make_requests
@@ -216,7 +223,7 @@ def _record(o: Outcome, start: float) -> dict[str, Any]:
 
 def _tree() -> dict[str, Any]:
     """The code the server ran: the commit, and the files changed since (uncommitted)."""
-    git = ["git", "-C", str(Path(__file__).resolve().parents[1])]
+    git = ["git", "-C", str(Path(__file__).resolve().parent)]
     head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True)
     dirty = subprocess.run([*git, "status", "--porcelain"], capture_output=True, text=True)
     return {"commit": head.stdout.strip(), "uncommitted": dirty.stdout.splitlines()}
@@ -260,7 +267,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--settle-s", type=float, default=60.0, help="for pages to come back")
     p.add_argument("--seed", type=int, default=0)
-    pressure = p.add_argument_group("overload and flood (bench/chaos_pressure.py)")
+    pressure = p.add_argument_group("overload and flood (splitserve/bench/chaos_pressure.py)")
     pressure.add_argument("--max-pending", type=int, default=256, help="the router's limit")
     pressure.add_argument(
         "--max-pending-per-client", type=int, default=None, help="the router's per-client limit"

@@ -8,7 +8,7 @@ length (ignore_eos):
 4. llama.cpp on the same GGUF, if installed: one at a time (the --hf-requests subset)
    and batched through its C API (all requests).
 Then: batch-1 decode against the memory wall, KV waste paged versus contiguous, the
-page gather's share of a decode step, and every engine mode side by side (bench/modes.py:
+page gather's share of a decode step, and every engine mode side by side (splitserve/bench/modes.py:
 dtype x quantization, batch-1 decode against its own memory wall, 1,024-token prefill,
 llama.cpp and transformers as peers). Prints tables and the targets, writes JSON.
 """
@@ -27,17 +27,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench import baselines, decode_cost, llamacpp, modes, report, vllm_peer
-from bench.baselines import Run
-from bench.decode_cost import DecodeEfficiency, GatherCost
-from bench.kv_waste import KVWaste, kv_waste
-from bench.report import Results
 from cluster.config import DTYPES, QUANTIZATIONS, EngineConfig
 from cluster.engine.checkpoint import read_spec
 from cluster.engine.engine import LLMEngine
 from cluster.engine.model_files import bundled_model_path
 from cluster.types import SamplingParams
 from splitserve import workload
+from splitserve.bench import RESULTS, baselines, decode_cost, llamacpp, modes, report, vllm_peer
+from splitserve.bench.baselines import Run
+from splitserve.bench.decode_cost import DecodeEfficiency, GatherCost
+from splitserve.bench.kv_waste import KVWaste, kv_waste
+from splitserve.bench.report import Results
 from splitserve.workload import LengthDist, Request
 
 FULL: dict[str, Any] = {
@@ -61,7 +61,7 @@ PAD_ID = 2  # the bundled model's pad (= EOS) id; padded positions are masked an
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="bench.offline", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="splitserve.bench.offline", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="a small smoke run (~1-2 minutes)")
     p.add_argument("--num-requests", type=int, help="requests in the set (64; quick 8)")
     p.add_argument("--hf-requests", type=int, help="one-at-a-time subset (8; quick 4)")
@@ -73,7 +73,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--modes-only", action="store_true", help="only the engine modes table (~2 minutes)"
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("bench/results/offline.json"))
+    p.add_argument("--out", type=Path, default=RESULTS / "offline.json")
     args = p.parse_args(argv)
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key, None) is None:
@@ -204,7 +204,10 @@ def main(argv: list[str]) -> int:
     started = time.perf_counter()
     if args.modes_only:
         results = engine_modes(args, decode_cost.read_bandwidths(), None)
-        doc = {"command": ["python", "-m", "bench.offline", *argv], "modes": _modes_json(results)}
+        doc = {
+            "command": ["python", "-m", "splitserve.bench.offline", *argv],
+            "modes": _modes_json(results),
+        }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(doc, indent=2) + "\n")
         return 0
@@ -232,9 +235,9 @@ def main(argv: list[str]) -> int:
     report.print_report(res)
     mode_results = engine_modes(args, decode.bandwidths, peer)
     wall = time.perf_counter() - started
-    print(f"\nwall time {wall:.0f} s: python -m bench.offline {' '.join(argv)}")
+    print(f"\nwall time {wall:.0f} s: python -m splitserve.bench.offline {' '.join(argv)}")
     doc = {
-        "command": ["python", "-m", "bench.offline", *argv],
+        "command": ["python", "-m", "splitserve.bench.offline", *argv],
         "wall_s": wall,
         "dtype": args.dtype,
         "quantization": args.quantization,

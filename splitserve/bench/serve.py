@@ -3,7 +3,7 @@
 `--backend grpc` (default) loads splitserve's gRPC API; `--backend openai` any
 OpenAI-compatible server at a URL (splitserve's HTTP front door, vLLM, ...), streaming
 `--endpoint` completions (token-id prompts: exact lengths) or chat. Both go through
-bench/serve_backend.py's one contract, so the same records and metrics come out.
+splitserve/bench/serve_backend.py's one contract, so the same records and metrics come out.
 
 1. Warm-up: `--warmup` conversations of the workload, one after another, not counted; if
    one fails the benchmark stops there.
@@ -42,10 +42,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from bench.serve_backend import Backend, connect
 from cluster.engine.model_files import bundled_model_path
 from cluster.engine.tokenizer import Tokenizer
 from splitserve.arrivals import send_offsets
+from splitserve.bench import RESULTS
+from splitserve.bench.serve_backend import Backend, connect
 from splitserve.serve_metrics import (
     GOODPUT_ATTAINMENT,
     RequestRecord,
@@ -65,7 +66,6 @@ from splitserve.serve_workload import (
     make_conversations,
 )
 
-RESULTS = Path(__file__).parent / "results"
 T = TypeVar("T")
 
 
@@ -177,7 +177,7 @@ def ideal_cached(args: argparse.Namespace, spec: WorkloadSpec) -> list[int] | No
 
 
 def tokenizer(args: argparse.Namespace, spec: WorkloadSpec) -> Tokenizer | None:
-    """The bundled model's, when the openai backend needs one (see bench/serve_backend.py)."""
+    """The bundled model's, when the openai backend needs one (see serve_backend.py)."""
     if args.backend == "openai" and (args.endpoint == "chat" or spec.multi_turn):
         return Tokenizer.load(bundled_model_path())
     return None

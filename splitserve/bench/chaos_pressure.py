@@ -42,8 +42,8 @@ from typing import Any
 
 import psutil
 
-from bench.chaos_doors import Call, Door, GrpcDoor, HttpDoor, Prompt
 from router.request import MAX_CHARS_PER_TOKEN
+from splitserve.bench.chaos_doors import Call, Door, GrpcDoor, HttpDoor, Prompt
 from splitserve.client import Client
 from splitserve.serve_metrics import OK, percentile
 from splitserve.serve_workload import VOCAB_SIZE

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from bench.baselines import Run
-from bench.decode_cost import DecodeEfficiency, GatherCost
-from bench.kv_waste import KVWaste
+from splitserve.bench.baselines import Run
+from splitserve.bench.decode_cost import DecodeEfficiency, GatherCost
+from splitserve.bench.kv_waste import KVWaste
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.baselines import WARMUP, Run
+from splitserve.bench.baselines import WARMUP, Run
 from splitserve.workload import Request
 
 N_BATCH = 512

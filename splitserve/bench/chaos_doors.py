@@ -17,7 +17,7 @@ from typing import Protocol
 import aiohttp
 import grpc
 
-from bench.serve_backend import sse_events
+from splitserve.bench.serve_backend import sse_events
 from splitserve.client import request
 from splitserve.serve_metrics import OK
 from splitserve_api.v1 import splitserve_pb2_grpc as pb_grpc

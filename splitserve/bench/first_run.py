@@ -161,7 +161,7 @@ def verdict(share: float | None, target: float) -> str:
 
 def shapes(dry: bool) -> Iterator[str]:
     """Each figure as soon as it is measured: a later failure keeps the earlier ones."""
-    from bench import gpu as g
+    from splitserve.bench import gpu as g
 
     dev = torch.device("cpu" if dry else "cuda")
     if dry:
@@ -211,7 +211,9 @@ def shapes(dry: bool) -> Iterator[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.first_run", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m splitserve.bench.first_run", description=__doc__
+    )
     parser.add_argument("step", choices=["kernels", "shapes"])
     parser.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU")
     args = parser.parse_args(argv)

@@ -16,13 +16,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench import baselines, decode_cost
-from bench.decode_cost import DecodeEfficiency, timed
 from cluster.config import EngineConfig
 from cluster.engine.engine import LLMEngine
 from cluster.engine.model_files import bundled_model_path
 from cluster.types import SamplingParams
 from splitserve import workload
+from splitserve.bench import baselines, decode_cost
+from splitserve.bench.decode_cost import DecodeEfficiency, timed
 
 MODES = (
     ("float32", "none"),
@@ -67,7 +67,7 @@ class ModeResult:
 
 def llamacpp_agreement(threads: int) -> Agreement | None:
     """Greedy tokens of our gguf mode (bfloat16) against llama.cpp's, if installed."""
-    from bench import llamacpp
+    from splitserve.bench import llamacpp
 
     if not llamacpp.available():
         return None
@@ -130,7 +130,7 @@ def _prefill_s(engine: LLMEngine, prompt: list[int]) -> float:
 
 
 def _peers(steps: int, rng: np.random.Generator) -> list[ModeResult]:
-    from bench import llamacpp
+    from splitserve.bench import llamacpp
 
     gguf = bundled_model_path()
     model = baselines.load_transformers(gguf, torch.float32)

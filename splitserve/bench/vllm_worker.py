@@ -1,6 +1,6 @@
 """vLLM's offline engine on a request set, run inside .venv-vllm (scripts/setup-vllm).
 
-`python bench/vllm_worker.py IN.json OUT.json`. It imports nothing of splitserve (that
+`python splitserve/bench/vllm_worker.py IN.json OUT.json`. It imports nothing of splitserve (that
 venv has vLLM's own pins, not ours): IN names an HF model directory, the dtype, the
 requests (prompt token ids, output lengths) and the prompts for the prefill and batch-1
 decode timings; OUT gets seconds and token counts. Greedy, EOS ignored, as our engine.

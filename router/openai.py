@@ -25,7 +25,7 @@ import logging
 import ssl
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import version
 from typing import Any
@@ -40,6 +40,7 @@ from cluster.types import (
     FinishReason,
     InvalidRequestError,
     ModelInfo,
+    PromptLogprob,
     RequestId,
     TokenDelta,
     TopLogprobs,
@@ -249,9 +250,9 @@ def to_call(body: Any, chat: bool, session_id: str | None) -> Call:
         if best_of > n and stream:
             raise InvalidRequestError("best_of: cannot be streamed (the best are known at the end)")
         echo = bool(_field(body, "echo", (bool,), "true or false"))
-        if echo and logprobs:
-            raise InvalidRequestError("echo: with logprobs it needs the prompt's, not served")
         for m in requests:  # the candidates are ranked by their tokens' logprobs
+            if echo and logprobs:  # echoed, the prompt's tokens come with theirs too
+                m.sampling.prompt_logprobs = top
             m.sampling.logprobs = m.sampling.logprobs or best_of > n
     return Call(tuple(requests), chat, stream, include_usage, logprobs, n, tools, best_of, echo)
 
@@ -428,6 +429,7 @@ class Reply:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # when asked for
     top_logprobs: list[TopLogprobs] = field(default_factory=list)  # when asked for
+    prompt_logprobs: tuple[PromptLogprob, ...] | None = None  # echo with logprobs
     finish: str | None = None
     final: Final | None = None
 
@@ -714,6 +716,7 @@ class OpenAIFrontDoor:
             reply.token_ids.extend(delta.token_ids)
             reply.logprobs.extend(delta.logprobs)
             reply.top_logprobs.extend(delta.top_logprobs)
+            reply.prompt_logprobs = reply.prompt_logprobs or delta.prompt_logprobs
             if delta.finish_reason is not None:
                 reply.finish = FINISH.get(delta.finish_reason, "stop")
             reply.final = final or reply.final
@@ -725,7 +728,12 @@ class OpenAIFrontDoor:
                 "created": int(time.time()), "model": self.model.name}  # fmt: skip
 
     def _logprobs(
-        self, call: Call, ids: list[int], values: list[float], tops: list[TopLogprobs]
+        self,
+        call: Call,
+        ids: list[int],
+        values: list[float],
+        tops: list[TopLogprobs],
+        prompt: Sequence[PromptLogprob] | None = None,
     ) -> dict[str, Any]:
         """OpenAI's logprobs: each token's, with its alternatives when asked for."""
         tokens = [self.tokenizer.decode([t]) for t in ids]
@@ -738,8 +746,18 @@ class OpenAIFrontDoor:
                 for i, (t, v) in enumerate(zip(tokens, values, strict=True))
             ]  # fmt: skip
             return {"content": content}
-        top = [dict(a) for a in alternatives] if alternatives else None
-        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": top,
+        top: list[dict[str, float] | None] | None = (
+            [dict(a) for a in alternatives] if alternatives else None
+        )
+        given: list[float | None] = list(values)
+        if prompt:  # echo: the prompt's tokens first, the first of them with no logprob
+            tokens = [self.tokenizer.decode([t]) for t, _, _ in prompt] + tokens
+            given = [lp for _, lp, _ in prompt] + given
+            if top is not None:
+                first = [None if lp is None else {self.tokenizer.decode([t]): w for t, w in alt}
+                         for _, lp, alt in prompt]  # fmt: skip
+                top = first + top
+        return {"tokens": tokens, "token_logprobs": given, "top_logprobs": top,
                 "text_offset": None}  # fmt: skip
 
     def _body(self, call: Call, replies: list[Reply]) -> dict[str, Any]:
@@ -748,7 +766,10 @@ class OpenAIFrontDoor:
         for i, reply in enumerate(replies):
             logprobs = None
             if call.logprobs:
-                logprobs = self._logprobs(call, reply.token_ids, reply.logprobs, reply.top_logprobs)
+                logprobs = self._logprobs(
+                    call, reply.token_ids, reply.logprobs, reply.top_logprobs,
+                    reply.prompt_logprobs,
+                )  # fmt: skip
             choice: dict[str, Any] = {"index": i, "finish_reason": reply.finish,
                                       "logprobs": logprobs}  # fmt: skip
             if call.chat:
@@ -855,8 +876,9 @@ class OpenAIFrontDoor:
         logprobs = None
         if call.logprobs:
             logprobs = self._logprobs(
-                call, list(delta.token_ids), list(delta.logprobs), list(delta.top_logprobs)
-            )
+                call, list(delta.token_ids), list(delta.logprobs), list(delta.top_logprobs),
+                delta.prompt_logprobs,
+            )  # fmt: skip
         choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish}
         if call.chat:
             choice["delta"] = {"content": delta.text} if delta.text or not finish else {}

@@ -42,7 +42,7 @@ ID_PATTERN = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 SHOWN_CHARS = 64
 # Sampling fields a request may leave unset (then the engine's defaults apply).
 OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
-            "frequency_penalty", "repetition_penalty")  # fmt: skip
+            "frequency_penalty", "repetition_penalty", "prompt_logprobs")  # fmt: skip
 MAX_LOGIT_BIAS = 1024
 
 

@@ -150,6 +150,14 @@ def _response(delta: TokenDelta, final: Final | None) -> pb.GenerateResponse:
             pb.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[v for _, v in top])
             for top in delta.top_logprobs
         ],
+        prompt_logprobs=[
+            pb.PromptLogprob(
+                token_id=token,
+                logprob=lp,
+                top=pb.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[v for _, v in top]),
+            )
+            for token, lp, top in delta.prompt_logprobs or ()
+        ],
     )
     if final is not None and delta.finish_reason is not None:
         msg.finish_reason = FINISH[delta.finish_reason]

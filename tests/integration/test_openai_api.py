@@ -431,3 +431,29 @@ def test_echo_leads_with_the_prompt_and_best_of_returns_the_likeliest(
     ranked = sorted(candidates.choices, key=lambda c: -sum(c.logprobs.token_logprobs))  # type: ignore[arg-type, union-attr]
     assert [c.text for c in best.choices] == [c.text for c in ranked[:2]]
     assert best.choices[0].logprobs is None  # not asked for: used, not returned
+
+
+def test_echo_with_logprobs_gives_the_prompts_tokens_theirs(
+    client: openai.OpenAI, engine: LLMEngine, workers: Any
+) -> None:
+    """The prompt's logprobs are computed where the prompt is (the decode worker here,
+    whatever the routing), never from the prefix cache: asked twice, the same."""
+    prompt = "The sky is blue and the grass is"
+    ids = engine.tokenizer.encode(prompt)
+    args: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": 3,
+                            "temperature": 0, "echo": True, "logprobs": 2}  # fmt: skip
+    reply = client.completions.create(**args)
+    again = client.completions.create(**args)
+    lp = reply.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
+    assert lp.top_logprobs is not None
+    assert lp.tokens[: len(ids)] == [engine.tokenizer.decode([t]) for t in ids]
+    assert len(lp.tokens) == len(ids) + 3 and reply.choices[0].text.startswith(prompt)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for value, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True):
+        assert value is not None and top and value <= max(top.values()) + 1e-5
+    assert again.choices[0].logprobs == lp
+    streamed = client.completions.create(stream=True, **args)
+    first = next(iter(streamed)).choices[0].logprobs
+    assert first is not None and first.tokens is not None
+    assert first.tokens[: len(ids)] == lp.tokens[: len(ids)]

@@ -31,12 +31,15 @@ def test_the_logit_adjustments_become_sampling_params() -> None:
     msg = request(
         presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.3,
         logit_bias={9: -100.0, 4: 2.0}, min_tokens=3, include_stop_str_in_output=True,
+        top_logprobs=4, prompt_logprobs=0,
     )  # fmt: skip
     s = prepared(msg.SerializeToString()).sampling
     assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.5, -1.0, 1.3)
     assert (s.logit_bias, s.min_tokens, s.include_stop_str_in_output) == (
         ((4, 2.0), (9, -100.0)), 3, True,
     )  # fmt: skip
+    assert (s.top_logprobs, s.prompt_logprobs) == (4, 0)
+    assert prepared(request().SerializeToString()).sampling.prompt_logprobs is None
 
 
 @pytest.mark.parametrize(
@@ -50,6 +53,8 @@ def test_the_logit_adjustments_become_sampling_params() -> None:
         ({"presence_penalty": 2.5}, "sampling.presence_penalty: must be in"),
         ({"repetition_penalty": 0.0}, "sampling.repetition_penalty: must be > 0"),
         ({"frequency_penalty": float("inf")}, "sampling.frequency_penalty: must be a finite"),
+        ({"top_logprobs": 21}, "sampling.top_logprobs: must be in [0, 20]"),
+        ({"prompt_logprobs": 21}, "sampling.prompt_logprobs: must be in [0, 20]"),
     ],
 )
 def test_bad_adjustments_are_refused_naming_the_field(sampling: Any, message: str) -> None:

@@ -266,7 +266,7 @@ def test_top_logprobs_are_asked_as_openai_spells_them() -> None:
         to_call({**base(True), "top_logprobs": 2}, True, None)
 
 
-def test_best_of_ranks_candidates_it_samples_with_logprobs_and_echo_refuses_logprobs() -> None:
+def test_best_of_ranks_candidates_it_samples_with_logprobs_and_echo_asks_the_prompts() -> None:
     call = to_call({**base(False), "n": 2, "best_of": 4}, False, None)
     assert (call.n, call.best_of, call.logprobs, call.request.sampling.logprobs) == (
         2, 4, False, True,
@@ -275,5 +275,8 @@ def test_best_of_ranks_candidates_it_samples_with_logprobs_and_echo_refuses_logp
         to_call({**base(False), "n": 3, "best_of": 2}, False, None)
     with pytest.raises(InvalidRequestError, match=r"^best_of: cannot be streamed"):
         to_call({**base(False), "best_of": 2, "stream": True}, False, None)
-    with pytest.raises(InvalidRequestError, match=r"^echo: with logprobs"):
-        to_call({**base(False), "echo": True, "logprobs": 0}, False, None)
+    echoed = to_call({**base(False), "echo": True, "logprobs": 2}, False, None)
+    assert echoed.request.sampling.prompt_logprobs == 2
+    assert not to_call({**base(False), "echo": True}, False, None).request.sampling.HasField(
+        "prompt_logprobs"
+    )

@@ -88,7 +88,11 @@ def test_completions_from_token_ids_with_a_stop_string(
 
 def test_logprobs_of_the_chosen_tokens(client: openai.OpenAI, workers: Any) -> None:
     reply = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, logprobs=True
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=6,
+        logprobs=True,
+        temperature=0,
     )
     assert reply.choices[0].logprobs is not None
     content = reply.choices[0].logprobs.content

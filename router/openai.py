@@ -105,7 +105,7 @@ class Call:
     logprobs: bool
     n: int = 1  # choices per prompt: the same prompt sampled n times (`_choices`)
     tools: Tools | None = None  # a chat's tools (router/tools.py)
-    best_of: int = 1  # completions: candidates per prompt, the n likeliest returned
+    best_of: int = 1  # candidates per prompt (n unless completions ask more), n likeliest kept
     echo: bool = False  # completions: the prompt's text leads each choice's
 
     @property
@@ -242,7 +242,7 @@ def to_call(body: Any, chat: bool, session_id: str | None) -> Call:
         other.ClearField("token_ids")
         _prompt(other, prompt)
         requests.append(other)
-    best_of, echo = 1, False
+    best_of, echo = n, False
     if not chat:
         best_of = _field(body, "best_of", (int,), "an integer") or n
         if not n <= best_of <= MAX_N:

@@ -267,6 +267,8 @@ def test_top_logprobs_are_asked_as_openai_spells_them() -> None:
 
 
 def test_best_of_ranks_candidates_it_samples_with_logprobs_and_echo_asks_the_prompts() -> None:
+    chat = to_call({**base(True), "n": 3}, True, None)
+    assert (chat.n, chat.best_of) == (3, 3)  # every choice is run: none to rank
     call = to_call({**base(False), "n": 2, "best_of": 4}, False, None)
     assert (call.n, call.best_of, call.logprobs, call.request.sampling.logprobs) == (
         2, 4, False, True,

@@ -77,7 +77,15 @@ STRUCTURED = SamplingParams(
 
 @pytest.mark.parametrize(
     "sp",
-    [GREEDY, SEEDED, STOPS, PENALISED, STRUCTURED],
+    [
+        GREEDY,
+        SEEDED,
+        STOPS,
+        # Through the Dispatcher alone; CI runs the same kinds moved through the OpenAI
+        # API (test_through_the_openai_api_a_moved_stream_keeps_its_penalties_and_grammar).
+        pytest.param(PENALISED, marks=pytest.mark.nightly),
+        pytest.param(STRUCTURED, marks=pytest.mark.nightly),
+    ],
     ids=["greedy", "seeded", "stops", "penalised", "structured"],
 )
 def test_a_stream_moved_off_a_dead_decode_worker_goes_on_as_if_never_moved(

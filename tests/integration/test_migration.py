@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import openai
@@ -147,6 +148,20 @@ async def _pushing(worker: Any) -> bool:
     return bool(stats.transferring == 1 and stats.sent.writes > 0)
 
 
+def kill_mid_stream(workers: Any, decode: dict[str, Any], stream: Callable[[], None]) -> str:
+    """Run `stream` on a thread, kill the decode worker it runs on, wait for it to end;
+    the killed worker's name."""
+    streaming = threading.Thread(target=stream)
+    streaming.start()
+    busy = lambda n: ray.get(decode[n].stats.remote()).running >= 1
+    wait_until(lambda: any(busy(n) for n in decode), "the stream to be decoding", 30)
+    doomed = next(n for n in decode if busy(n))
+    ray.kill(workers.handles.pop(doomed))
+    streaming.join(60)
+    assert not streaming.is_alive(), "the moved stream must end"
+    return doomed
+
+
 def test_through_the_router_a_killed_decode_workers_stream_ends_with_all_its_tokens(
     workers: Any,
 ) -> None:
@@ -158,16 +173,10 @@ def test_through_the_router_a_killed_decode_workers_stream_ends_with_all_its_tok
     try:
         story = {"max_tokens": 96, "ignore_eos": True}
         replies: list[Any] = []
-        streaming = threading.Thread(
-            target=lambda: replies.append(ask(router.address, "Tell me a story.", **story))
-        )
-        streaming.start()
-        busy = lambda n: ray.get(decode[n].stats.remote()).running >= 1
-        wait_until(lambda: any(busy(n) for n in names), "the stream to be decoding", 30)
-        doomed = next(n for n in names if busy(n))
-        ray.kill(workers.handles.pop(doomed))
-        streaming.join(60)
-        assert not streaming.is_alive(), "the moved stream must end"
+        doomed = kill_mid_stream(
+            workers, decode,
+            lambda: replies.append(ask(router.address, "Tell me a story.", **story)),
+        )  # fmt: skip
         [moved] = replies
         assert moved.decode_worker != doomed
         alone = ask(router.address, "Tell me a story.", **story)
@@ -202,14 +211,7 @@ def test_through_the_openai_api_a_moved_stream_keeps_its_penalties_and_grammar(
             for chunk in client.chat.completions.create(stream=True, **args):
                 chunks.append(chunk)
 
-        streaming = threading.Thread(target=stream)
-        streaming.start()
-        busy = lambda n: ray.get(decode[n].stats.remote()).running >= 1
-        wait_until(lambda: any(busy(n) for n in names), "the stream to be decoding", 30)
-        doomed = next(n for n in names if busy(n))
-        ray.kill(workers.handles.pop(doomed))
-        streaming.join(60)
-        assert not streaming.is_alive(), "the moved stream must end"
+        kill_mid_stream(workers, decode, stream)
         registry = router.app.metrics.registry
         assert registry.get_sample_value("splitserve_request_migrations_total") == 1
         moved = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)

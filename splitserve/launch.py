@@ -43,8 +43,8 @@ def serve(config: ServeConfig) -> int:
     # certificate that does not load.
     api_key(config.router)
     server_tls(config.router)
+    check_ports(config)  # in milliseconds, before the model's header is read
     check_fit(config)  # before Redis, Ray or any worker starts
-    check_ports(config)
     asyncio.run(_serve(config))
     return 0
 

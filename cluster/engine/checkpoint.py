@@ -9,6 +9,7 @@ back as `GroupQuant`s holding the file's own blocks.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import sys
@@ -235,12 +236,22 @@ def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def open_gguf(path: Path) -> Any:
-    from gguf import GGUFReader
-
+    """The file's GGUFReader (its tensors are views of a read-only memory map). Parsing the
+    metadata takes seconds (every vocabulary string is an object), and a start reads the
+    header several times (spec, block types, sampling defaults, weights): one parse per
+    process for each version of a file."""
     try:
-        return GGUFReader(str(path))
+        stat = path.stat()
+        return _parsed_gguf(path.resolve(), stat.st_size, stat.st_mtime_ns)
     except Exception as e:  # the reader raises many kinds on a bad file
         raise ModelLoadError(f"{path}: not a valid GGUF file (truncated or corrupt): {e}") from None
+
+
+@functools.lru_cache(maxsize=2)
+def _parsed_gguf(path: Path, size: int, mtime_ns: int) -> Any:
+    from gguf import GGUFReader
+
+    return GGUFReader(str(path))
 
 
 def gguf_field(reader: Any, key: str, default: Any = None) -> Any:

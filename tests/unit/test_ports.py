@@ -98,3 +98,21 @@ def test_free_ports_pass_and_stay_free() -> None:
 def test_port_zero_and_off_are_not_checked() -> None:
     config = ServeConfig(router=RouterConfig(port=0, http_port=None, metrics_port=0))
     assert listening_ports(config) == {}
+
+
+def test_the_port_check_comes_before_the_models_header_is_read(
+    taken: int, tmp_path: Path, started: list[Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A taken port is found in milliseconds: before check_fit reads the model (a GGUF's
+    header alone takes seconds to parse), here a model that does not exist."""
+    missing = tmp_path / "missing.gguf"
+    config = tmp_path / "serve.yaml"
+    config.write_text(
+        f"router: {{port: 0, http_port: {taken}, metrics_port: null}}\n"
+        f"prefill: {{engine: {{model: {missing}}}}}\ndecode: {{engine: {{model: {missing}}}}}\n"
+    )
+    assert main(["serve", "--config", str(config)]) == 2
+    assert started == []
+    assert capsys.readouterr().err.splitlines() == [
+        f"splitserve: error: {NAMED['http_port']}: 127.0.0.1:{taken} is in use by another process"
+    ]

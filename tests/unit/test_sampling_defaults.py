@@ -7,7 +7,7 @@ from pathlib import Path
 
 import gguf
 
-from cluster.engine.checkpoint import read_sampling_defaults
+from cluster.engine.checkpoint import open_gguf, read_sampling_defaults
 
 
 def test_an_hf_checkpoints_generation_config_gives_its_sampling_fields(tmp_path: Path) -> None:
@@ -20,14 +20,29 @@ def test_a_checkpoint_without_one_has_none(tmp_path: Path) -> None:
     assert read_sampling_defaults(tmp_path) == ()
 
 
-def test_a_ggufs_sampling_metadata_gives_them(tmp_path: Path) -> None:
-    path = tmp_path / "m.gguf"
+def _write_gguf(path: Path, temperature: float, top_k: int | None) -> None:
     writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_float32("general.sampling.temp", 0.5)
-    writer.add_int32("general.sampling.top_k", 40)
+    writer.add_float32("general.sampling.temp", temperature)
+    if top_k is not None:
+        writer.add_int32("general.sampling.top_k", top_k)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def test_a_ggufs_sampling_metadata_gives_them(tmp_path: Path) -> None:
+    path = tmp_path / "m.gguf"
+    _write_gguf(path, 0.5, 40)
     got = dict(read_sampling_defaults(path))
     assert got == {"temperature": 0.5, "top_k": 40} and isinstance(got["top_k"], int)
+
+
+def test_a_gguf_is_parsed_once_per_version_of_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "m.gguf"
+    _write_gguf(path, 0.5, 40)
+    assert open_gguf(path) is open_gguf(tmp_path / "." / "m.gguf")
+    # A new file at the same path is read anew (its size differs: file times may not, in
+    # the same few milliseconds).
+    _write_gguf(path, 0.25, None)
+    assert dict(read_sampling_defaults(path)) == {"temperature": 0.25}

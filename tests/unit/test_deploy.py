@@ -128,8 +128,9 @@ def _dockerfile(target: str) -> str:
 
 
 def _pin(text: str, package: str) -> str:
-    """The version `text` installs `package` at: one `"package==X"` and no other."""
-    [version] = set(re.findall(rf'"{package}==([^"]+)"', text))
+    """The version `text` installs `package` at: one `"package==X"` (or its local builds,
+    `X+cpu`) and no other."""
+    [version] = {v.split("+")[0] for v in re.findall(rf'"{package}==([^"]+)"', text)}
     return version
 
 

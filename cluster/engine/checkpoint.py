@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from cluster.engine.gguf_file import GGUFFile
 from cluster.engine.model_files import ModelLoadError
 from cluster.engine.quantization import (
     GGUF_BLOCKS,
@@ -235,34 +236,30 @@ def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def open_gguf(path: Path) -> Any:
-    """The file's GGUFReader (its tensors are views of a read-only memory map). Parsing the
-    metadata takes seconds (every vocabulary string is an object), and a start reads the
-    header several times (spec, block types, sampling defaults, weights): one parse per
-    process for each version of a file."""
+def open_gguf(path: Path) -> GGUFFile:
+    """The file's header and tensors (views of a read-only memory map). A start reads them
+    several times (spec, block types, sampling defaults, weights): one parse per process
+    for each version of a file."""
     try:
         stat = path.stat()
         return _parsed_gguf(path.resolve(), stat.st_size, stat.st_mtime_ns)
-    except Exception as e:  # the reader raises many kinds on a bad file
+    except Exception as e:  # a bad file raises many kinds
         raise ModelLoadError(f"{path}: not a valid GGUF file (truncated or corrupt): {e}") from None
 
 
 @functools.lru_cache(maxsize=2)
-def _parsed_gguf(path: Path, size: int, mtime_ns: int) -> Any:
-    from gguf import GGUFReader
-
-    return GGUFReader(str(path))
+def _parsed_gguf(path: Path, size: int, mtime_ns: int) -> GGUFFile:
+    return GGUFFile(path)
 
 
-def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+def gguf_field(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    return reader.fields.get(key, default)
 
 
 def gguf_blocks_servable(path: Path) -> bool:
     """Whether gguf mode can serve the file as stored: every quantized tensor in a block
     type with a kernel here (GGUF_BLOCKS; K-quants have none yet). Reads the header only."""
-    kinds = {t.tensor_type.name for t in open_gguf(path).tensors}
+    kinds = {t.kind.name for t in open_gguf(path).tensors}
     return kinds - {"F32", "F16", "BF16"} <= GGUF_BLOCKS.keys()
 
 
@@ -314,8 +311,8 @@ def _load_gguf(
             hf_name = _gguf_name(t.name)
         except (KeyError, ValueError):
             continue  # e.g. rope_freqs: recomputed from the metadata
-        shape = tuple(reversed(t.shape.tolist()))
-        kind = t.tensor_type.name
+        shape = t.shape
+        kind = t.kind.name
         if keep_blocks and kind not in ("F32", "F16", "BF16"):
             if kind not in GGUF_BLOCKS:
                 raise QuantizationError(
@@ -325,13 +322,13 @@ def _load_gguf(
             q = from_gguf_blocks(kind, t.data, *shape)
             weights[hf_name] = _unpermuted(arch, t.name, q, heads, kv_heads)
             continue
-        w = dequantize(t.data, t.tensor_type).reshape(shape)
+        w = dequantize(t.data, t.kind).reshape(shape)
         w = _unpermuted(arch, t.name, w, heads, kv_heads)
         weights[hf_name] = torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
     return spec, weights
 
 
-def _gguf_spec(reader: Any, path: Path) -> ModelSpec:
+def _gguf_spec(reader: GGUFFile, path: Path) -> ModelSpec:
     arch = gguf_field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ModelLoadError(
@@ -353,9 +350,13 @@ def _gguf_spec(reader: Any, path: Path) -> ModelSpec:
     rope: dict[str, Any] = {"rope_type": "default"}
     if scaling == "linear":
         rope = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
-    tokens = reader.fields["tokenizer.ggml.tokens"].data
+    vocab = gguf_field(reader, f"{arch}.vocab_size") or len(
+        gguf_field(reader, "tokenizer.ggml.tokens", ())
+    )
+    if not vocab:
+        raise ModelLoadError(f"{path}: GGUF metadata has neither {arch}.vocab_size nor tokens")
     return ModelSpec(
-        vocab_size=int(gguf_field(reader, f"{arch}.vocab_size", len(tokens))),
+        vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
         num_layers=int(get("block_count")),

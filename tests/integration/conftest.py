@@ -167,10 +167,18 @@ WORKER_ENGINE = {**EXACT, "kv_cache_gb": 0.2, "threads": 1, "max_num_batched_tok
 
 
 class Workers:
-    """Prefill and decode actors on a local Ray, spawned on first use by name and config."""
+    """Prefill and decode actors on a local Ray, spawned on first use by name and config.
+    Modules share them: a name asked for again with the same config gets the same actor
+    (tests read its counters as differences, and use prompts no other test caches), one
+    asked for with another config replaces it. A test that kills one pops it first."""
+
+    KEEP = 4  # actors kept between modules, the last used (each holds its own model)
 
     def __init__(self) -> None:
         self.handles: dict[str, Any] = {}
+        self._configs: dict[str, tuple[Any, ...]] = {}
+        self._used: dict[str, int] = {}  # name -> the module count when last asked for
+        self.modules = 0
 
     def prefill(self, name: str, engine: dict[str, Any] | None = None, **transfer: Any) -> Any:
         from prefill_worker.worker import spawn
@@ -192,19 +200,34 @@ class Workers:
         )
 
     def _get(self, spawn: Any, name: str, engine: Any, transfer: dict[str, Any]) -> Any:
-        from cluster.config import TransferConfig
-
-        if name not in self.handles:
-            config = EngineConfig(**{**WORKER_ENGINE, **(engine or {})})
-            self.handles[name] = spawn(name, config, TransferConfig(**transfer), num_cpus=0)
-        return self.handles[name]
-
-    def release(self) -> None:
-        """Kill every actor spawned so far."""
         import ray
 
-        for name in list(self.handles):
+        from cluster.config import TransferConfig
+
+        config = (spawn, EngineConfig(**{**WORKER_ENGINE, **(engine or {})}), transfer)
+        if name in self.handles and self._configs[name] != config:
             ray.kill(self.handles.pop(name))
+        if name not in self.handles:
+            self.handles[name] = spawn(name, config[1], TransferConfig(**transfer), num_cpus=0)
+            self._configs[name] = config
+        self._used[name] = self.modules
+        return self.handles[name]
+
+    def end_module(self) -> None:
+        """Keep the KEEP actors asked for last that are alive with every page free (a
+        module may leave a request behind); kill the others."""
+        import ray
+
+        self.modules += 1
+        last = sorted(self.handles, key=lambda n: self._used[n], reverse=True)
+        for name in last:
+            try:
+                stats = ray.get(self.handles[name].stats.remote(), timeout=30)
+                idle = stats.free_pages == stats.num_pages
+            except Exception:  # killed by its module, or broken: spawned anew on demand
+                idle = False
+            if not idle or name not in last[: self.KEEP]:
+                ray.kill(self.handles.pop(name))
 
     def assert_all_pages_free(self, timeout_s: float = 10.0) -> None:
         """Every worker's pages return to its free pool (leases may still have to end)."""
@@ -228,9 +251,9 @@ class Workers:
         assert not busy, f"pages still held: {busy}"
 
 
-# The workers a module spawns go when it ends: no module sees another's prefix caches
-# (or its leftovers), and every actor holds its own copy of the model, so keeping them
-# would not fit a whole run in this machine's 24 GB.
+# Each module's workers are checked (pages all free) when it ends and then shared with the
+# next ones, up to Workers.KEEP of them: every actor holds its own copy of the model, so
+# keeping them all would not fit a whole run in this machine's 24 GB.
 _session_workers: list[Workers] = []
 
 
@@ -250,7 +273,7 @@ def ray_workers() -> Iterator[Workers]:
 def release_module_workers() -> Iterator[None]:
     yield
     for workers in _session_workers:
-        workers.release()
+        workers.end_module()
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ from tests.integration.router_harness import RouterHarness
 @pytest.fixture(scope="module")
 def router(ray_workers: Any) -> Iterator[RouterHarness]:
     prefill = {"prefill": ray_workers.prefill("prefill")}
-    decode = {"decode": ray_workers.decode("decode")}
+    decode = {"colocated": ray_workers.decode("colocated")}
     harness = RouterHarness(prefill, decode, redis_url=None, http_port=0)
     yield harness
     harness.stop()

@@ -23,7 +23,7 @@ KEY = "sk-test-4b1d"
 
 @pytest.fixture(scope="module")
 def router(ray_workers: Any) -> Iterator[RouterHarness]:
-    decode = {"decode": ray_workers.decode("decode")}  # prefills itself: one worker is enough
+    decode = {"colocated": ray_workers.decode("colocated")}  # prefills itself: one worker is enough
     harness = RouterHarness({}, decode, redis_url=None, http_port=0, api_key=KEY)
     yield harness
     harness.stop()

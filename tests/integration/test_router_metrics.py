@@ -50,7 +50,7 @@ def scrape_url(url: str) -> Samples:
 def test_metrics_count_requests_and_latencies_and_show_worker_loads(
     router: RouterHarness, workers: Any
 ) -> None:
-    model = ray.get(workers.decode("decode").info.remote()).name
+    model = ray.get(workers.handles["decode"].info.remote()).name
     before = scrape(router)
     story = " ".join(f"The metrics lake reflects cloud number {i}." for i in range(30))
     remote = ask(router.address, story, max_tokens=6)  # long: a prefill worker computes it

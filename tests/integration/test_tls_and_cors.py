@@ -35,7 +35,7 @@ def cert(tmp_path_factory: pytest.TempPathFactory) -> Certificate:
 
 @pytest.fixture(scope="module")
 def decode(ray_workers: Any) -> dict[str, Any]:
-    return {"decode": ray_workers.decode("decode")}  # one worker, for both routers
+    return {"colocated": ray_workers.decode("colocated")}  # one worker, for both routers
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,11 @@
 """The thread a worker actor's engine runs on, and how async actor methods reach it.
 
 An actor's asyncio methods never touch the engine: they hand a function to `call`,
-which runs it on the engine thread between two steps and returns its result. A method
+which runs it on the engine thread between two steps and returns its result. The engine
+is built on that thread too (`call_blocking`), before `start`: torch's parallel work must
+all start from one thread, as a second OpenMP team in the process (weights loaded on one
+thread, steps run on another) measured every op ~40% slower on a 2-core host (libgomp
+throttles its spin-wait once its threads outnumber the cores). A method
 that waits longer (for a reservation, a first token) awaits a future of its own, which
 the engine thread resolves with `settle` or `fail`. The thread loops `tick` (one engine
 step plus transfer bookkeeping); tick says how long it may sleep before the next round,
@@ -23,12 +27,16 @@ T = TypeVar("T")
 
 
 class WorkerLoop:
-    def __init__(self, tick: Callable[[], float], name: str) -> None:
-        """`tick()` does one round of work and returns the seconds it may sleep (0: busy)."""
-        self._tick = tick
+    def __init__(self, name: str) -> None:
+        """Runs calls only, until `start` gives it its rounds of work."""
+        self._tick: Callable[[], float] = lambda: 0.05
         self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+
+    def start(self, tick: Callable[[], float]) -> None:
+        """`tick()` does one round of work and returns the seconds it may sleep (0: busy)."""
+        self._tick = tick
 
     async def call(self, fn: Callable[[], T]) -> T:
         """Run fn on the engine thread; its result or its exception comes back here."""
@@ -45,9 +53,10 @@ class WorkerLoop:
         self._calls.put(run)
         return await done
 
-    def call_blocking(self, fn: Callable[[], T], timeout_s: float) -> T:
-        """`call` for a thread outside the actor's event loop (a /metrics scrape): blocks
-        it until fn has run on the engine thread, at most timeout_s (then TimeoutError)."""
+    def call_blocking(self, fn: Callable[[], T], timeout_s: float | None) -> T:
+        """`call` for a thread outside the actor's event loop (the constructor, a /metrics
+        scrape): blocks it until fn has run on the engine thread, at most timeout_s (then
+        TimeoutError; None: no limit)."""
         done: concurrent.futures.Future[T] = concurrent.futures.Future()
 
         def run() -> None:

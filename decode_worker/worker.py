@@ -63,7 +63,8 @@ class _Admitting:
 
 class DecodeWorker:
     def __init__(self, name: str, engine: EngineConfig, transfer: TransferConfig) -> None:
-        self.engine = LLMEngine(engine)
+        self._loop = WorkerLoop(name=f"{name}-engine")
+        self.engine = self._loop.call_blocking(lambda: LLMEngine(engine), None)
         self.epoch = uuid.uuid4().hex[:12]
         self.transfer = transfer
         self.endpoint = role_worker.endpoint(name, self.engine, transfer)
@@ -75,7 +76,7 @@ class DecodeWorker:
         self._emitted: dict[RequestId, int] = {}  # output tokens sent so far, per request
         self._transfer_failures = 0
         self._outboxes = Outboxes()
-        self._loop = WorkerLoop(self._tick, name=f"{name}-engine")
+        self._loop.start(self._tick)
         self.metrics_url: str | None = None  # a fixed port may be scraped before serve returns
         stats = partial(self._loop.call_blocking, self._stats, 5.0)
         self.metrics_url = worker_metrics.serve(name, self.engine.model_id, stats, engine)

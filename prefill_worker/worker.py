@@ -48,7 +48,8 @@ log = logging.getLogger(__name__)
 
 class PrefillWorker:
     def __init__(self, name: str, engine: EngineConfig, transfer: TransferConfig) -> None:
-        self.engine = LLMEngine(engine)
+        self._loop = WorkerLoop(name=f"{name}-engine")
+        self.engine = self._loop.call_blocking(lambda: LLMEngine(engine), None)
         self.epoch = uuid.uuid4().hex[:12]
         self.endpoint = role_worker.endpoint(name, self.engine, transfer)
         self.sender = KVSender(
@@ -61,7 +62,7 @@ class PrefillWorker:
         self._waiting: dict[RequestId, asyncio.Future[FirstToken | None]] = {}
         self._held: dict[RequestId, int] = {}  # prompt tokens the target already holds
         self._recomputed_tokens = 0
-        self._loop = WorkerLoop(self._tick, name=f"{name}-engine")
+        self._loop.start(self._tick)
         self.metrics_url: str | None = None  # a fixed port may be scraped before serve returns
         stats = partial(self._loop.call_blocking, self._stats, 5.0)
         self.metrics_url = worker_metrics.serve(name, self.engine.model_id, stats, engine)

@@ -90,7 +90,7 @@ def test_no_port_no_server() -> None:
 
 
 def test_call_blocking_runs_on_the_engine_thread_and_brings_back_its_result_or_error() -> None:
-    loop = WorkerLoop(lambda: 0.05, name="metrics-test-engine")
+    loop = WorkerLoop(name="metrics-test-engine")
     assert loop.call_blocking(lambda: threading.current_thread().name, 5.0) == "metrics-test-engine"
 
     def broken() -> int:

@@ -38,6 +38,14 @@ reply (the session's Redis PUT).
    8), same session id. TTFT: client time from sending turn 2 to its first streamed message;
    also the server's timing.first_token_ms and usage.cached_prompt_tokens. Reported: medians
    and the ratio of median client TTFTs, cache_aware / round_robin.
+4. Token path: what serving adds to each token. For 1 and `--streams` concurrent requests
+   (the same 32-token prompt ids, greedy, ignore_eos, `--path-tokens` each): the engine
+   alone in this process (LLMEngine.step in a loop on one thread), then one colocated decode
+   worker on the same EngineConfig (the auto modes, threads = every core) behind a router,
+   streamed over the OpenAI
+   API (/v1/completions, stream true, aiohttp). Per request: (last token's time - first
+   token's time) / (tokens - 1), on the engine's clock or the client's; median over the
+   requests. Ratio: served / engine (target <= 1.15, issue 22).
 """
 
 from __future__ import annotations
@@ -51,14 +59,17 @@ import statistics
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace as Method
 from typing import Any, cast
 
 import aiohttp
 import ray
+from ray.actor import ActorHandle
 
 from cluster.config import EngineConfig, RouterConfig, TransferConfig
+from cluster.engine.engine import LLMEngine
 from cluster.engine.model_files import bundled_model_path
 from cluster.engine.tokenizer import Tokenizer
 from cluster.protocol import (
@@ -382,6 +393,88 @@ async def affinity(tok: Tokenizer, redis_url: str, conversations: int) -> dict[s
 # --- report ----------------------------------------------------------------------------------
 
 
+# --- 4. the token path -------------------------------------------------------------------
+
+PATH_PROMPT = list(range(1000, 1032))  # 32 token ids: no tokenizer on either path
+
+
+def _per_token_s(first: float, last: float, tokens: int) -> float:
+    """Seconds per token after the first, from the first and last tokens' arrival times."""
+    return (last - first) / (tokens - 1)
+
+
+def engine_per_token(engine: LLMEngine, streams: int, tokens: int) -> float:
+    """Median per-request seconds per token of `streams` requests run together here."""
+    sampling = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    arrivals: dict[RequestId, list[float]] = {}
+    for i in range(streams):
+        rid = RequestId(f"path-{streams}-{i}-{uuid.uuid4().hex[:6]}")
+        engine.add_request(PATH_PROMPT, sampling, rid)
+        arrivals[rid] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            now = time.perf_counter()
+            arrivals[out.request_id] += [now] * len(out.new_token_ids)
+    return statistics.median(_per_token_s(t[0], t[-1], len(t)) for t in arrivals.values())
+
+
+async def _served_per_token(session: aiohttp.ClientSession, url: str, tokens: int) -> float:
+    """One streamed request's seconds per token: its first chunk brings the first token, its
+    last the last (ignore_eos: exactly `tokens`); a chunk may carry several."""
+    body = {"prompt": PATH_PROMPT, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    times: list[float] = []
+    async with session.post(url, json=body) as response:
+        assert response.status == 200, await response.text()
+        async for line in response.content:
+            if line.startswith(b"data: {"):
+                times.append(time.perf_counter())
+    assert len(times) >= 2, f"{len(times)} chunks for {tokens} tokens"
+    return _per_token_s(times[0], times[-1], tokens)
+
+
+async def token_path(streams: int, tokens: int) -> dict[str, Any]:
+    """Per-token time through the engine alone and served, at 1 and `streams` streams."""
+    # Every core on both paths (a Ray actor's torch would get one thread per CPU it asked
+    # for); the engine alone on one thread of its own, as a worker's runs on its loop's.
+    config = EngineConfig(kv_cache_gb=0.5, threads=os.cpu_count() or 1)
+    with ThreadPoolExecutor(1) as thread:
+        run = asyncio.get_running_loop().run_in_executor
+        engine = await run(thread, LLMEngine, config)
+        alone = {}
+        for n in (1, streams):
+            await run(thread, engine_per_token, engine, n, tokens)  # warm-up
+            alone[n] = await run(thread, engine_per_token, engine, n, tokens)
+        mode = f"{engine.dtype}/{engine.quantization}".replace("torch.", "")
+        del engine
+    decode = spawn_decode("bench-token-path", config, TransferConfig(), num_cpus=0)
+    await decode.info.remote()
+    router = RouterConfig(port=0, metrics_port=None, http_port=0)
+    app = await start_router(router, 32, {}, {"d": decode}, None)
+    assert app.http is not None
+    url = app.http.address + "/v1/completions"
+    served = {}
+    try:
+        async with aiohttp.ClientSession() as session:
+            for n in (1, streams):
+                for _ in range(2):  # the first round warms up
+                    runs = [_served_per_token(session, url, tokens) for _ in range(n)]
+                    per_token = await asyncio.gather(*runs)
+                served[n] = statistics.median(per_token)
+    finally:
+        await app.stop(1.0)
+        ray.kill(cast(ActorHandle, decode))  # typed by its Protocol, it is Ray's handle
+    return {
+        "mode": mode,
+        "tokens": tokens,
+        "rows": [
+            {"streams": n, "engine_ms": 1e3 * alone[n], "served_ms": 1e3 * served[n],
+             "ratio": served[n] / alone[n]}
+            for n in (1, streams)
+        ],
+    }  # fmt: skip
+
+
 def _target(what: str, value: float, limit: float, unit: str = "") -> str:
     met = "met" if value <= limit else "MISSED"
     return f"target: {what} <= {limit}{unit}: {value:.3g}{unit} ({met})"
@@ -428,10 +521,28 @@ def report(r: dict[str, Any]) -> str:
             f"{m['prompt_tokens']:>7.0f} {m['cached_prompt_tokens']:>7.0f}"
         )
     lines.append(_target("TTFT cache_aware / round_robin", a["ttft_ratio"], 0.5))
-    return "\n".join(lines)
+    return "\n".join([*lines, "", *report_token_path(r["token_path"])])
+
+
+def report_token_path(t: dict[str, Any]) -> list[str]:
+    lines = [
+        f"4. Token path: ms per token after the first, {t['tokens']}-token greedy replies, "
+        f"engine {t['mode']} (medians over the requests)",
+        f"{'streams':>7} {'engine alone':>13} {'served (HTTP)':>14} {'served / engine':>16}",
+    ]
+    for row in t["rows"]:
+        lines.append(
+            f"{row['streams']:>7} {row['engine_ms']:>10.1f} ms {row['served_ms']:>11.1f} ms "
+            f"{row['ratio']:>16.2f}"
+        )
+    for row in t["rows"]:
+        lines.append(_target(f"served / engine at {row['streams']} streams", row["ratio"], 1.15))
+    return lines
 
 
 async def _run(args: argparse.Namespace, redis_url: str) -> dict[str, Any]:
+    if args.token_path_only:
+        return {"token_path": await token_path(args.streams, args.path_tokens)}
     results: dict[str, Any] = {k: getattr(args, k) for k in ("reps", "warmup", "conversations")}
     results["route_rates"] = route_rates()
     results["prefix_lookups"] = prefix_lookup_rate()
@@ -440,6 +551,7 @@ async def _run(args: argparse.Namespace, redis_url: str) -> dict[str, Any]:
     tok = await asyncio.to_thread(Tokenizer.load, bundled_model_path())
     results["overhead"] = await overhead(tok, dispatcher, redis_url, args.reps, args.warmup)
     results["affinity"] = await affinity(tok, redis_url, args.conversations)
+    results["token_path"] = await token_path(args.streams, args.path_tokens)
     return results
 
 
@@ -448,6 +560,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--conversations", type=int, default=5)
+    parser.add_argument("--streams", type=int, default=16, help="token path: the many-stream row")
+    parser.add_argument("--path-tokens", type=int, default=64, help="token path: tokens a reply")
+    parser.add_argument("--token-path-only", action="store_true", help="section 4 alone")
     parser.add_argument("--out", type=Path, default=RESULTS / "router.json")
     args = parser.parse_args(argv)
     redis = EmbeddedRedis()
@@ -458,7 +573,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ray.shutdown()
         redis.stop()
-    print(report(results))
+    if args.token_path_only:
+        print("\n".join(report_token_path(results["token_path"])))
+    else:
+        print(report(results))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))
     print(f"\nresults: {args.out}")

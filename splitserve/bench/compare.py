@@ -72,6 +72,7 @@ from typing import Any
 
 import numpy as np
 
+from cluster.engine.cpu_isa import cpu, isa
 from cluster.engine.model_files import bundled_model_path
 from splitserve.arrivals import send_offsets
 from splitserve.bench import RESULTS, vllm_peer
@@ -397,13 +398,21 @@ def run_workload(workload: str, plan: Plan, seed: int) -> dict[str, Any]:
     return results
 
 
+def _ratio(ours: float | None, peer: float | None) -> str:
+    """ours ÷ vLLM's figure, "-" where either is missing (vLLM skipped, no goodput)."""
+    return "-" if ours is None or not peer else f"{ours / peer:.2f}x"
+
+
 def _machine() -> dict[str, Any]:
     import ray
     import torch
 
+    model, flags = cpu()
     return {
         "cpus": os.cpu_count(),
         "cpu": platform.processor() or platform.machine(),
+        "cpu_model": model,
+        "isa": isa(flags),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "ray": ray.__version__,
@@ -547,34 +556,44 @@ def report(results: list[dict[str, Any]]) -> list[str]:
             f"{plan['num_requests']} {unit} per rate, Poisson arrivals, seed "
             f"{result['seed']}; SLOs: TTFT ≤ {plan['slo_ttft_s']:g} s and TPOT ≤ "
             f"{plan['slo_tpot_s']:g} s. Machine: {machine['cpus']} CPUs "
-            f"({machine['cpu']}), Python {machine['python']}, torch {machine['torch']}, "
+            f"({machine.get('cpu_model', machine['cpu'])}; ISA "
+            f"{machine.get('isa', 'not recorded')}), Python {machine['python']}, "
+            f"torch {machine['torch']}, "
             f"Ray {machine['ray']}, {machine['date']}. Command: `{command}`.{skipped}",
             "",
             f"![{result['workload']}](img/compare-{result['workload']}.png)",
             "",
             "| configuration | rate/s | done | failed | TTFT p50 / p90 / p99 (ms) | "
-            "TPOT p50 / p90 / p99 (ms) | ITL p99 (ms) | E2E p50 (ms) | out tok/s | SLO met |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "TPOT p50 / p90 / p99 (ms) | ITL p99 (ms) | E2E p50 (ms) | out tok/s | SLO met "
+            "| TPOT p50 / vLLM |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
+        peer = result["configs"].get(VLLM)
+        peer_tpot = (
+            {r["rate"]: r["summary"]["tpot_s"].get("p50") for r in peer["runs"]} if peer else {}
+        )
         for config, entry in result["configs"].items():
             for run in entry["runs"]:
                 s = run["summary"]
                 ttft, tpot = s["ttft_s"], s["tpot_s"]
+                ratio = _ratio(tpot.get("p50"), peer_tpot.get(run["rate"]))
                 lines.append(
                     f"| {config} | {run['rate']:g} | {s['completed']} | "
                     f"{s['requests'] - s['completed']} | "
                     f"{_ms(ttft, 'p50')} / {_ms(ttft, 'p90')} / {_ms(ttft, 'p99')} | "
                     f"{_ms(tpot, 'p50')} / {_ms(tpot, 'p90')} / {_ms(tpot, 'p99')} | "
                     f"{_ms(s['itl_s'], 'p99')} | {_ms(s['e2e_s'], 'p50')} | "
-                    f"{s['output_throughput']:.1f} | {s['slo_attainment']:.0%} |"
+                    f"{s['output_throughput']:.1f} | {s['slo_attainment']:.0%} | {ratio} |"
                 )
-        lines += ["", "| configuration | goodput (req/s) | highest swept rate meeting 90% |"]
-        lines += ["|---|---:|---:|"]
+        lines += ["", "| configuration | goodput (req/s) | highest swept rate meeting 90% "
+                  "| goodput / vLLM |", "|---|---:|---:|---:|"]  # fmt: skip
+        peer_goodput = peer["goodput"]["goodput_rps"] if peer else None
         for config, entry in result["configs"].items():
             g = entry["goodput"]
             rps = "none" if g["goodput_rps"] is None else f"{g['goodput_rps']:.3g}"
             top = "none" if g["highest_swept_rps"] is None else f"{g['highest_swept_rps']:g}"
-            lines.append(f"| {config} | {rps} | {top} |")
+            ratio = _ratio(g["goodput_rps"] or 0.0, peer_goodput)
+            lines.append(f"| {config} | {rps} | {top} | {ratio} |")
         lines += _kv_reuse(result)
         mid = len(plan["rates"]) // 2
         scaled = slo_scale_attainment(result, mid)

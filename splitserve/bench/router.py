@@ -42,10 +42,10 @@ reply (the session's Redis PUT).
    (the same 32-token prompt ids, greedy, ignore_eos, `--path-tokens` each): the engine
    alone in this process (LLMEngine.step in a loop on one thread), then one colocated decode
    worker on the same EngineConfig (the auto modes, threads = every core) behind a router,
-   streamed over the OpenAI
-   API (/v1/completions, stream true, aiohttp). Per request: (last token's time - first
-   token's time) / (tokens - 1), on the engine's clock or the client's; median over the
-   requests. Ratio: served / engine (target <= 1.15, issue 22).
+   streamed over the OpenAI API by bench serve's client (/v1/completions, stream true,
+   logprobs 0 to count each message's tokens). Per request: TPOT as bench serve takes it
+   (end - first token) / (tokens - 1), the end being the engine's last step or the stream's
+   end; median over the requests. Ratio: served / engine (target <= 1.15, issue 22).
 """
 
 from __future__ import annotations
@@ -97,8 +97,10 @@ from router.placement import Placement, PlacementStore
 from router.prefix_index import PrefixIndex, prompt_hashes
 from router.request import Prepared, prepare
 from splitserve.bench import RESULTS
+from splitserve.bench.serve_backend import connect
 from splitserve.client import Client, request
 from splitserve.redis_server import EmbeddedRedis
+from splitserve.serve_metrics import RequestRecord
 from splitserve_api.v1 import splitserve_pb2 as pb
 
 PROMPT = "The capital of France is"
@@ -398,39 +400,26 @@ async def affinity(tok: Tokenizer, redis_url: str, conversations: int) -> dict[s
 PATH_PROMPT = list(range(1000, 1032))  # 32 token ids: no tokenizer on either path
 
 
-def _per_token_s(first: float, last: float, tokens: int) -> float:
-    """Seconds per token after the first, from the first and last tokens' arrival times."""
-    return (last - first) / (tokens - 1)
-
-
 def engine_per_token(engine: LLMEngine, streams: int, tokens: int) -> float:
-    """Median per-request seconds per token of `streams` requests run together here."""
+    """Median TPOT (serve_metrics' definition) of `streams` requests run together here, each
+    token's time taken as its step returns."""
     sampling = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    arrivals: dict[RequestId, list[float]] = {}
+    sent = time.perf_counter()
+    messages: dict[RequestId, list[tuple[float, int]]] = {}
     for i in range(streams):
         rid = RequestId(f"path-{streams}-{i}-{uuid.uuid4().hex[:6]}")
         engine.add_request(PATH_PROMPT, sampling, rid)
-        arrivals[rid] = []
+        messages[rid] = []
     while engine.has_unfinished():
         for out in engine.step():
-            now = time.perf_counter()
-            arrivals[out.request_id] += [now] * len(out.new_token_ids)
-    return statistics.median(_per_token_s(t[0], t[-1], len(t)) for t in arrivals.values())
+            messages[out.request_id].append((time.perf_counter(), len(out.new_token_ids)))
+    records = [RequestRecord(sent, m[-1][0], tuple(m), len(PATH_PROMPT)) for m in messages.values()]
+    return statistics.median(_tpot(r) for r in records)
 
 
-async def _served_per_token(session: aiohttp.ClientSession, url: str, tokens: int) -> float:
-    """One streamed request's seconds per token: its first chunk brings the first token, its
-    last the last (ignore_eos: exactly `tokens`); a chunk may carry several."""
-    body = {"prompt": PATH_PROMPT, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}  # fmt: skip
-    times: list[float] = []
-    async with session.post(url, json=body) as response:
-        assert response.status == 200, await response.text()
-        async for line in response.content:
-            if line.startswith(b"data: {"):
-                times.append(time.perf_counter())
-    assert len(times) >= 2, f"{len(times)} chunks for {tokens} tokens"
-    return _per_token_s(times[0], times[-1], tokens)
+def _tpot(record: RequestRecord) -> float:
+    assert record.ok and record.tpot is not None, record
+    return record.tpot
 
 
 async def token_path(streams: int, tokens: int) -> dict[str, Any]:
@@ -452,15 +441,14 @@ async def token_path(streams: int, tokens: int) -> dict[str, Any]:
     router = RouterConfig(port=0, metrics_port=None, http_port=0)
     app = await start_router(router, 32, {}, {"d": decode}, None)
     assert app.http is not None
-    url = app.http.address + "/v1/completions"
     served = {}
     try:
-        async with aiohttp.ClientSession() as session:
+        async with connect("openai", app.http.address, "completions", None) as backend:
             for n in (1, streams):
                 for _ in range(2):  # the first round warms up
-                    runs = [_served_per_token(session, url, tokens) for _ in range(n)]
-                    per_token = await asyncio.gather(*runs)
-                served[n] = statistics.median(per_token)
+                    runs = [backend.send(PATH_PROMPT, tokens, "", 120.0) for _ in range(n)]
+                    records = [record for record, _ in await asyncio.gather(*runs)]
+                served[n] = statistics.median(_tpot(r) for r in records)
     finally:
         await app.stop(1.0)
         ray.kill(cast(ActorHandle, decode))  # typed by its Protocol, it is Ray's handle

@@ -220,14 +220,18 @@ class Workers:
 
         self.modules += 1
         last = sorted(self.handles, key=lambda n: self._used[n], reverse=True)
-        for name in last:
-            try:
-                stats = ray.get(self.handles[name].stats.remote(), timeout=30)
-                idle = stats.free_pages == stats.num_pages
-            except Exception:  # killed by its module, or broken: spawned anew on demand
-                idle = False
-            if not idle or name not in last[: self.KEEP]:
+        for i, name in enumerate(last):
+            if i >= self.KEEP or not self._idle(name):
                 ray.kill(self.handles.pop(name))
+
+    def _idle(self, name: str) -> bool:
+        import ray
+
+        try:
+            stats = ray.get(self.handles[name].stats.remote(), timeout=30)
+        except Exception:  # killed by its module, or broken: spawned anew on demand
+            return False
+        return bool(stats.free_pages == stats.num_pages)
 
     def assert_all_pages_free(self, timeout_s: float = 10.0) -> None:
         """Every worker's pages return to its free pool (leases may still have to end)."""

@@ -27,7 +27,7 @@ class TritonMetadata:
     num_splits: int  # partitions of each decode context (decode_splits)
 
 
-MAX_SPLITS = 32  # the reduce holds [splits, head_dim] float32 partials in registers
+MAX_SPLITS = 32  # the split-K partials' workspace is sized for this many (runner.workspace_bytes)
 MIN_PARTITION = 256  # tokens: shorter partitions cost more in partials than they add
 
 

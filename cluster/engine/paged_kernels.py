@@ -17,7 +17,7 @@ are masked; the blocks before them load and score unmasked.
   fills the GPU); each sequence's partition length follows from its own length, so a
   split count fixed by a CUDA graph fits any context, and a partition past the end
   returns at once, storing nothing. `_decode_reduce` merges the partitions a sequence
-  used. A sequence of length 0 yields zeros.
+  used, REDUCE_CHUNK at a time. A sequence of length 0 yields zeros.
 - `paged_prefill`: a chunk of queries attends to the pages before it (prefix hits,
   earlier chunks) and to itself causally; its own K/V are already in the cache. A
   program takes a run of tokens and one KV head, its GQA group's query heads as rows
@@ -173,25 +173,40 @@ def _decode_kernel(
         tl.store(part_sum + part, l_i, mask=qmask)
 
 
+REDUCE_CHUNK = 8  # partitions the reduce loads at a time: its tile is [8, head_dim]
+
+
 @triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["lens"])
 def _decode_reduce(
     part_acc, part_max, part_sum, out, lens, stride_out, num_splits, heads,
-    D: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     length = tl.load(lens + b)
     used = tl.cdiv(length, _partition(length, num_splits, BLOCK_N))
-    splits = tl.arange(0, SPLITS_PAD)
-    smask = splits < used
-    part = (b * heads + h) * num_splits + splits
-    m = tl.load(part_max + part, mask=smask, other=float("-inf"))
-    top = tl.maximum(tl.max(m, 0), -3.0e38)  # finite when no partition is used: no NaN
-    weight = tl.where(smask, tl.exp2(m - top), 0.0)
-    total = tl.sum(tl.load(part_sum + part, mask=smask, other=0.0) * weight, 0)
+    base = (b * heads + h) * num_splits
+    chunk = tl.arange(0, CHUNK)
+    # The largest partition max, then the partitions weighted by it: CHUNK at a time, so
+    # the tile stays [CHUNK, D] whatever the split count.
+    tops = tl.full([CHUNK], -3.0e38, tl.float32)  # finite when no partition is used: no NaN
+    for s0 in range(0, used, CHUNK):
+        smask = s0 + chunk < used
+        tops = tl.maximum(tops, tl.load(part_max + base + s0 + chunk, mask=smask, other=-3.0e38))
+    top = tl.max(tops, 0)
     dims = tl.arange(0, D)
-    acc = tl.load(part_acc + part[:, None] * D + dims[None, :], mask=smask[:, None], other=0.0)
-    o = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
+    totals = tl.zeros([CHUNK], tl.float32)
+    acc = tl.zeros([D], tl.float32)
+    for s0 in range(0, used, CHUNK):
+        part = base + s0 + chunk
+        smask = s0 + chunk < used
+        m = tl.load(part_max + part, mask=smask, other=float("-inf"))
+        weight = tl.where(smask, tl.exp2(m - top), 0.0)
+        totals += tl.load(part_sum + part, mask=smask, other=0.0) * weight
+        tile = tl.load(part_acc + part[:, None] * D + dims[None, :], mask=smask[:, None], other=0.0)
+        acc += tl.sum(tile * weight[:, None], 0)
+    total = tl.sum(totals, 0)
+    o = acc / tl.where(total > 0, total, 1.0)
     tl.store(out + b * stride_out + h * D + dims, o.to(out.dtype.element_ty))
 
 
@@ -220,7 +235,7 @@ def paged_decode(
     assert out.is_contiguous()
     _decode_reduce[(batch, heads)](
         part_acc, part_max, part_sum, out, lens, out.stride(0), num_splits, heads,
-        dim, triton.next_power_of_2(num_splits), block_n,
+        dim, REDUCE_CHUNK, block_n,
     )  # fmt: skip
 
 

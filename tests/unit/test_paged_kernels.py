@@ -57,13 +57,14 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("splits", [1, 3, 8])
+@pytest.mark.parametrize("splits", [1, 3, 8, 20])
 def test_paged_decode_matches_reference_on_a_ragged_batch(
     dtype: torch.dtype, splits: int, kernel_device: torch.device
 ) -> None:
     # One token, page edges, several partitions; with 8 splits of 16-token blocks the short
-    # contexts leave splits empty (they store nothing) and 100 tokens use 7 of them.
-    lens = [1, 17, 70, 16, 100]
+    # contexts leave splits empty (they store nothing) and 100 tokens use 7 of them; with
+    # 20, 300 tokens use 19: the reduce merges them in three chunks (REDUCE_CHUNK 8).
+    lens = [1, 17, 70, 16, 100, 300]
     k_cache, v_cache = _cache(dtype, 0, kernel_device)
     table = _tables(lens, 1, kernel_device)
     q = torch.randn(len(lens), HEADS, DIM, generator=torch.Generator().manual_seed(2))

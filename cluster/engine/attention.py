@@ -4,7 +4,8 @@ Once per step the runner lays the batch out on the host (`StepBatch`, in
 cluster/engine/step_batch.py) and the backend turns it into its own metadata (`prepare`:
 device tensors, workspaces, plans). Then every layer calls
 `forward(layer, q, k, v, cache, metadata)`, which writes the new K/V into their page
-slots and returns the attention output. Backends:
+slots and returns the attention output. A backend that `fuses_rope` takes q and k before
+RoPE and rotates them as it stores (one kernel); the others take them rotated. Backends:
 
 - `cpu`: PyTorch SDPA and matmuls over gathered pages (cluster/engine/attention_cpu.py);
 - `triton`: our own Triton kernels reading pages in place (attention_triton.py);
@@ -27,6 +28,7 @@ class AttentionBackend(Protocol):
     """Paged attention for one engine: its cache layout, device and dtype are fixed."""
 
     name: str  # as in the config, and which kernel ran: what the benchmarks print
+    fuses_rope: bool  # forward takes q and k before RoPE, and rotates them
 
     def prepare(self, batch: StepBatch) -> Any:
         """This step's metadata, read by every layer's `forward`."""
@@ -41,7 +43,8 @@ class AttentionBackend(Protocol):
         cache: KVCache,
         metadata: Any,
     ) -> torch.Tensor:
-        """Store k and v of layer `layer` into their slots, then attend: [tokens, heads, dim]."""
+        """Store k and v of layer `layer` into their slots, then attend: [tokens, heads, dim].
+        With `fuses_rope`, q is rotated in place and k as it is stored."""
         ...
 
 
@@ -70,7 +73,11 @@ def resolve_backend(name: str, device: torch.device, dtype: str) -> str:
 
 
 def make_backend(
-    name: str, layout: KVLayout, num_heads: int, device: torch.device
+    name: str,
+    layout: KVLayout,
+    num_heads: int,
+    device: torch.device,
+    rope: tuple[torch.Tensor, torch.Tensor],  # the model's cos and signed-sin tables
 ) -> AttentionBackend:
     """The backend named by `resolve_backend`, built for this engine's cache."""
     if name == "cpu":
@@ -80,7 +87,7 @@ def make_backend(
     if name == "triton":
         from cluster.engine.attention_triton import TritonBackend
 
-        return TritonBackend(device, layout.num_kv_heads)
+        return TritonBackend(device, layout.num_kv_heads, rope)
     assert name == "flashinfer", name
     from cluster.engine.attention_flashinfer import FlashInferBackend
 

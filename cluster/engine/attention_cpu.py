@@ -43,6 +43,7 @@ class CpuMetadata:
 
 class CpuBackend:
     name = "cpu"
+    fuses_rope = False
 
     def __init__(self, layout: KVLayout, device: torch.device) -> None:
         self.layout = layout

@@ -23,6 +23,7 @@ WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's scratch for split-K partials
 
 class FlashInferBackend:
     name = "flashinfer"
+    fuses_rope = False
 
     def __init__(self, layout: KVLayout, num_heads: int, device: torch.device) -> None:
         import flashinfer

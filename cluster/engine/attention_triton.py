@@ -1,8 +1,9 @@
 """The Triton attention backend: our own kernels (paged_kernels.py) read K/V pages in place.
 
-`prepare` packs the step's page table, context lengths, query offsets and slots into one
-int32 buffer and copies it to the device once; every layer then launches three to five
-kernels (store, decode + its reduce, prefill) and never waits on the host.
+`prepare` packs the step's page table, context lengths, query offsets, slots and
+positions into one int32 buffer and copies it to the device once; every layer then
+launches two to four kernels (RoPE with the KV store, decode + its reduce, prefill) and
+never waits on the host. q and k reach `forward` before RoPE (`fuses_rope`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from cluster.engine.step_batch import StepBatch
 @dataclass(frozen=True)
 class TritonMetadata:
     slot_mapping: torch.Tensor  # [tokens] int32; -1 (padding) writes nothing
+    positions: torch.Tensor  # [tokens] int32: RoPE's
     page_table: torch.Tensor  # [seqs, width] int32
     context_lens: torch.Tensor  # [seqs] int32; 0 for a padding row
     query_start: torch.Tensor  # [seqs + 1] int32
@@ -49,10 +51,18 @@ def programs_for(device: torch.device) -> int:
 
 class TritonBackend:
     name = "triton"
+    fuses_rope = True
 
-    def __init__(self, device: torch.device, kv_heads: int, block: int = 64) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        kv_heads: int,
+        rope: tuple[torch.Tensor, torch.Tensor],  # the model's cos and signed-sin tables
+        block: int = 64,
+    ) -> None:
         self.device = device
         self.kv_heads = kv_heads
+        self.rope = rope
         self.programs = programs_for(device)
         self.block = block  # query rows and keys per tile
 
@@ -64,18 +74,20 @@ class TritonBackend:
         host = torch.cat(
             [
                 batch.slot_mapping.int(),
+                batch.positions.int(),
                 torch.tensor(batch.context_lens + batch.query_start, dtype=torch.int32),
                 batch.page_table.int().flatten(),
             ]
         )
         packed = host.to(self.device)
         tokens = batch.slot_mapping.shape[0]
-        lens = packed[tokens : tokens + seqs]
-        starts = packed[tokens + seqs : tokens + 2 * seqs + 1]
-        table = packed[tokens + 2 * seqs + 1 :].view(seqs, -1)
+        lens = packed[2 * tokens : 2 * tokens + seqs]
+        starts = packed[2 * tokens + seqs : 2 * tokens + 2 * seqs + 1]
+        table = packed[2 * tokens + 2 * seqs + 1 :].view(seqs, -1)
         chunks = [batch.query_start[i + 1] - batch.query_start[i] for i in range(nd, seqs)]
         return TritonMetadata(
             packed[:tokens],
+            packed[tokens : 2 * tokens],
             table,
             lens,
             starts,
@@ -95,7 +107,9 @@ class TritonBackend:
     ) -> torch.Tensor:
         md, nd = metadata, metadata.num_decodes
         k_cache, v_cache = cache.k[layer], cache.v[layer]
-        paged_kernels.store_kv(k, v, k_cache, v_cache, md.slot_mapping)
+        paged_kernels.rope_store_kv(
+            q, k, v, k_cache, v_cache, md.slot_mapping, md.positions, *self.rope
+        )
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if nd:
             paged_kernels.paged_decode(

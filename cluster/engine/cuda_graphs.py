@@ -72,7 +72,6 @@ def fill(
     seg: Segments,
     batch: StepBatch,
     ids: list[int],
-    positions: torch.Tensor,
     bucket: int,
 ) -> None:
     """Write a decode step padded to `bucket` rows into the buffer's segments."""
@@ -85,7 +84,7 @@ def fill(
         buffer[at + n : at + bucket] = padding
 
     put("ids", torch.tensor(ids), 0)
-    put("positions", positions, 0)
+    put("positions", batch.positions, 0)
     put("slots", batch.slot_mapping, PADDING_SLOT)
     put("lens", torch.tensor(batch.context_lens), 0)
     table = buffer[off["table"] : off["table"] + bucket * seg.width].view(bucket, seg.width)
@@ -137,6 +136,7 @@ class DecodeGraphs:
         part = lambda name, n: buf[off[name] : off[name] + n]
         metadata = TritonMetadata(
             slot_mapping=part("slots", b),
+            positions=part("positions", b),
             page_table=part("table", b * self.seg.width).view(b, self.seg.width),
             context_lens=part("lens", b),
             query_start=part("starts", b + 1),
@@ -149,13 +149,13 @@ class DecodeGraphs:
             part("ids", b).long(), part("positions", b).long(), attention, metadata, cache, rows
         )
 
-    def run(self, batch: StepBatch, ids: list[int], positions: torch.Tensor) -> torch.Tensor | None:
+    def run(self, batch: StepBatch, ids: list[int]) -> torch.Tensor | None:
         """Logits [n, vocab] of a decode step of n rows; None when no bucket holds n."""
         bucket = bucket_for(len(ids), self.buckets)
         if bucket is None or batch.page_table.shape[1] > self.seg.width:
             return None
         # The previous step's copy has landed: its sampled tokens came back to the host.
-        fill(self.host, self.seg, batch, ids, positions, bucket)
+        fill(self.host, self.seg, batch, ids, bucket)
         read = self.seg.read(len(ids), batch.page_table.shape[1])
         self.inputs[:read].copy_(self.host[:read], non_blocking=True)
         self.graphs[bucket].replay()

@@ -4,7 +4,8 @@ where PyTorch takes two or three (and a round trip through memory between them):
 - `silu_mul`: the MLP's silu(gate) * up, from the fused gate_up projection's output;
 - `add_rms_norm`: the residual add and the RMSNorm after it, x += delta in place and the
   normed row out, in float32 inside as transformers' LlamaRMSNorm computes it;
-- `rope_`: rotate-half RoPE of q and k together, in place (PyTorch: four ops).
+- `rope_`: rotate-half RoPE of q and k together, in place (PyTorch: four ops); the
+  Triton attention backend does it in its KV store instead (paged_kernels.rope_store_kv).
 
 The model uses them on CUDA (cluster/engine/model.py); on a CPU tensor they run under
 Triton's interpreter, as the tests do.
@@ -75,24 +76,32 @@ def add_rms_norm(
 
 
 @triton.jit
+def rotated(row, cos_row, sin_row, cols, m, HALF: tl.constexpr):
+    """The two halves of rotate-half RoPE of the head vector at `row`, by the cos and
+    signed-sin table rows of its position, in float32 (`cols` < HALF where `m`)."""
+    x1 = tl.load(row + cols, mask=m, other=0).to(tl.float32)
+    x2 = tl.load(row + HALF + cols, mask=m, other=0).to(tl.float32)
+    c1 = tl.load(cos_row + cols, mask=m, other=0).to(tl.float32)
+    c2 = tl.load(cos_row + HALF + cols, mask=m, other=0).to(tl.float32)
+    s1 = tl.load(sin_row + cols, mask=m, other=0).to(tl.float32)  # -sin
+    s2 = tl.load(sin_row + HALF + cols, mask=m, other=0).to(tl.float32)  # sin
+    return x1 * c1 + x2 * s1, x2 * c2 + x1 * s2
+
+
+@triton.jit
 def _rope_kernel(
-    x, positions, cos, signed_sin, stride_t, stride_h, stride_c, half, BLOCK: tl.constexpr
-):
+    x, positions, cos, signed_sin, stride_t, stride_h, stride_c,
+    HALF: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
-    m = cols < half
-    pos = tl.load(positions + t).to(tl.int64)
+    m = cols < HALF
+    table = tl.load(positions + t).to(tl.int64) * stride_c
     row = x + t * stride_t + h * stride_h
-    x1 = tl.load(row + cols, mask=m, other=0).to(tl.float32)
-    x2 = tl.load(row + half + cols, mask=m, other=0).to(tl.float32)
-    table = pos * stride_c
-    c1 = tl.load(cos + table + cols, mask=m, other=0).to(tl.float32)
-    c2 = tl.load(cos + table + half + cols, mask=m, other=0).to(tl.float32)
-    s1 = tl.load(signed_sin + table + cols, mask=m, other=0).to(tl.float32)  # -sin
-    s2 = tl.load(signed_sin + table + half + cols, mask=m, other=0).to(tl.float32)  # sin
-    tl.store(row + cols, (x1 * c1 + x2 * s1).to(x.dtype.element_ty), mask=m)
-    tl.store(row + half + cols, (x2 * c2 + x1 * s2).to(x.dtype.element_ty), mask=m)
+    y1, y2 = rotated(row, cos + table, signed_sin + table, cols, m, HALF)
+    tl.store(row + cols, y1.to(x.dtype.element_ty), mask=m)
+    tl.store(row + HALF + cols, y2.to(x.dtype.element_ty), mask=m)
 
 
 def rope_(

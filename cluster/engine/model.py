@@ -3,7 +3,8 @@
 The numerics follow transformers' LlamaModel step for step (RMSNorm in float32,
 rotate-half RoPE, SDPA), so greedy output is token-identical in float32. On CUDA the
 residual add with the RMSNorm after it, RoPE of q and k, and silu(gate) * up run as one
-fused Triton kernel each (cluster/engine/layer_kernels.py).
+fused Triton kernel each (cluster/engine/layer_kernels.py); the Triton attention backend
+rotates q and k itself, in its KV store.
 """
 
 from __future__ import annotations
@@ -168,9 +169,9 @@ class LlamaModel:
         s = self.spec
         nq, nkv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         norm = (s.hidden_size,)
-        # The rows' cos and sin, gathered once a step; the fused kernel reads the tables.
+        # The rows' cos and sin, gathered once a step; the fused kernels read the tables.
         rows = None
-        if self.kernels is None:
+        if self.kernels is None and not attention.fuses_rope:
             rows = self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
         x = self.embed(input_ids)
         n = x.shape[0]
@@ -181,8 +182,10 @@ class LlamaModel:
             else:
                 x, h = self._add_norm(x, mlp, layer.input_norm)
             qkv = layer.qkv(h)
-            # q and k rotated together: one RoPE over all heads of both.
-            qk = self._rope(qkv[:, : nq + nkv].view(n, -1, s.head_dim), positions, rows)
+            # q and k rotated together: one RoPE over all heads of both (or by attention).
+            qk = qkv[:, : nq + nkv].view(n, -1, s.head_dim)
+            if not attention.fuses_rope:
+                qk = self._rope(qk, positions, rows)
             q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
             v = qkv[:, nq + nkv :].view(n, s.num_kv_heads, s.head_dim)
             a = attention.forward(i, q, k, v, cache, metadata)

@@ -9,8 +9,8 @@ Scores are kept in base-2 units (scaled by log2 e once) so the softmax takes exp
 only the blocks that hold the context's end (decode) or the causal diagonal (prefill)
 are masked; the blocks before them load and score unmasked.
 
-- `store_kv`: this step's new K/V into their slots; a slot of -1 (a padding row of a
-  captured decode graph) writes nothing.
+- `rope_store_kv`: RoPE of the step's q (in place) and new K, and the new K/V into their
+  slots, in one launch; a slot of -1 (a padding row of a captured graph) writes nothing.
 - `paged_decode`: one query token per sequence. A program takes one sequence, one KV
   head (its query heads as the rows of one matrix: GQA shares every key load) and one
   of `num_splits` partitions of the context (split-K, so a single long sequence still
@@ -40,6 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
+from cluster.engine.layer_kernels import rotated
+
 LOG2E = math.log2(math.e)  # scores times this: exp(x) = exp2(x * log2 e)
 
 
@@ -52,32 +54,60 @@ def _dot_types(x: torch.Tensor) -> tuple[tl.dtype, str]:
     return tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16, "tf32"
 
 
-@triton.jit(do_not_specialize_on_alignment=["slots"])
-def _store_kv_kernel(
-    k, v, k_cache, v_cache, slots, stride_k, stride_v, ROW: tl.constexpr, BLOCK: tl.constexpr
-):
-    t = tl.program_id(0)
-    slot = tl.load(slots + t).to(tl.int64)
-    if slot >= 0:
-        cols = tl.arange(0, BLOCK)
-        m = cols < ROW
-        tl.store(k_cache + slot * ROW + cols, tl.load(k + t * stride_k + cols, mask=m), mask=m)
-        tl.store(v_cache + slot * ROW + cols, tl.load(v + t * stride_v + cols, mask=m), mask=m)
+@triton.jit(do_not_specialize_on_alignment=["slots", "positions"])
+def _rope_store_kernel(
+    q, k, v, k_cache, v_cache, slots, positions, cos, signed_sin,
+    stride_q, stride_k, stride_v, stride_c,
+    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)  # query heads, then KV heads
+    half = tl.arange(0, D_PAD // 2)
+    hmask = half < D // 2
+    table = tl.load(positions + t).to(tl.int64) * stride_c
+    if h < HEADS:  # a query head: rotated in place
+        row = q + t * stride_q + h * D
+        y1, y2 = rotated(row, cos + table, signed_sin + table, half, hmask, D // 2)
+        tl.store(row + half, y1.to(q.dtype.element_ty), mask=hmask)
+        tl.store(row + D // 2 + half, y2.to(q.dtype.element_ty), mask=hmask)
+    else:  # a KV head: its key rotated and its value, into the token's slot
+        slot = tl.load(slots + t).to(tl.int64)
+        if slot >= 0:
+            kv = h - HEADS
+            dst = (slot * KV_HEADS + kv) * D
+            row = k + t * stride_k + kv * D
+            y1, y2 = rotated(row, cos + table, signed_sin + table, half, hmask, D // 2)
+            tl.store(k_cache + dst + half, y1.to(k_cache.dtype.element_ty), mask=hmask)
+            tl.store(k_cache + dst + D // 2 + half, y2.to(k_cache.dtype.element_ty), mask=hmask)
+            dims = tl.arange(0, D_PAD)
+            dmask = dims < D
+            values = tl.load(v + t * stride_v + kv * D + dims, mask=dmask)
+            tl.store(v_cache + dst + dims, values, mask=dmask)
 
 
-def store_kv(
-    k: torch.Tensor,  # [N, kv_heads, head_dim], rows may be strided
+def rope_store_kv(
+    q: torch.Tensor,  # [N, heads, head_dim], rows may be strided: rotated in place
+    k: torch.Tensor,  # [N, kv_heads, head_dim], before RoPE
     v: torch.Tensor,
     k_cache: torch.Tensor,  # [pages, page_size, kv_heads, head_dim], contiguous
     v_cache: torch.Tensor,
     slots: torch.Tensor,  # [N] int32 or int64; -1 writes nothing
+    positions: torch.Tensor,  # [N] int32 or int64
+    cos: torch.Tensor,  # [max_position, head_dim], contiguous (model.LlamaModel's tables)
+    signed_sin: torch.Tensor,  # [max_position, head_dim]: cat(-sin, sin)
 ) -> None:
-    row = k.shape[1] * k.shape[2]
-    assert k.stride(1) == k.shape[2] and k.stride(2) == 1 and v.stride(1) == v.shape[2]
-    assert k_cache.is_contiguous() and v_cache.is_contiguous()
-    _store_kv_kernel[(k.shape[0],)](
-        k, v, k_cache, v_cache, slots, k.stride(0), v.stride(0), row, triton.next_power_of_2(row)
-    )
+    """RoPE of q and k (model.rotate) and the rotated k and v into their slots: one launch
+    where a RoPE kernel and a store kernel took two and a round trip of q and k."""
+    tokens, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    for x in (q, k, v):
+        assert x.stride(1) == dim and x.stride(2) == 1
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and cos.is_contiguous()
+    _rope_store_kernel[(tokens, heads + kv_heads)](
+        q, k, v, k_cache, v_cache, slots, positions, cos, signed_sin,
+        q.stride(0), k.stride(0), v.stride(0), cos.stride(0),
+        heads, kv_heads, dim, max(2, triton.next_power_of_2(dim)),
+    )  # fmt: skip
 
 
 @triton.jit

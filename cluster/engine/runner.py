@@ -33,8 +33,7 @@ class StepInputs:
     """One step's model inputs on the host."""
 
     ids: list[int]
-    positions: torch.Tensor  # [tokens] long
-    batch: StepBatch
+    batch: StepBatch  # its positions are the model's
     sampled: list[Sequence]  # the sequences that get a next token
     logits_rows: list[int]  # their rows, then the rows of prompt_rows(step), in order
 
@@ -78,8 +77,8 @@ def lay_out(step: Step, page_size: int, tables: BlockTables) -> StepInputs:
     first = {id(s): starts[nd + i] for i, (s, _) in enumerate(step.prefills)}
     for seq, _, count in prompt_rows(step):
         rows.extend(range(first[id(seq)], first[id(seq)] + count))
-    batch = StepBatch(nd, starts, context_lens, table, torch.cat(slots))
-    return StepInputs(ids, torch.cat(positions), batch, sampled, rows)
+    batch = StepBatch(nd, starts, context_lens, table, torch.cat(slots), torch.cat(positions))
+    return StepInputs(ids, batch, sampled, rows)
 
 
 class ModelRunner:
@@ -108,13 +107,13 @@ class ModelRunner:
         """
         inputs = lay_out(step, self.cache.layout.page_size, self.tables)
         if self.graphs is not None and not step.prefills and on_layer is None:
-            logits = self.graphs.run(inputs.batch, inputs.ids, inputs.positions)
+            logits = self.graphs.run(inputs.batch, inputs.ids)
             if logits is not None:
                 rows = inputs.logits_rows
                 return inputs.sampled, logits if len(rows) == len(logits) else logits[rows]
         logits = self.model.forward(
             torch.tensor(inputs.ids, dtype=torch.long).to(self.device),
-            inputs.positions.to(self.device),
+            inputs.batch.positions.to(self.device),
             self.attention,
             self.attention.prepare(inputs.batch),
             self.cache,
@@ -172,7 +171,8 @@ def build_runner(
     device: torch.device,
 ) -> ModelRunner:
     """A runner on `backend`; with triton on CUDA its decode steps are CUDA graphs."""
-    attention = make_backend(backend, cache.layout, model.spec.num_heads, device)
+    rope = (model.cos, model.signed_sin)
+    attention = make_backend(backend, cache.layout, model.spec.num_heads, device, rope)
     graphs = None
     if captures_graphs(backend, device):
         from cluster.engine.attention_triton import TritonBackend

@@ -19,6 +19,7 @@ class StepBatch:
     context_lens: list[int]  # [seqs] tokens each attends to, its new ones included
     page_table: torch.Tensor  # [seqs, width] int64 page ids covering each context, 0-padded
     slot_mapping: torch.Tensor  # [tokens] int64 slot (page * page_size + offset) per new token
+    positions: torch.Tensor  # [tokens] int64 position of each new token in its sequence
 
     @property
     def num_seqs(self) -> int:

@@ -122,6 +122,7 @@ def gather_cost(engine: LLMEngine, batch: int, context_len: int, repeats: int) -
     pages = torch.randint(0, cache.num_pages, (batch, width), device=engine.device)
     last = context_len - 1
     backend = CpuBackend(layout, engine.device)
+    positions = torch.full((batch,), last, device=engine.device)
     attn = backend.prepare(
         StepBatch(
             num_decodes=batch,
@@ -129,10 +130,10 @@ def gather_cost(engine: LLMEngine, batch: int, context_len: int, repeats: int) -
             context_lens=[context_len] * batch,
             page_table=pages,
             slot_mapping=pages[:, last // ps] * ps + last % ps,
+            positions=positions,
         )
     )
     ids = torch.randint(0, engine.spec.vocab_size, (batch,), device=engine.device)
-    positions = torch.full((batch,), last, device=engine.device)
     rows = torch.arange(batch, device=engine.device)
 
     def forward() -> None:

@@ -50,6 +50,7 @@ def _text_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
         context_lens=[n],
         page_table=torch.arange(cache.num_pages)[None],
         slot_mapping=positions,  # pages 0.. in order: slot i holds token i
+        positions=positions,
     )
     return engine.model.forward(
         torch.tensor(ids), positions, backend, backend.prepare(batch), cache, positions

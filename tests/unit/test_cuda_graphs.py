@@ -40,19 +40,19 @@ def test_each_bucket_splits_the_context_only_as_far_as_it_fills_the_gpu() -> Non
     assert decode_splits(0, 8, 0, 264) == 1  # a step of prefills only
 
 
-def _decode_step(lens: list[int], page_size: int) -> tuple[StepBatch, list[int], torch.Tensor]:
+def _decode_step(lens: list[int], page_size: int) -> tuple[StepBatch, list[int]]:
     table = torch.tensor([[3, 7, 0], [5, 1, 2], [9, 0, 0]])[: len(lens)]
     pos = torch.tensor(lens) - 1
     slots = table[torch.arange(len(lens)), pos // page_size] * page_size + pos % page_size
-    batch = StepBatch(len(lens), list(range(len(lens) + 1)), lens, table, slots)
-    return batch, [11 * (i + 1) for i in range(len(lens))], pos
+    batch = StepBatch(len(lens), list(range(len(lens) + 1)), lens, table, slots, pos)
+    return batch, [11 * (i + 1) for i in range(len(lens))]
 
 
 def test_fill_pads_rows_to_the_bucket_with_no_slot_and_no_context() -> None:
     seg = Segments(rows=8, width=4)
     buffer = torch.full((seg.size,), 99, dtype=torch.int32)
-    batch, ids, pos = _decode_step([20, 40, 3], page_size=16)
-    fill(buffer, seg, batch, ids, pos, bucket=4)
+    batch, ids = _decode_step([20, 40, 3], page_size=16)
+    fill(buffer, seg, batch, ids, bucket=4)
     off = seg.offsets()
     part = lambda name, n: buffer[off[name] : off[name] + n].tolist()
     assert part("ids", 4) == [11, 22, 33, 0]
@@ -82,12 +82,13 @@ def test_padding_rows_write_no_page_and_attend_to_nothing(kernel_device: torch.d
     seg = Segments(rows=4, width=3)
     buffer = torch.zeros(seg.size, dtype=torch.int32)
     buffer[seg.offsets()["starts"] : seg.offsets()["table"]] = torch.arange(5)
-    batch, ids, pos = _decode_step([20, 40], page_size=16)
-    fill(buffer, seg, batch, ids, pos, bucket=4)
+    batch, ids = _decode_step([20, 40], page_size=16)
+    fill(buffer, seg, batch, ids, bucket=4)
     buffer, slots = buffer.to(kernel_device), batch.slot_mapping.to(kernel_device)
     off = seg.offsets()
     metadata = TritonMetadata(
         slot_mapping=buffer[off["slots"] : off["slots"] + 4],
+        positions=buffer[off["positions"] : off["positions"] + 4],
         page_table=buffer[off["table"] : off["table"] + 4 * seg.width].view(4, seg.width),
         context_lens=buffer[off["lens"] : off["lens"] + 4],
         query_start=buffer[off["starts"] : off["starts"] + 5],
@@ -97,7 +98,9 @@ def test_padding_rows_write_no_page_and_attend_to_nothing(kernel_device: torch.d
     )
     q = torch.randn(4, 4, 16, device=kernel_device)
     k, v = torch.randn(2, 4, 2, 16, device=kernel_device).unbind()
-    out = TritonBackend(kernel_device, kv_heads=2, block=16).forward(0, q, k, v, cache, metadata)
+    rope = torch.ones(64, 16, device=kernel_device), torch.zeros(64, 16, device=kernel_device)
+    backend = TritonBackend(kernel_device, kv_heads=2, rope=rope, block=16)  # RoPE: identity
+    out = backend.forward(0, q, k, v, cache, metadata)
     changed = (cache.k[0] != before_k[0]).any(-1).any(-1).flatten().nonzero().flatten()
     assert changed.tolist() == sorted(slots.tolist())  # the real rows only
     assert torch.equal(cache.v[0].flatten(0, 1)[slots], v[:2])

@@ -128,18 +128,35 @@ def test_paged_prefill_matches_reference_for_fresh_prefix_hit_and_later_chunks(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_store_kv_writes_each_token_to_its_slot_and_skips_padding(
+def test_rope_store_rotates_q_and_k_and_stores_k_and_v_in_their_slots_skipping_padding(
     dtype: torch.dtype, kernel_device: torch.device
 ) -> None:
+    """q, k, v side by side in the fused qkv rows (strided), as the model hands them over:
+    q rotated in place as model.rotate does, k rotated into its slot, v copied; slot -1 (a
+    graph's padding row) writes nothing."""
+    from cluster.engine.model import rotate
+
     caches = torch.zeros(2, 4, PAGE, KV_HEADS, DIM, dtype=dtype, device=kernel_device)
     k_cache, v_cache = caches.unbind()
-    qkv = torch.randn(3, (HEADS + 2 * KV_HEADS) * DIM).to(kernel_device, dtype)  # k, v: strided
+    g = torch.Generator().manual_seed(4)
+    qkv = torch.randn(3, (HEADS + 2 * KV_HEADS) * DIM, generator=g).to(kernel_device, dtype)
+    q = qkv[:, : HEADS * DIM].view(3, HEADS, DIM)
     k = qkv[:, HEADS * DIM : (HEADS + KV_HEADS) * DIM].view(3, KV_HEADS, DIM)
     v = qkv[:, (HEADS + KV_HEADS) * DIM :].view(3, KV_HEADS, DIM)
+    freqs = torch.outer(torch.arange(50).float(), 1.0 / 10000 ** (torch.arange(0, DIM, 2) / DIM))
+    cos = torch.cat((freqs, freqs), dim=-1).cos().to(kernel_device, dtype)
+    sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1).to(kernel_device, dtype)
+    positions = torch.tensor([7, 0, 49], dtype=torch.int32, device=kernel_device)
+    rows = cos[positions.long()].float()[:, None], sin[positions.long()].float()[:, None]
+    want_q, want_k = rotate(q.float(), *rows), rotate(k.float(), *rows)
+    want_v = v.clone()
     slots = torch.tensor([37, -1, 5], dtype=torch.int32, device=kernel_device)  # -1: padding
-    paged_kernels.store_kv(k, v, k_cache, v_cache, slots)
+    paged_kernels.rope_store_kv(q, k, v, k_cache, v_cache, slots, positions, cos, sin)
+    tolerance = {"atol": TOLERANCE[dtype], "rtol": TOLERANCE[dtype]}
+    torch.testing.assert_close(q.float(), want_q, **tolerance)  # padding's q too
     flat_k, flat_v = k_cache.view(-1, KV_HEADS, DIM), v_cache.view(-1, KV_HEADS, DIM)
-    assert torch.equal(flat_k[37], k[0]) and torch.equal(flat_v[5], v[2])
+    torch.testing.assert_close(flat_k[[37, 5]].float(), want_k[[0, 2]], **tolerance)
+    assert torch.equal(flat_v[[37, 5]], want_v[[0, 2]])
     written = torch.zeros(flat_k.shape[0], dtype=torch.bool, device=kernel_device)
     written[[37, 5]] = True
     assert not flat_k[~written].any() and not flat_v[~written].any()
@@ -157,8 +174,8 @@ def _unspecialised(kernel: Any) -> tuple[set[str], set[str]]:
 
 def test_what_changes_from_step_to_step_compiles_no_new_variant() -> None:
     """The page table's width and the split count vary by step, and the step's packed
-    int32 buffer (attention_triton.prepare) puts the table, lengths and query offsets at
-    any 4-byte offset: none of them may pick a compiled variant."""
+    int32 buffer (attention_triton.prepare) puts the slots, positions, table, lengths and
+    query offsets at any 4-byte offset: none of them may pick a compiled variant."""
     assert _unspecialised(paged_kernels._decode_kernel) == (
         {"stride_table", "num_splits"},
         {"table", "lens"},
@@ -168,4 +185,4 @@ def test_what_changes_from_step_to_step_compiles_no_new_variant() -> None:
         {"stride_table"},
         {"table", "lens", "query_start"},
     )
-    assert _unspecialised(paged_kernels._store_kv_kernel) == (set(), {"slots"})
+    assert _unspecialised(paged_kernels._rope_store_kernel) == (set(), {"slots", "positions"})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,7 +52,8 @@ class EngineConfig:
     cpu_cores: tuple[int, ...] | None = None  # pin the engine's threads to these cores (Linux)
     # The worker that runs this engine serves its own Prometheus /metrics on host:port
     # (cluster/worker_metrics.py; its URL is in the worker's stats and log); 0: any free
-    # port, null: off. One worker per node (a pod) can take a fixed port.
+    # port, null: off. One worker per node (a pod) can take a fixed port. It checks no API
+    # key, so the host must be loopback.
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = 0
 
@@ -127,9 +129,10 @@ class EngineConfig:
         if cores is not None:
             object.__setattr__(self, "cpu_cores", tuple(cores))  # YAML gives a list
         _check(
-            isinstance(self.metrics_host, str) and bool(self.metrics_host),
+            isinstance(self.metrics_host, str) and loopback(self.metrics_host),
             "metrics_host",
-            f"must be a host name, got {self.metrics_host!r}",
+            f"must be a loopback address (the worker's /metrics checks no API key; scrape "
+            f"the router's, which does), got {self.metrics_host!r}",
         )
         port = self.metrics_port
         _check(
@@ -498,6 +501,16 @@ def _is_origin(value: object) -> bool:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def loopback(host: str) -> bool:
+    """Whether a listener on `host` is reachable only from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _check(ok: bool, field: str, why: str) -> None:

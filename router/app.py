@@ -6,7 +6,8 @@ import asyncio
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+
+from aiohttp import web
 
 from cluster.config import ConfigError, RouterConfig
 from cluster.engine.model_files import bundled_model_path
@@ -34,7 +35,7 @@ class RouterApp:
     workers: WorkerRegistry
     placements: PlacementStore | None
     metrics: RouterMetrics
-    metrics_http: Any | None  # the /metrics HTTP server, if one was asked for
+    metrics_http: web.AppRunner | None  # /metrics on router.metrics_port, if one was asked for
     http: OpenAIFrontDoor | None  # the OpenAI-compatible API, if one was asked for
     tokenize: TokenizePool
 
@@ -49,8 +50,7 @@ class RouterApp:
         else:
             await self.server.stop(grace_s)
         if self.metrics_http is not None:
-            self.metrics_http.shutdown()
-            self.metrics_http.server_close()
+            await self.metrics_http.cleanup()
         await self.router.dispatcher.close()
         self.tokenize.close()
         await self.workers.stop()
@@ -106,6 +106,7 @@ async def start_router(
     servicer = GenerationServicer(router, tokenizer, info, config, metrics, pool)
     key = api_key(config)
     tls = server_tls(config)
+    http_tls = None if tls is None else tls.http  # the HTTP API's and the metrics port's
     server = RouterServer(servicer, config, key, None if tls is None else tls.grpc)
     app = RouterApp(server, router, workers, placements, metrics, None, None, pool)
     try:
@@ -133,14 +134,13 @@ async def start_router(
                 key,
                 config.allowed_origins,
             )
-            await app.http.start(
-                config.host, config.http_port, config.grace_s, None if tls is None else tls.http
-            )
+            await app.http.start(config.host, config.http_port, config.grace_s, http_tls)
             log.info("router: OpenAI-compatible HTTP API on %s/v1", app.http.address)
         if config.metrics_port is not None:
-            app.metrics_http = metrics.serve(config.host, config.metrics_port)
-            host, port = app.metrics_http.server_address[:2]
-            log.info("router: Prometheus metrics on http://%s:%d/metrics", host, port)
+            app.metrics_http = await metrics.serve(config.host, config.metrics_port, key, http_tls)
+            host, port = app.metrics_http.addresses[0][:2]
+            scheme = "http" if http_tls is None else "https"
+            log.info("router: Prometheus metrics on %s://%s:%d/metrics", scheme, host, port)
         log.info(
             "router: gRPC on %s (policy %s, %d prefill + %d decode workers, model %s)",
             server.address,

@@ -1,15 +1,16 @@
 """The API key both front doors check: `Authorization: Bearer <key>`, compared in
 constant time.
 
-What it guards is what vLLM's --api-key guards: the API itself (HTTP routes under /v1/,
-gRPC's splitserve.v1.Generation). Health checks (HTTP /health, the gRPC health service),
-/metrics and gRPC reflection stay open, so probes and scrapers need no key.
+What it guards is what vLLM's --api-key guards, the API itself (HTTP routes under /v1/,
+the tokenizer, gRPC's splitserve.v1.Generation), and /metrics on both ports that serve it
+(the HTTP API's and router.metrics_port), so a scraper sends the key too. Health checks
+(HTTP /health, the gRPC health service), /version and gRPC reflection stay open, so probes
+need no key.
 """
 
 from __future__ import annotations
 
 import hmac
-import ipaddress
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -17,10 +18,10 @@ from typing import Any
 import grpc
 from aiohttp import web
 
-from cluster.config import ConfigError, RouterConfig
+from cluster.config import ConfigError, RouterConfig, loopback
 
-# What the key guards: the API and the tokenizer; /health, /version and /metrics stay open.
-HTTP_GUARDED = ("/v1/", "/tokenize", "/detokenize")
+# What the key guards: the API, the tokenizer and /metrics; /health and /version stay open.
+HTTP_GUARDED = ("/v1/", "/tokenize", "/detokenize", "/metrics")
 UNAUTHORIZED = "invalid API key: send Authorization: Bearer <key>"
 
 
@@ -29,7 +30,7 @@ def api_key(config: RouterConfig) -> str | None:
     (stripped); None: no check, which only a loopback router.host may go without (anything
     bound wider asks for a key: a ConfigError naming router.host and router.api_key)."""
     key = config.api_key if config.api_key_file is None else _read(config.api_key_file)
-    if key is None and not _loopback(config.host):
+    if key is None and not loopback(config.host):
         raise ConfigError(
             f"router.host: {config.host} is reachable from other machines, so it needs "
             "router.api_key (--api-key, SPLITSERVE_API_KEY, or router.api_key_file); or "
@@ -54,15 +55,6 @@ def authorized(header: str | None, key: str) -> bool:
     if scheme.lower() != "bearer":
         presented = ""
     return hmac.compare_digest(presented.strip().encode(), key.encode())
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -13,19 +13,28 @@ transfers, recomputed tokens, migrations and the prefix index.
 
 from __future__ import annotations
 
+import ssl
 import time
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from aiohttp import web
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from cluster.protocol import DecodeStats, PrefillStats
 from cluster.types import ModelInfo, TokenDelta
 from cluster.worker_metrics import worker_series
+from router.auth import UNAUTHORIZED, http_middleware
 from router.router import Final
 from router.workers import WorkerRegistry
 
@@ -150,10 +159,27 @@ class RouterMetrics:
         if final.route.prefill is not None:
             self.transfer.observe(t.transfer_ms / 1e3)
 
-    def serve(self, host: str, port: int) -> Any:
-        """Serve /metrics on host:port (0: any free port); returns the HTTP server."""
-        server, _ = start_http_server(port, addr=host, registry=self.registry)
-        return server
+    async def scrape(self, request: web.Request) -> web.Response:
+        """GET /metrics: the registry in Prometheus' text format."""
+        body = generate_latest(self.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def serve(
+        self, host: str, port: int, key: str | None, tls: ssl.SSLContext | None
+    ) -> web.AppRunner:
+        """Serve GET /metrics on host:port (0: any free port), over TLS with `tls`, to
+        scrapers that send `key` (router/auth.py; None: no check); the started runner."""
+        refuse = lambda: web.Response(status=401, text=UNAUTHORIZED)
+        app = web.Application(middlewares=[] if key is None else [http_middleware(key, refuse)])
+        app.router.add_get("/metrics", self.scrape)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, host, port, ssl_context=tls).start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        return runner
 
 
 class Window:

@@ -9,11 +9,12 @@ have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for 
 field (the message and `param` name it), 404 for another model's name, 429 when a limit
 refuses it, naming it (the router is full, the client is past its own limit: by its
 `Authorization` header if it sends one, else by its address; or the tokenization queue
-is full), 401 for a /v1/ request without the API key (when one is set; /health and
-/metrics stay open), 503 with no live decode worker, 500 when a worker failed the request.
-A stream that fails after its first event ends with an error event, never `[DONE]`. A
-client that disconnects has its request aborted on every worker (its pages are freed).
-The session header `X-Session-Id` gives a conversation's turns the same worker.
+is full), 401 for a /v1/, tokenizer or /metrics request without the API key (when one is
+set; /health and /version stay open), 503 with no live decode worker, 500 when a worker
+failed the request. A stream that fails after its first event ends with an error event,
+never `[DONE]`. A client that disconnects has its request aborted on every worker (its
+pages are freed). The session header `X-Session-Id` gives a conversation's turns the
+same worker.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cluster.engine.tokenizer import Tokenizer
 from cluster.types import (
@@ -508,7 +508,7 @@ class OpenAIFrontDoor:
         app.router.add_post("/detokenize", self._detokenize)
         app.router.add_get("/version", self._version)
         app.router.add_get("/health", self._health)
-        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/metrics", self.metrics.scrape)
         return app
 
     async def start(
@@ -596,10 +596,6 @@ class OpenAIFrontDoor:
         ok = self.serving()
         return web.json_response({"status": "ok" if ok else "no decode worker"},
                                  status=200 if ok else 503)  # fmt: skip
-
-    async def _metrics(self, request: web.Request) -> web.Response:
-        body = generate_latest(self.metrics.registry)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         status = "cancelled"  # unless it ends otherwise: the client went away

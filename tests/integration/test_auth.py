@@ -1,5 +1,6 @@
-"""A router with an API key: both front doors refuse a call without it and answer one
-with it; health checks and /metrics stay open (as vLLM's --api-key leaves them)."""
+"""A router with an API key: both front doors and both /metrics (the HTTP API's and the
+metrics port's) refuse a call without it and answer one with it; health checks and
+/version stay open."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ KEY = "sk-test-4b1d"
 @pytest.fixture(scope="module")
 def router(ray_workers: Any) -> Iterator[RouterHarness]:
     decode = {"colocated": ray_workers.decode("colocated")}  # prefills itself: one worker is enough
-    harness = RouterHarness({}, decode, redis_url=None, http_port=0, api_key=KEY)
+    harness = RouterHarness({}, decode, redis_url=None, http_port=0, metrics_port=0, api_key=KEY)
     yield harness
     harness.stop()
 
@@ -74,15 +75,42 @@ def test_http_with_the_key_answers(router: RouterHarness, workers: Any) -> None:
     assert [m.id for m in client.models.list()]
 
 
-def test_health_and_metrics_need_no_key(router: RouterHarness) -> None:
+def test_health_and_version_need_no_key(router: RouterHarness) -> None:
     assert router.app.http is not None
     base = router.app.http.address
     with urllib.request.urlopen(base + "/health", timeout=30) as r:
         assert r.status == 200 and json.loads(r.read()) == {"status": "ok"}
-    with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
-        assert b"splitserve_requests_total" in r.read()
     with urllib.request.urlopen(base + "/version", timeout=30) as r:
         assert r.status == 200
+
+
+def _metrics_urls(router: RouterHarness) -> list[str]:
+    """/metrics on the HTTP API's port and on the metrics port."""
+    assert router.app.http is not None and router.app.metrics_http is not None
+    host, port = router.app.metrics_http.addresses[0][:2]
+    return [router.app.http.address + "/metrics", f"http://{host}:{port}/metrics"]
+
+
+@pytest.mark.parametrize("header", [None, "Bearer wrong"])
+def test_metrics_without_the_key_is_a_401_on_both_ports(
+    router: RouterHarness, header: str | None
+) -> None:
+    for url in _metrics_urls(router):
+        request = urllib.request.Request(
+            url, headers={} if header is None else {"Authorization": header}
+        )
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(request, timeout=30)
+        assert err.value.code == 401
+        assert b"splitserve_" not in err.value.read()
+
+
+def test_metrics_with_the_key_answers_on_both_ports(router: RouterHarness) -> None:
+    for url in _metrics_urls(router):
+        request = urllib.request.Request(url, headers={"Authorization": f"Bearer {KEY}"})
+        with urllib.request.urlopen(request, timeout=30) as r:
+            assert r.status == 200 and r.headers.get_content_type() == "text/plain"
+            assert b"# TYPE splitserve_requests_total counter" in r.read()
 
 
 async def _grpc(address: str, key: str | None) -> tuple[str, list[str]]:

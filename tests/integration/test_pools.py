@@ -66,7 +66,7 @@ class _Requests:
 
 
 def _metrics(h: ClusterHarness) -> str:
-    host, port = h.cluster.app.metrics_http.server_address[:2]
+    host, port = h.cluster.app.metrics_http.addresses[0][:2]
     with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as response:
         text: str = response.read().decode()
     return text

@@ -34,7 +34,7 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 def scrape(router: RouterHarness) -> Samples:
     """Every sample on the router's /metrics, by name and labels."""
     assert router.app.metrics_http is not None
-    host, port = router.app.metrics_http.server_address[:2]
+    host, port = router.app.metrics_http.addresses[0][:2]
     return scrape_url(f"http://{host}:{port}/metrics")
 
 

@@ -46,6 +46,7 @@ def secure(decode: dict[str, Any], cert: Certificate) -> Iterator[RouterHarness]
         decode,
         redis_url=None,
         http_port=0,
+        metrics_port=0,
         api_key=KEY,
         ssl_keyfile=str(cert.key),
         ssl_certfile=str(cert.cert),
@@ -107,13 +108,31 @@ def test_splitserves_client_gets_tokens_over_grpc_tls(
     assert asyncio.run(_grpc(secure.address, str(cert.cert))) == ("SERVING", 4)
 
 
+def _metrics_port(router: RouterHarness) -> str:
+    assert router.app.metrics_http is not None
+    host, port = router.app.metrics_http.addresses[0][:2]
+    return f"{host}:{port}"
+
+
 def test_plain_text_clients_fail_on_the_tls_ports(secure: RouterHarness) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as err:
         asyncio.run(_grpc(secure.address, None))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     plain_url = _base(secure).replace("https://", "http://") + "/health"
-    with pytest.raises((urllib.error.URLError, ConnectionError)):
-        urllib.request.urlopen(plain_url, timeout=30)
+    for url in (plain_url, f"http://{_metrics_port(secure)}/metrics"):
+        with pytest.raises((urllib.error.URLError, ConnectionError)):
+            urllib.request.urlopen(url, timeout=30)
+
+
+def test_the_metrics_port_is_scraped_over_tls_with_the_key(
+    secure: RouterHarness, cert: Certificate
+) -> None:
+    """The scraper's key never crosses the network in plain text."""
+    trusting = ssl.create_default_context(cafile=str(cert.cert))
+    url = f"https://{_metrics_port(secure)}/metrics"
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(request, timeout=30, context=trusting) as r:
+        assert b"# TYPE splitserve_requests_total counter" in r.read()
 
 
 def test_generate_talks_tls_with_ssl_ca(

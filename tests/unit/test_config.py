@@ -66,6 +66,21 @@ def test_a_value_of_the_wrong_type_is_refused_naming_its_field(field: str, value
     assert str(info.value).startswith(f"{field}:")
 
 
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1"])
+def test_a_workers_metrics_listen_on_loopback(host: str) -> None:
+    assert EngineConfig(metrics_host=host).metrics_host == host
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "worker.internal", ""])
+def test_a_workers_metrics_beyond_loopback_are_refused_as_they_check_no_key(host: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        engine_config_from_dict({"metrics_host": host}, "decode.engine")
+    assert str(info.value) == (
+        "decode.engine.metrics_host: must be a loopback address (the worker's /metrics checks "
+        f"no API key; scrape the router's, which does), got {host!r}"
+    )
+
+
 def test_a_share_of_the_gpu_sizes_the_kv_cache_in_place_of_kv_cache_gb() -> None:
     config = EngineConfig(kv_cache_gb=None, gpu_memory_utilization=0.9)
     assert (config.kv_cache_gb, config.gpu_memory_utilization) == (None, 0.9)

@@ -1,7 +1,13 @@
 """The router's metrics: requests observed under vLLM's names and buckets, labelled with
-the served model's name, beside every worker's series from the stats the router polled."""
+the served model's name, beside every worker's series from the stats the router polled;
+and the metrics port, which asks for the API key when one is set."""
 
 from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
 
 from cluster.protocol import EngineCounts
 from cluster.types import FinishReason, RequestId, TokenDelta
@@ -64,3 +70,42 @@ def test_a_finished_request_is_observed_once_under_each_name() -> None:
 def test_token_count_buckets_are_vllms_1_2_5_up_to_the_context() -> None:
     assert buckets_1_2_5(100) == [1, 2, 5, 10, 20, 50, 100]
     assert buckets_1_2_5(2048) == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000]
+
+
+KEY = "sk-test-metrics"
+
+
+async def _scrape(metrics: RouterMetrics, key: str | None, header: str | None) -> tuple[int, str]:
+    """GET /metrics on a metrics port serving `key`, sending `header` as Authorization."""
+    runner = await metrics.serve("127.0.0.1", 0, key, None)
+    host, port = runner.addresses[0][:2]
+    url = f"http://{host}:{port}/metrics"
+    headers = {} if header is None else {"Authorization": header}
+    try:
+        async with aiohttp.ClientSession() as session, session.get(url, headers=headers) as r:
+            return r.status, await r.text()
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize(
+    ("key", "header", "status"),
+    [
+        (KEY, None, 401),
+        (KEY, "Bearer wrong", 401),
+        (KEY, f"Basic {KEY}", 401),
+        (KEY, f"Bearer {KEY}", 200),
+        (None, None, 200),
+        (None, "Bearer anything", 200),
+    ],
+)
+def test_the_metrics_port_asks_for_the_key_when_one_is_set(
+    key: str | None, header: str | None, status: int
+) -> None:
+    metrics = router_metrics({}, {"d0": decode_stats()})
+    got, text = asyncio.run(_scrape(metrics, key, header))
+    assert got == status
+    if status == 200:
+        assert 'splitserve_workers{phase="decode"} 1.0' in text
+    else:
+        assert text == "invalid API key: send Authorization: Bearer <key>"

@@ -1,4 +1,5 @@
-"""CUDA-graph decode: one captured model step per batch-size bucket.
+"""CUDA graphs: whole decode steps per batch-size bucket, and the pieces between attention
+calls of any other step per token-count bucket.
 
 A decode step of n sequences runs the graph of the smallest bucket >= n. Its inputs
 are one int32 buffer on the device (ids, positions, slots, context lengths, query
@@ -8,8 +9,16 @@ logits into a buffer of its own. Rows past n are padding: slot -1 (the store ker
 writes nothing, so no page is touched) and context length 0 (attention yields zeros).
 Sampling runs after the replay, on the device (cluster/engine/sampler.py).
 
+A step with prefill chunks (or one no decode graph takes) of up to PIECEWISE_MAX_TOKENS
+tokens replays `PiecewiseGraphs`: the model cut at attention (LlamaModel.before_attention
+and after_attention), each piece captured once per token bucket over static buffers, and
+attention run eagerly between the replays, sized by the step's own metadata: one capture
+serves any mix of decodes and chunks (vLLM's piecewise graphs). Padding rows compute on
+stale but finite rows and are never read.
+
 Capture needs a GPU and the triton backend (its kernels take their sizes from these
-buffers, never from the host); elsewhere the runner runs each step eagerly.
+buffers, never from the host; it rotates q and k itself); elsewhere the runner runs each
+step eagerly.
 """
 
 from __future__ import annotations
@@ -26,12 +35,23 @@ from cluster.engine.page_pool import pages_for
 from cluster.engine.step_batch import StepBatch
 
 PADDING_SLOT = -1
+PIECEWISE_MAX_TOKENS = 512  # the widest step whose pieces are captured (vLLM's default)
+
+Replay = Callable[[], None]
+Capture = Callable[[Callable[[], None]], Replay]  # a piece in, what replays it out
 
 
 def bucket_sizes(max_num_seqs: int) -> list[int]:
     """Powers of two below max_num_seqs, then max_num_seqs itself."""
     sizes = [1 << i for i in range(max_num_seqs.bit_length()) if 1 << i < max_num_seqs]
     return [*sizes, max_num_seqs]
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """Powers of two and the points halfway between them (x 1.5) below max_tokens, then
+    max_tokens itself: a step pads at most a third of its rows."""
+    sizes = {b for i in range(max_tokens.bit_length()) for b in (1 << i, 3 << i >> 1)}
+    return [*sorted(b for b in sizes if b < max_tokens), max_tokens]
 
 
 def bucket_for(n: int, buckets: list[int]) -> int | None:
@@ -160,3 +180,104 @@ class DecodeGraphs:
         self.inputs[:read].copy_(self.host[:read], non_blocking=True)
         self.graphs[bucket].replay()
         return self.logits[bucket][: len(ids)]
+
+
+def cuda_capture() -> Capture:
+    """Captures pieces into CUDA graphs sharing one memory pool: each piece leaves its
+    results in buffers allocated outside the pool, so no replay needs another's memory."""
+    pool = torch.cuda.graph_pool_handle()
+
+    def capture(piece: Callable[[], None]) -> Replay:
+        piece()  # compiles its kernels outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            piece()
+        return graph.replay
+
+    return capture
+
+
+class PiecewiseGraphs:
+    """The model's pieces between attention calls, per token bucket; `run` replays them
+    around eager attention. Piece i finishes layer i - 1 from attention's output (piece 0
+    embeds the ids instead) and runs layer i up to its qkv projection (the last piece
+    leaves the final residual and MLP output for the logits)."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        attention: TritonBackend,
+        cache: KVCache,
+        max_tokens: int,
+        device: torch.device,
+        capture: Capture,
+    ) -> None:
+        assert attention.fuses_rope  # the pieces leave q and k unrotated
+        s, dtype = model.spec, model.norm.dtype
+        self.model, self.attention, self.cache = model, attention, cache
+        self.buckets = token_buckets(max_tokens)
+        rows = self.buckets[-1]
+        self.host_ids = torch.zeros(rows, dtype=torch.long, pin_memory=device.type == "cuda")
+        self.ids = torch.zeros(rows, dtype=torch.long, device=device)
+        self.x = torch.zeros(rows, s.hidden_size, dtype=dtype, device=device)  # residual
+        self.mlp = torch.zeros_like(self.x)  # the last layer's MLP output
+        qkv = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+        self.qkv = torch.zeros(rows, qkv, dtype=dtype, device=device)
+        self.a = torch.zeros(rows, s.num_heads * s.head_dim, dtype=dtype, device=device)
+        pieces = range(len(model.layers) + 1)
+        self.replays = {  # largest first: the smaller ones reuse its memory
+            b: [capture(self._piece(i, b)) for i in pieces] for b in reversed(self.buckets)
+        }
+
+    def _piece(self, i: int, b: int) -> Callable[[], None]:
+        m, last = self.model, len(self.model.layers)
+        x, a = self.x[:b], self.a[:b]
+
+        def keep(dst: torch.Tensor, src: torch.Tensor) -> None:
+            if src is not dst:  # on CUDA the fused add writes the residual in place
+                dst.copy_(src)
+
+        def run() -> None:
+            mlp = None
+            if i == 0:
+                x.copy_(m.embed(self.ids[:b]))
+            else:
+                new_x, mlp = m.after_attention(i - 1, x, a)
+                keep(x, new_x)
+            if i < last:
+                new_x, qkv = m.before_attention(i, x, mlp)
+                keep(x, new_x)
+                self.qkv[:b].copy_(qkv)
+            else:
+                assert mlp is not None
+                self.mlp[:b].copy_(mlp)
+
+        return run
+
+    def run(
+        self,
+        ids: list[int],
+        metadata: TritonMetadata,  # the step's, for its own rows (no padding)
+        logits_rows: torch.Tensor,
+        on_layer: Callable[[int], None] | None,
+    ) -> torch.Tensor | None:
+        """Logits of `logits_rows` of a step of len(ids) tokens; None when no bucket holds
+        it. `on_layer(i)` runs once layer i's KV is in the cache, as in model.forward."""
+        n = len(ids)
+        bucket = bucket_for(n, self.buckets)
+        if bucket is None:
+            return None
+        # The previous step's copy has landed: its sampled tokens came back to the host.
+        self.host_ids[:n] = torch.tensor(ids)
+        self.ids[:n].copy_(self.host_ids[:n], non_blocking=True)
+        m, heads = self.model, self.model.spec.num_heads
+        *layers, last = self.replays[bucket]
+        for i, replay in enumerate(layers):
+            replay()
+            qk, v = m.heads(self.qkv[:n])
+            out = self.attention.forward(i, qk[:, :heads], qk[:, heads:], v, self.cache, metadata)
+            self.a[:n].copy_(out.view(n, -1))
+            if on_layer is not None:
+                on_layer(i)
+        last()
+        return m.logits(self.x[:n], self.mlp[:n], logits_rows)

@@ -236,7 +236,13 @@ class LLMEngine:
             self.pool, config.max_num_seqs, config.max_num_batched_tokens, config.chunked_prefill
         )
         self.runner = build_runner(
-            self.model, self.cache, backend, config.max_num_seqs, self.max_model_len, self.device
+            self.model,
+            self.cache,
+            backend,
+            config.max_num_seqs,
+            self.max_model_len,
+            config.max_num_batched_tokens,
+            self.device,
         )
         self._live: dict[RequestId, _Live] = {}
         self._ids = itertools.count()

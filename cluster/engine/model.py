@@ -167,35 +167,58 @@ class LlamaModel:
         on_layer: Callable[[int], None] | None = None,  # after layer i's KV is in the cache
     ) -> torch.Tensor:
         s = self.spec
-        nq, nkv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        norm = (s.hidden_size,)
         # The rows' cos and sin, gathered once a step; the fused kernels read the tables.
         rows = None
         if self.kernels is None and not attention.fuses_rope:
             rows = self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
-        x = self.embed(input_ids)
-        n = x.shape[0]
-        mlp: torch.Tensor | None = None  # the previous layer's MLP output, not yet added
-        for i, layer in enumerate(self.layers):
-            if mlp is None:
-                h = F.rms_norm(x, norm, layer.input_norm, s.rms_norm_eps)
-            else:
-                x, h = self._add_norm(x, mlp, layer.input_norm)
-            qkv = layer.qkv(h)
-            # q and k rotated together: one RoPE over all heads of both (or by attention).
-            qk = qkv[:, : nq + nkv].view(n, -1, s.head_dim)
-            if not attention.fuses_rope:
-                qk = self._rope(qk, positions, rows)
-            q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
-            v = qkv[:, nq + nkv :].view(n, s.num_kv_heads, s.head_dim)
-            a = attention.forward(i, q, k, v, cache, metadata)
+        x, mlp = self.embed(input_ids), None
+        for i in range(len(self.layers)):
+            x, qkv = self.before_attention(i, x, mlp)
+            qk, v = self.heads(qkv)
+            if not attention.fuses_rope:  # else attention rotates q and k as it stores k
+                qk = self._rope(qk, positions, rows)  # q and k together: one RoPE
+            a = attention.forward(i, qk[:, : s.num_heads], qk[:, s.num_heads :], v, cache, metadata)
             if on_layer is not None:
                 on_layer(i)
-            x, h = self._add_norm(x, layer.o(a.reshape(n, nq)), layer.post_norm)
-            mlp = layer.down(self._silu_mul(layer.gate_up(h)))
+            x, mlp = self.after_attention(i, x, a)
         assert mlp is not None
-        x = x[logits_rows] + mlp[logits_rows]
-        x = F.rms_norm(x, norm, self.norm, s.rms_norm_eps)
+        return self.logits(x, mlp, logits_rows)
+
+    # The step cut at attention (cluster/engine/cuda_graphs.py captures the pieces between).
+
+    def before_attention(
+        self, i: int, x: torch.Tensor, mlp: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i up to attention: (the residual, with the previous layer's MLP output
+        added (none before layer 0), and the qkv projection of its RMSNorm)."""
+        layer = self.layers[i]
+        if mlp is None:
+            h = F.rms_norm(x, (self.spec.hidden_size,), layer.input_norm, self.spec.rms_norm_eps)
+        else:
+            x, h = self._add_norm(x, mlp, layer.input_norm)
+        return x, layer.qkv(h)
+
+    def heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the qkv projection: q's and k's heads side by side [n, heads +
+        kv_heads, head_dim], v's [n, kv_heads, head_dim]."""
+        s, n = self.spec, qkv.shape[0]
+        split = (s.num_heads + s.num_kv_heads) * s.head_dim
+        return qkv[:, :split].view(n, -1, s.head_dim), qkv[:, split:].view(n, -1, s.head_dim)
+
+    def after_attention(
+        self, i: int, x: torch.Tensor, a: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i from attention's output a: (the residual with the output projection
+        added, the MLP of its RMSNorm, not yet added)."""
+        layer = self.layers[i]
+        x, h = self._add_norm(x, layer.o(a.reshape(a.shape[0], -1)), layer.post_norm)
+        return x, layer.down(self._silu_mul(layer.gate_up(h)))
+
+    def logits(self, x: torch.Tensor, mlp: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Float32 next-token logits of the given rows, from the last layer's residual and
+        MLP output."""
+        x = x[rows] + mlp[rows]
+        x = F.rms_norm(x, (self.spec.hidden_size,), self.norm, self.spec.rms_norm_eps)
         return self.lm_head(x).float()
 
     def _add_norm(

@@ -3,7 +3,9 @@
 Only sequences whose last token's KV is computed in this step get a logits row:
 every decode, and a prefill chunk that finishes its sequence's uncomputed tokens; after
 those rows, the prompt positions whose logprobs a request asked for (`prompt_rows`).
-A decode-only step replays a captured CUDA graph when the engine has them.
+A decode-only step replays a captured CUDA graph when the engine has them; any other step
+of up to PIECEWISE_MAX_TOKENS tokens replays the graphs of the model's pieces between
+attention calls (cluster/engine/cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from cluster.engine.sequence import Sequence
 from cluster.engine.step_batch import StepBatch
 
 if TYPE_CHECKING:  # it imports triton, which a CPU-only install may lack
-    from cluster.engine.cuda_graphs import DecodeGraphs
+    from cluster.engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,7 @@ class ModelRunner:
         device: torch.device,
         max_model_len: int,
         graphs: DecodeGraphs | None = None,
+        pieces: PiecewiseGraphs | None = None,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -97,6 +100,7 @@ class ModelRunner:
         self.device = device
         self.tables = BlockTables(pages_for(max_model_len, cache.layout.page_size))
         self.graphs = graphs
+        self.pieces = pieces
 
     def run(
         self, step: Step, on_layer: Callable[[int], None] | None = None
@@ -111,20 +115,27 @@ class ModelRunner:
             if logits is not None:
                 rows = inputs.logits_rows
                 return inputs.sampled, logits if len(rows) == len(logits) else logits[rows]
+        metadata = self.attention.prepare(inputs.batch)
+        wanted = torch.tensor(inputs.logits_rows, dtype=torch.long).to(self.device)
+        if self.pieces is not None:
+            logits = self.pieces.run(inputs.ids, metadata, wanted, on_layer)
+            if logits is not None:
+                return inputs.sampled, logits
         logits = self.model.forward(
             torch.tensor(inputs.ids, dtype=torch.long).to(self.device),
             inputs.batch.positions.to(self.device),
             self.attention,
-            self.attention.prepare(inputs.batch),
+            metadata,
             self.cache,
-            torch.tensor(inputs.logits_rows, dtype=torch.long).to(self.device),
+            wanted,
             on_layer,
         )
         return inputs.sampled, logits
 
 
 def captures_graphs(backend: str, device: torch.device) -> bool:
-    """Whether a runner on `backend` replays CUDA graphs for its decode steps."""
+    """Whether a runner on `backend` replays CUDA graphs (decode steps, and the pieces of
+    the others)."""
     return backend == "triton" and device.type == "cuda"
 
 
@@ -141,7 +152,9 @@ def workspace_bytes(
     output, the MLP's gate, up and their product), float32 logits of max_num_seqs rows
     and the sampler's probabilities, and the backend's scratch (Triton's split-K
     partials, FlashInfer's workspace). CUDA graphs hold their own copy for their largest
-    bucket, in a pool no eager step reuses."""
+    bucket, in a pool no eager step reuses; the piecewise graphs their static buffers and
+    their pool's temporaries, a row's activations each, for PIECEWISE_MAX_TOKENS rows at
+    most."""
     per_row = (
         2 * spec.hidden_size
         + (2 * spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
@@ -158,8 +171,12 @@ def workspace_bytes(
 
         scratch = WORKSPACE_BYTES
     eager = max(max_num_batched_tokens, max_num_seqs) * per_row + logits + scratch
-    graphs = max_num_seqs * per_row + logits + scratch
-    return eager + (graphs if captures_graphs(backend, device) else 0)
+    if not captures_graphs(backend, device):
+        return eager
+    from cluster.engine.cuda_graphs import PIECEWISE_MAX_TOKENS
+
+    pieces = 2 * min(PIECEWISE_MAX_TOKENS, max_num_batched_tokens) * per_row
+    return eager + max_num_seqs * per_row + logits + scratch + pieces
 
 
 def build_runner(
@@ -168,16 +185,25 @@ def build_runner(
     backend: str,  # resolve_backend's answer
     max_num_seqs: int,
     max_model_len: int,
+    max_num_batched_tokens: int,
     device: torch.device,
 ) -> ModelRunner:
-    """A runner on `backend`; with triton on CUDA its decode steps are CUDA graphs."""
+    """A runner on `backend`; with triton on CUDA its steps replay CUDA graphs."""
     rope = (model.cos, model.signed_sin)
     attention = make_backend(backend, cache.layout, model.spec.num_heads, device, rope)
-    graphs = None
-    if captures_graphs(backend, device):
-        from cluster.engine.attention_triton import TritonBackend
-        from cluster.engine.cuda_graphs import DecodeGraphs
+    if not captures_graphs(backend, device):
+        return ModelRunner(model, cache, attention, device, max_model_len)
+    from cluster.engine.attention_triton import TritonBackend
+    from cluster.engine.cuda_graphs import (
+        PIECEWISE_MAX_TOKENS,
+        DecodeGraphs,
+        PiecewiseGraphs,
+        cuda_capture,
+    )
 
-        assert isinstance(attention, TritonBackend)
-        graphs = DecodeGraphs(model, attention, cache, max_num_seqs, max_model_len, device)
-    return ModelRunner(model, cache, attention, device, max_model_len, graphs)
+    assert isinstance(attention, TritonBackend)
+    graphs = DecodeGraphs(model, attention, cache, max_num_seqs, max_model_len, device)
+    tokens = min(PIECEWISE_MAX_TOKENS, max_num_batched_tokens)
+    pieces = PiecewiseGraphs(model, attention, cache, tokens, device, cuda_capture())
+    torch.cuda.synchronize(device)
+    return ModelRunner(model, cache, attention, device, max_model_len, graphs, pieces)

@@ -148,7 +148,9 @@ class Rig:
         pages = max(max_seqs * pages_for(decode_len, PAGE), pages_for(sizes.prefill, PAGE))
         self.cache = KVCache(self.layout, pages, device)
         backend = resolve_backend("auto", device, "bfloat16") if device.type == "cuda" else "triton"
-        self.runner = build_runner(self.model, self.cache, backend, max_seqs, decode_len, device)
+        self.runner = build_runner(
+            self.model, self.cache, backend, max_seqs, decode_len, sizes.prefill, device
+        )
 
     def sequences(self, batch: int, context: int) -> list[Any]:
         """`batch` sequences whose next token is at position context - 1, on pages of their own."""

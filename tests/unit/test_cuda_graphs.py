@@ -1,7 +1,10 @@
-"""CUDA-graph decode on the CPU: which bucket a batch runs in, how a step is padded into
-the static buffer, and that padding rows run through the kernels without touching a page."""
+"""CUDA graphs' logic on the CPU: which bucket a batch runs in, how a step is padded into
+the static buffer, that padding rows run through the kernels without touching a page, and
+that the piecewise graphs' pieces around eager attention compute the model's step."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -11,10 +14,13 @@ pytest.importorskip("triton")
 from cluster.engine.attention_triton import MAX_SPLITS, TritonBackend, TritonMetadata, decode_splits
 from cluster.engine.cuda_graphs import (
     PADDING_SLOT,
+    PiecewiseGraphs,
     Segments,
     bucket_for,
     bucket_sizes,
+    cuda_capture,
     fill,
+    token_buckets,
 )
 from cluster.engine.kv_cache import KVCache, KVLayout
 from cluster.engine.step_batch import StepBatch
@@ -109,3 +115,117 @@ def test_padding_rows_write_no_page_and_attend_to_nothing(kernel_device: torch.d
     assert torch.equal(cache.v[0].flatten(0, 1)[untouched], before_v[0].flatten(0, 1)[untouched])
     assert not out[2:].any()  # padding rows attend to nothing
     assert out[:2].abs().sum() > 0
+
+
+def test_token_buckets_pad_a_step_by_at_most_a_third() -> None:
+    assert token_buckets(512) == [
+        1,
+        2,
+        3,
+        4,
+        6,
+        8,
+        12,
+        16,
+        24,
+        32,
+        48,
+        64,
+        96,
+        128,
+        192,
+        256,
+        384,
+        512,
+    ]
+    assert token_buckets(100) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 100]
+    assert token_buckets(1) == [1]
+    buckets = token_buckets(512)
+    assert all(bucket_for(n, buckets) <= 1.5 * n for n in range(1, 513))
+
+
+def _mixed_step() -> tuple[StepBatch, list[int], list[int]]:
+    """Two decodes (contexts 20 and 33) and a 5-token chunk at positions 16-20 of a prompt
+    whose first 16 tokens are cached: 7 rows; logits of the decodes and the chunk's last."""
+    tables = [[3, 7, 0], [5, 1, 2], [9, 4, 0]]
+    lens, starts = [20, 33, 21], [0, 1, 2, 7]
+    positions = torch.tensor([19, 32, 16, 17, 18, 19, 20])
+    owner = torch.tensor([0, 1, 2, 2, 2, 2, 2])
+    table = torch.tensor(tables)
+    slots = table[owner, positions // 16] * 16 + positions % 16
+    ids = torch.randint(0, 512, (7,), generator=torch.Generator().manual_seed(5)).tolist()
+    return StepBatch(2, starts, lens, table, slots, positions), ids, [0, 1, 6]
+
+
+@pytest.mark.parametrize(
+    "graphs",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+        ),
+    ],
+)
+def test_piecewise_pieces_around_eager_attention_give_the_model_steps_logits_and_kv(
+    graphs: bool, kernel_device: torch.device
+) -> None:
+    """A tiny random model in float32, the triton backend (interpreted here): a mixed step
+    of 7 tokens run as the pieces of the 8-token bucket (one padding row) around attention,
+    then a decode step of 2 in the same buffers, against LlamaModel.forward on a copy of
+    the cache: the same logits, the same KV written, on_layer after each layer. The pieces
+    run as they are, and on a GPU also captured in CUDA graphs and replayed."""
+    from cluster.engine.model import LlamaModel
+    from splitserve.bench.gpu import random_weights, spec_of
+
+    torch.manual_seed(0)
+    spec = spec_of("tiny")
+    model = LlamaModel(
+        spec, random_weights(spec, torch.float32, kernel_device), torch.float32, kernel_device
+    )
+    rope = (model.cos, model.signed_sin)
+    layout = KVLayout.of(spec, 16, torch.float32)
+    eager_cache = KVCache(layout, num_pages=12, device=kernel_device)
+    eager_cache.k.normal_()
+    eager_cache.v.normal_()
+    cache = KVCache(layout, num_pages=12, device=kernel_device)
+    cache.k.copy_(eager_cache.k)
+    cache.v.copy_(eager_cache.v)
+    captured: list[object] = []
+    replay = cuda_capture() if graphs else lambda piece: piece
+
+    def capture(piece: Callable[[], None]) -> Callable[[], None]:
+        captured.append(piece)
+        return replay(piece)
+
+    backend = TritonBackend(kernel_device, spec.num_kv_heads, rope, block=16)
+    pieces = PiecewiseGraphs(model, backend, cache, 8, kernel_device, capture)
+    assert len(captured) == len(token_buckets(8)) * (spec.num_layers + 1)
+    eager = TritonBackend(kernel_device, spec.num_kv_heads, rope, block=16)
+    mixed, ids, rows = _mixed_step()
+    decode = StepBatch(
+        2,
+        [0, 1, 2],
+        [21, 34],
+        mixed.page_table[:2],
+        torch.tensor([7 * 16 + 4, 2 * 16 + 1]),
+        torch.tensor([20, 33]),
+    )
+    for batch, step_ids, step_rows in ((mixed, ids, rows), (decode, [7, 9], [0, 1])):
+        wanted = torch.tensor(step_rows, device=kernel_device)
+        want = model.forward(
+            torch.tensor(step_ids, device=kernel_device),
+            batch.positions.to(kernel_device),
+            eager,
+            eager.prepare(batch),
+            eager_cache,
+            wanted,
+        )
+        layers: list[int] = []
+        got = pieces.run(step_ids, backend.prepare(batch), wanted, layers.append)
+        assert got is not None and got.shape == (len(step_rows), spec.vocab_size)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert layers == list(range(spec.num_layers))
+        torch.testing.assert_close(cache.k, eager_cache.k, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(cache.v, eager_cache.v, atol=1e-5, rtol=1e-5)
+    assert pieces.run(list(range(9)), backend.prepare(mixed), wanted, None) is None  # 9 > 8

@@ -16,18 +16,21 @@ attention run eagerly between the replays, sized by the step's own metadata: one
 serves any mix of decodes and chunks (vLLM's piecewise graphs). Padding rows compute on
 stale but finite rows and are never read.
 
-Capture needs a GPU and the triton backend (its kernels take their sizes from these
-buffers, never from the host; it rotates q and k itself); elsewhere the runner runs each
-step eagerly.
+Capture needs a GPU. Decode graphs need the triton backend (its kernels take their sizes
+from these buffers, never from the host); the pieces take any backend (FlashInfer's
+steps replay them too), and rotate q and k themselves when the backend does not.
+Without a GPU the runner runs each step eagerly.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from cluster.engine.attention import AttentionBackend
 from cluster.engine.attention_triton import TritonBackend, TritonMetadata
 from cluster.engine.kv_cache import KVCache
 from cluster.engine.model import LlamaModel
@@ -200,25 +203,26 @@ def cuda_capture() -> Capture:
 class PiecewiseGraphs:
     """The model's pieces between attention calls, per token bucket; `run` replays them
     around eager attention. Piece i finishes layer i - 1 from attention's output (piece 0
-    embeds the ids instead) and runs layer i up to its qkv projection (the last piece
-    leaves the final residual and MLP output for the logits)."""
+    embeds the ids instead) and runs layer i up to its qkv projection, and RoPE unless the
+    attention backend rotates q and k itself (the last piece leaves the final residual and
+    MLP output for the logits)."""
 
     def __init__(
         self,
         model: LlamaModel,
-        attention: TritonBackend,
+        attention: AttentionBackend,
         cache: KVCache,
         max_tokens: int,
         device: torch.device,
         capture: Capture,
     ) -> None:
-        assert attention.fuses_rope  # the pieces leave q and k unrotated
         s, dtype = model.spec, model.norm.dtype
         self.model, self.attention, self.cache = model, attention, cache
         self.buckets = token_buckets(max_tokens)
         rows = self.buckets[-1]
-        self.host_ids = torch.zeros(rows, dtype=torch.long, pin_memory=device.type == "cuda")
-        self.ids = torch.zeros(rows, dtype=torch.long, device=device)
+        # The step's token ids and positions: one copy to the device a step.
+        self.host = torch.zeros(2, rows, dtype=torch.long, pin_memory=device.type == "cuda")
+        self.inputs = torch.zeros(2, rows, dtype=torch.long, device=device)
         self.x = torch.zeros(rows, s.hidden_size, dtype=dtype, device=device)  # residual
         self.mlp = torch.zeros_like(self.x)  # the last layer's MLP output
         qkv = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
@@ -239,8 +243,9 @@ class PiecewiseGraphs:
 
         def run() -> None:
             mlp = None
+            ids, positions = self.inputs[:, :b]
             if i == 0:
-                x.copy_(m.embed(self.ids[:b]))
+                x.copy_(m.embed(ids))
             else:
                 new_x, mlp = m.after_attention(i - 1, x, a)
                 keep(x, new_x)
@@ -248,6 +253,9 @@ class PiecewiseGraphs:
                 new_x, qkv = m.before_attention(i, x, mlp)
                 keep(x, new_x)
                 self.qkv[:b].copy_(qkv)
+                if not self.attention.fuses_rope:
+                    qk, _ = m.heads(self.qkv[:b])
+                    keep(qk, m.rope(qk, positions, m.rope_rows(positions)))
             else:
                 assert mlp is not None
                 self.mlp[:b].copy_(mlp)
@@ -256,8 +264,9 @@ class PiecewiseGraphs:
 
     def run(
         self,
+        batch: StepBatch,
         ids: list[int],
-        metadata: TritonMetadata,  # the step's, for its own rows (no padding)
+        metadata: Any,  # attention.prepare(batch)
         logits_rows: torch.Tensor,
         on_layer: Callable[[int], None] | None,
     ) -> torch.Tensor | None:
@@ -268,8 +277,9 @@ class PiecewiseGraphs:
         if bucket is None:
             return None
         # The previous step's copy has landed: its sampled tokens came back to the host.
-        self.host_ids[:n] = torch.tensor(ids)
-        self.ids[:n].copy_(self.host_ids[:n], non_blocking=True)
+        self.host[0, :n] = torch.tensor(ids)
+        self.host[1, :n] = batch.positions
+        self.inputs.copy_(self.host, non_blocking=True)  # 16 bytes a row: all of it
         m, heads = self.model, self.model.spec.num_heads
         *layers, last = self.replays[bucket]
         for i, replay in enumerate(layers):

@@ -167,16 +167,13 @@ class LlamaModel:
         on_layer: Callable[[int], None] | None = None,  # after layer i's KV is in the cache
     ) -> torch.Tensor:
         s = self.spec
-        # The rows' cos and sin, gathered once a step; the fused kernels read the tables.
-        rows = None
-        if self.kernels is None and not attention.fuses_rope:
-            rows = self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
+        rows = None if attention.fuses_rope else self.rope_rows(positions)
         x, mlp = self.embed(input_ids), None
         for i in range(len(self.layers)):
             x, qkv = self.before_attention(i, x, mlp)
             qk, v = self.heads(qkv)
             if not attention.fuses_rope:  # else attention rotates q and k as it stores k
-                qk = self._rope(qk, positions, rows)  # q and k together: one RoPE
+                qk = self.rope(qk, positions, rows)  # q and k together: one RoPE
             a = attention.forward(i, qk[:, : s.num_heads], qk[:, s.num_heads :], v, cache, metadata)
             if on_layer is not None:
                 on_layer(i)
@@ -230,7 +227,14 @@ class LlamaModel:
         x = x + delta
         return x, F.rms_norm(x, (self.spec.hidden_size,), weight, self.spec.rms_norm_eps)
 
-    def _rope(
+    def rope_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The rows' cos and signed sin for `rope`, gathered once a step; None on CUDA, where
+        the fused kernel reads the tables by position."""
+        if self.kernels is not None:
+            return None
+        return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
+
+    def rope(
         self,
         qk: torch.Tensor,
         positions: torch.Tensor,

@@ -118,7 +118,7 @@ class ModelRunner:
         metadata = self.attention.prepare(inputs.batch)
         wanted = torch.tensor(inputs.logits_rows, dtype=torch.long).to(self.device)
         if self.pieces is not None:
-            logits = self.pieces.run(inputs.ids, metadata, wanted, on_layer)
+            logits = self.pieces.run(inputs.batch, inputs.ids, metadata, wanted, on_layer)
             if logits is not None:
                 return inputs.sampled, logits
         logits = self.model.forward(
@@ -133,10 +133,12 @@ class ModelRunner:
         return inputs.sampled, logits
 
 
-def captures_graphs(backend: str, device: torch.device) -> bool:
-    """Whether a runner on `backend` replays CUDA graphs (decode steps, and the pieces of
-    the others)."""
-    return backend == "triton" and device.type == "cuda"
+def graph_kinds(backend: str, device: torch.device) -> tuple[bool, bool]:
+    """(whole decode steps, pieces between attention calls): the CUDA graphs a runner on
+    `backend` replays. Decode graphs need the triton backend (its kernels take their sizes
+    from device buffers); pieces run with any backend on CUDA (attention stays eager)."""
+    cuda = device.type == "cuda"
+    return cuda and backend == "triton", cuda
 
 
 def workspace_bytes(
@@ -151,7 +153,7 @@ def workspace_bytes(
     activations of max_num_batched_tokens rows (residual and its norm, q/k/v, attention's
     output, the MLP's gate, up and their product), float32 logits of max_num_seqs rows
     and the sampler's probabilities, and the backend's scratch (Triton's split-K
-    partials, FlashInfer's workspace). CUDA graphs hold their own copy for their largest
+    partials, FlashInfer's workspace). Decode graphs hold their own copy for their largest
     bucket, in a pool no eager step reuses; the piecewise graphs their static buffers and
     their pool's temporaries, a row's activations each, for PIECEWISE_MAX_TOKENS rows at
     most."""
@@ -171,12 +173,13 @@ def workspace_bytes(
 
         scratch = WORKSPACE_BYTES
     eager = max(max_num_batched_tokens, max_num_seqs) * per_row + logits + scratch
-    if not captures_graphs(backend, device):
-        return eager
-    from cluster.engine.cuda_graphs import PIECEWISE_MAX_TOKENS
+    decode_graphs, pieces = graph_kinds(backend, device)
+    total = eager + (max_num_seqs * per_row + logits + scratch if decode_graphs else 0)
+    if pieces:
+        from cluster.engine.cuda_graphs import PIECEWISE_MAX_TOKENS
 
-    pieces = 2 * min(PIECEWISE_MAX_TOKENS, max_num_batched_tokens) * per_row
-    return eager + max_num_seqs * per_row + logits + scratch + pieces
+        total += 2 * min(PIECEWISE_MAX_TOKENS, max_num_batched_tokens) * per_row
+    return total
 
 
 def build_runner(
@@ -188,10 +191,11 @@ def build_runner(
     max_num_batched_tokens: int,
     device: torch.device,
 ) -> ModelRunner:
-    """A runner on `backend`; with triton on CUDA its steps replay CUDA graphs."""
+    """A runner on `backend`; on CUDA its steps replay CUDA graphs (`graph_kinds`)."""
     rope = (model.cos, model.signed_sin)
     attention = make_backend(backend, cache.layout, model.spec.num_heads, device, rope)
-    if not captures_graphs(backend, device):
+    decode_graphs, pieces = graph_kinds(backend, device)
+    if not pieces:
         return ModelRunner(model, cache, attention, device, max_model_len)
     from cluster.engine.attention_triton import TritonBackend
     from cluster.engine.cuda_graphs import (
@@ -201,9 +205,11 @@ def build_runner(
         cuda_capture,
     )
 
-    assert isinstance(attention, TritonBackend)
-    graphs = DecodeGraphs(model, attention, cache, max_num_seqs, max_model_len, device)
+    graphs = None
+    if decode_graphs:
+        assert isinstance(attention, TritonBackend)
+        graphs = DecodeGraphs(model, attention, cache, max_num_seqs, max_model_len, device)
     tokens = min(PIECEWISE_MAX_TOKENS, max_num_batched_tokens)
-    pieces = PiecewiseGraphs(model, attention, cache, tokens, device, cuda_capture())
+    replays = PiecewiseGraphs(model, attention, cache, tokens, device, cuda_capture())
     torch.cuda.synchronize(device)
-    return ModelRunner(model, cache, attention, device, max_model_len, graphs, pieces)
+    return ModelRunner(model, cache, attention, device, max_model_len, graphs, replays)

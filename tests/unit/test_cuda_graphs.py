@@ -158,37 +158,41 @@ def _mixed_step() -> tuple[StepBatch, list[int], list[int]]:
 
 
 @pytest.mark.parametrize(
-    "graphs",
+    ("backend", "graphs"),
     [
-        False,
+        ("triton", False),
+        ("cpu", False),
         pytest.param(
+            "triton",
             True,
             marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
         ),
     ],
 )
 def test_piecewise_pieces_around_eager_attention_give_the_model_steps_logits_and_kv(
-    graphs: bool, kernel_device: torch.device
+    backend: str, graphs: bool, kernel_device: torch.device
 ) -> None:
-    """A tiny random model in float32, the triton backend (interpreted here): a mixed step
-    of 7 tokens run as the pieces of the 8-token bucket (one padding row) around attention,
-    then a decode step of 2 in the same buffers, against LlamaModel.forward on a copy of
-    the cache: the same logits, the same KV written, on_layer after each layer. The pieces
-    run as they are, and on a GPU also captured in CUDA graphs and replayed."""
+    """A tiny random model in float32: a mixed step of 7 tokens run as the pieces of the
+    8-token bucket (one padding row) around attention, then a decode step of 2 in the same
+    buffers, against LlamaModel.forward on a copy of the cache: the same logits, the same
+    KV written, on_layer after each layer. Triton (interpreted here) rotates q and k in
+    its store; with the cpu backend (FlashInfer's case: a backend that does not) the
+    pieces rotate them. The pieces run as they are, and on a GPU also captured in CUDA
+    graphs and replayed."""
+    from cluster.engine.attention import make_backend
     from cluster.engine.model import LlamaModel
     from splitserve.bench.gpu import random_weights, spec_of
 
+    device = kernel_device if backend == "triton" else torch.device("cpu")
     torch.manual_seed(0)
     spec = spec_of("tiny")
-    model = LlamaModel(
-        spec, random_weights(spec, torch.float32, kernel_device), torch.float32, kernel_device
-    )
+    model = LlamaModel(spec, random_weights(spec, torch.float32, device), torch.float32, device)
     rope = (model.cos, model.signed_sin)
     layout = KVLayout.of(spec, 16, torch.float32)
-    eager_cache = KVCache(layout, num_pages=12, device=kernel_device)
+    eager_cache = KVCache(layout, num_pages=12, device=device)
     eager_cache.k.normal_()
     eager_cache.v.normal_()
-    cache = KVCache(layout, num_pages=12, device=kernel_device)
+    cache = KVCache(layout, num_pages=12, device=device)
     cache.k.copy_(eager_cache.k)
     cache.v.copy_(eager_cache.v)
     captured: list[object] = []
@@ -198,10 +202,11 @@ def test_piecewise_pieces_around_eager_attention_give_the_model_steps_logits_and
         captured.append(piece)
         return replay(piece)
 
-    backend = TritonBackend(kernel_device, spec.num_kv_heads, rope, block=16)
-    pieces = PiecewiseGraphs(model, backend, cache, 8, kernel_device, capture)
+    attention = make_backend(backend, layout, spec.num_heads, device, rope)
+    assert attention.fuses_rope == (backend == "triton")
+    pieces = PiecewiseGraphs(model, attention, cache, 8, device, capture)
     assert len(captured) == len(token_buckets(8)) * (spec.num_layers + 1)
-    eager = TritonBackend(kernel_device, spec.num_kv_heads, rope, block=16)
+    eager = make_backend(backend, layout, spec.num_heads, device, rope)
     mixed, ids, rows = _mixed_step()
     decode = StepBatch(
         2,
@@ -212,20 +217,21 @@ def test_piecewise_pieces_around_eager_attention_give_the_model_steps_logits_and
         torch.tensor([20, 33]),
     )
     for batch, step_ids, step_rows in ((mixed, ids, rows), (decode, [7, 9], [0, 1])):
-        wanted = torch.tensor(step_rows, device=kernel_device)
+        wanted = torch.tensor(step_rows, device=device)
         want = model.forward(
-            torch.tensor(step_ids, device=kernel_device),
-            batch.positions.to(kernel_device),
+            torch.tensor(step_ids, device=device),
+            batch.positions.to(device),
             eager,
             eager.prepare(batch),
             eager_cache,
             wanted,
         )
         layers: list[int] = []
-        got = pieces.run(step_ids, backend.prepare(batch), wanted, layers.append)
+        got = pieces.run(batch, step_ids, attention.prepare(batch), wanted, layers.append)
         assert got is not None and got.shape == (len(step_rows), spec.vocab_size)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         assert layers == list(range(spec.num_layers))
         torch.testing.assert_close(cache.k, eager_cache.k, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(cache.v, eager_cache.v, atol=1e-5, rtol=1e-5)
-    assert pieces.run(list(range(9)), backend.prepare(mixed), wanted, None) is None  # 9 > 8
+    nine = list(range(9))
+    assert pieces.run(mixed, nine, attention.prepare(mixed), wanted, None) is None  # 9 > 8

@@ -82,6 +82,9 @@ def test_the_workspace_counts_split_k_partials_and_a_second_copy_for_cuda_graphs
     graphs = 256 * row + logits + partials + 2 * 512 * row  # 0.031 + 0.263 + 0.136 + 0.126 GB
     assert workspace_bytes(llama, 2, "triton", cuda, 256, 8192) == eager + graphs
     assert workspace_bytes(llama, 2, "cpu", cpu, 256, 8192) == 8192 * row + logits
+    # FlashInfer replays the pieces only: its 128 MiB workspace and their buffers.
+    flashinfer = 8192 * row + logits + 128 * 2**20 + 2 * 512 * row
+    assert workspace_bytes(llama, 2, "flashinfer", cuda, 256, 8192) == flashinfer
     # ... and the fit check counts it: 2.0 GB less room for KV than without it.
     h100 = DeviceMemory("H100", 80 * 10**9, 80 * 10**9)
     kv = 72 * 10**9 - LLAMA_8B_BF16 - eager - graphs + 10**8  # 0.1 GB too much

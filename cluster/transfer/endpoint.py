@@ -72,7 +72,7 @@ class KVEndpoint:
         ConfigError naming the field if this host has not got them. Without a progress
         thread, UCX moves only inside `finished`, `notices` and the posting calls: the owner
         must call one of them regularly (workers do every tick)."""
-        from nixl._api import nixl_agent, nixl_agent_config
+        from nixl_cu12._api import nixl_agent, nixl_agent_config
 
         self.name = name
         self.cache = cache

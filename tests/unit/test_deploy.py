@@ -148,10 +148,10 @@ def test_the_images_pin_torch_and_nixl_as_setup_and_pyproject_do(target: str) ->
     wanted = {Requirement(r).name: Requirement(r).specifier for r in project["dependencies"]}
     torch = _pin(_dockerfile(target), "torch")
     assert torch == _pin(setup, "torch") and torch in wanted["torch"]
-    # nixl comes with the package (pip install .), pinned where 1.5.2 cannot be picked
+    # nixl comes with the package (pip install .): its CUDA 12 build alone, pinned
     assert "RUN pip install --no-cache-dir ." in _dockerfile(target)
     assert "nixl" not in re.sub(r"#.*", "", _dockerfile(target))
-    assert str(wanted["nixl"]) == "==1.5.1"
+    assert str(wanted["nixl-cu12"]) == "==1.5.1" and "nixl" not in wanted
 
 
 def test_the_model_is_in_the_cpu_image_and_mounted_on_every_cuda_pod() -> None:

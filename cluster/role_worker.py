@@ -5,18 +5,23 @@ cache. Their engine thread, and how results come back from it, is cluster/worker
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 import ray
+from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_get, _internal_kv_put
 
 from cluster.actor_options import actor_options
 from cluster.config import EngineConfig, TransferConfig
+from cluster.engine.checkpoint import Progress
 from cluster.engine.engine import LLMEngine
 from cluster.transfer.endpoint import KVEndpoint
 from cluster.transfer.wire import compat_hash
 
 H = TypeVar("H")
+LOADING = "splitserve-loading"  # the namespace of Ray's key-value store the reports go to
 
 
 def spawn(
@@ -48,3 +53,32 @@ def endpoint(name: str, engine: LLMEngine, transfer: TransferConfig) -> KVEndpoi
         transfer.ucx_transports,
         transfer.progress_thread,
     )
+
+
+def load_reporter(name: str, clock: Callable[[], float] = time.monotonic) -> Progress:
+    """How worker `name`'s engine reports its weights' loading while its actor is still
+    being built (no actor method can answer then): tensors read and in all, into Ray's
+    key-value store, at most ten times a second and always the last; `loaded` reads it."""
+    last = -math.inf
+
+    def report(done: int, total: int) -> None:
+        nonlocal last
+        if done < total and clock() - last < 0.1:
+            return
+        last = clock()
+        _internal_kv_put(name, f"{done}/{total}", namespace=LOADING)
+
+    return report
+
+
+def loaded(name: str) -> tuple[int, int] | None:
+    """(tensors read, in all) as worker `name` last reported; None before its first report."""
+    raw = _internal_kv_get(name, namespace=LOADING)
+    if not raw:
+        return None
+    done, total = raw.decode().split("/")
+    return int(done), int(total)
+
+
+def forget_load(name: str) -> None:
+    _internal_kv_del(name, namespace=LOADING)

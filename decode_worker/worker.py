@@ -64,7 +64,8 @@ class _Admitting:
 class DecodeWorker:
     def __init__(self, name: str, engine: EngineConfig, transfer: TransferConfig) -> None:
         self._loop = WorkerLoop(name=f"{name}-engine")
-        self.engine = self._loop.call_blocking(lambda: LLMEngine(engine), None)
+        report = role_worker.load_reporter(name)
+        self.engine = self._loop.call_blocking(lambda: LLMEngine(engine, report), None)
         self.epoch = uuid.uuid4().hex[:12]
         self.transfer = transfer
         self.endpoint = role_worker.endpoint(name, self.engine, transfer)

@@ -49,7 +49,8 @@ log = logging.getLogger(__name__)
 class PrefillWorker:
     def __init__(self, name: str, engine: EngineConfig, transfer: TransferConfig) -> None:
         self._loop = WorkerLoop(name=f"{name}-engine")
-        self.engine = self._loop.call_blocking(lambda: LLMEngine(engine), None)
+        report = role_worker.load_reporter(name)
+        self.engine = self._loop.call_blocking(lambda: LLMEngine(engine, report), None)
         self.epoch = uuid.uuid4().hex[:12]
         self.endpoint = role_worker.endpoint(name, self.engine, transfer)
         self.sender = KVSender(

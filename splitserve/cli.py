@@ -10,6 +10,7 @@ import os
 import sys
 import uuid
 from collections.abc import Sequence
+from functools import partial
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -51,7 +52,10 @@ def _generate(args: argparse.Namespace) -> int:
         "kv_cache_gb": args.kv_cache_gb,
     }
     fields = {**vars(base), **{k: v for k, v in overrides.items() if v is not None}}
-    engine = LLMEngine(engine_config_from_dict(fields))
+    from splitserve.load_bars import BARS
+
+    engine = LLMEngine(engine_config_from_dict(fields), partial(BARS.update, "model"))
+    BARS.finish("model")
     prompt = args.prompt
     if args.chat:
         prompt = engine.tokenizer.encode_chat([{"role": "user", "content": prompt}])

@@ -26,11 +26,14 @@ import ray
 from ray.actor import ActorHandle
 from ray.exceptions import RayActorError
 
+from cluster import role_worker
 from cluster.config import EngineConfig, PoolConfig, TransferConfig
 from cluster.protocol import DecodeHandle, PrefillHandle
+from cluster.types import ModelInfo
 from decode_worker.worker import spawn as spawn_decode
 from prefill_worker.worker import spawn as spawn_prefill
 from router.workers import WorkerRegistry
+from splitserve.load_bars import BARS
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +145,7 @@ class WorkerPool(Generic[H]):
         timeout_s = self.config.scaling.start_timeout_s
         started = time.monotonic()
         try:
-            info = await asyncio.wait_for(handle.info.remote(), timeout_s)
+            info = await asyncio.wait_for(self._loading(name, handle), timeout_s)
         except BaseException as e:
             _kill(handle)
             if isinstance(e, TimeoutError):
@@ -151,6 +154,9 @@ class WorkerPool(Generic[H]):
                     f"have {self.config.resources or 'the CPUs/GPUs it asks for'}?)"
                 ) from None
             raise
+        finally:
+            BARS.finish(name)
+            role_worker.forget_load(name)
         stats = await handle.stats.remote()
         tokens = stats.num_pages * info.page_size
         log.info(
@@ -164,6 +170,18 @@ class WorkerPool(Generic[H]):
             tokens,
             tokens // info.max_model_len,
         )
+
+    async def _loading(self, name: str, handle: H) -> ModelInfo:
+        """The worker's model info, once it has built its engine; meanwhile its weights'
+        loading goes to the terminal's bars, four times a second."""
+        info = asyncio.ensure_future(handle.info.remote())
+        try:
+            while not (await asyncio.wait([info], timeout=0.25))[0]:
+                if (read := role_worker.loaded(name)) is not None:
+                    BARS.update(name, *read)
+        finally:
+            info.cancel()  # a timeout's: the worker is killed next
+        return info.result()
 
     async def _idle(self, registry: WorkerRegistry, name: str, handle: H, timeout_s: float) -> bool:
         """Wait until nothing is in flight on the worker; False if timeout_s passed first."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import math
-import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -33,6 +33,7 @@ HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"
 GGUF_ARCHITECTURES = ("llama", "qwen2")
 ROPE_TYPES = ("default", "linear", "llama3")
 CPU = torch.device("cpu")
+Progress = Callable[[int, int], None]  # (tensors read, tensors in all), after each one
 
 
 @dataclass(frozen=True)
@@ -89,8 +90,10 @@ def load_checkpoint(
     keep_blocks: bool = False,
     dtype: torch.dtype = torch.float32,
     device: torch.device = CPU,
+    progress: Progress | None = None,
 ) -> tuple[ModelSpec, Weights]:
-    """Read a GGUF file or a HF checkpoint directory; weights under HF names.
+    """Read a GGUF file or a HF checkpoint directory; weights under HF names; `progress`
+    hears of each tensor read (a GGUF's as it is read here, a directory's as it is taken).
 
     A directory's tensors come as `dtype` on `device`, read one by one as they are taken;
     a GGUF's as float32 on the CPU. `keep_blocks`: a GGUF's Q4_0 / Q4_1 / Q8_0 matrices
@@ -102,9 +105,10 @@ def load_checkpoint(
     if p.is_dir():
         if keep_blocks:
             raise QuantizationError(f"{p} is a checkpoint directory, not a .gguf file")
-        return spec_from_hf_config(p / "config.json"), StreamedWeights(p, dtype, device)
+        spec = spec_from_hf_config(p / "config.json")
+        return spec, StreamedWeights(p, dtype, device, progress)
     if p.suffix == ".gguf":
-        return _load_gguf(p, keep_blocks)
+        return _load_gguf(p, keep_blocks, progress)
     raise ModelLoadError(f"model path {p}: expected a .gguf file or a checkpoint directory")
 
 
@@ -114,12 +118,13 @@ def load_checkpoint(
 class StreamedWeights:
     """A HF checkpoint directory's tensors, each read from its shard's memory map when it
     is popped, converted to `dtype` on `device`, and its mapping dropped: loading holds
-    at most one tensor of the file in host memory beyond what the model keeps. Progress
-    goes to stderr when it is a terminal."""
+    at most one tensor of the file in host memory beyond what the model keeps; `progress`
+    hears of each."""
 
-    def __init__(self, d: Path, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, d: Path, dtype: torch.dtype, device: torch.device, progress: Progress | None
+    ) -> None:
         from safetensors import SafetensorError, safe_open
-        from tqdm import tqdm
 
         files = sorted(d.glob("*.safetensors"))
         if not files:
@@ -132,13 +137,7 @@ class StreamedWeights:
             except (SafetensorError, OSError, ValueError) as e:
                 raise ModelLoadError(f"{f}: corrupt or truncated safetensors file: {e}") from None
         self._dtype, self._device = dtype, device
-        self._progress = tqdm(
-            total=len(self._where),
-            desc=f"loading {d.name}",
-            unit=" tensors",
-            disable=not sys.stderr.isatty(),
-            leave=False,
-        )
+        self._progress, self._total = progress, len(self._where)
 
     def __contains__(self, name: object) -> bool:
         return name in self._where
@@ -153,9 +152,8 @@ class StreamedWeights:
             tensor = mapped.to(device=self._device, dtype=self._dtype, copy=True)
         except (SafetensorError, OSError, ValueError) as e:
             raise ModelLoadError(f"{f}: tensor {name} cannot be read: {e}") from None
-        self._progress.update()
-        if not self._where:
-            self._progress.close()
+        if self._progress is not None:
+            self._progress(self._total - len(self._where), self._total)
         return tensor
 
 
@@ -297,7 +295,7 @@ def read_spec(path: str | Path) -> ModelSpec:
 
 
 def _load_gguf(
-    path: Path, keep_blocks: bool
+    path: Path, keep_blocks: bool, progress: Progress | None
 ) -> tuple[ModelSpec, dict[str, torch.Tensor | GroupQuant]]:
     from gguf.quants import dequantize
 
@@ -306,7 +304,9 @@ def _load_gguf(
     arch = gguf_field(reader, "general.architecture")
     heads, kv_heads = spec.num_heads, spec.num_kv_heads
     weights: dict[str, torch.Tensor | GroupQuant] = {}
-    for t in reader.tensors:
+    for i, t in enumerate(reader.tensors, 1):
+        if progress is not None:
+            progress(i, len(reader.tensors))
         try:
             hf_name = _gguf_name(t.name)
         except (KeyError, ValueError):

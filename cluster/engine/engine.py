@@ -23,6 +23,7 @@ from cluster.config import ConfigError, EngineConfig
 from cluster.engine.attention import resolve_backend
 from cluster.engine.checkpoint import (
     ModelSpec,
+    Progress,
     gguf_blocks_servable,
     load_checkpoint,
     read_sampling_defaults,
@@ -66,7 +67,11 @@ log = logging.getLogger(__name__)
 
 
 def _load_model(
-    path: Path, quantization: str, dtype: torch.dtype, device: torch.device
+    path: Path,
+    quantization: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    progress: Progress | None,
 ) -> tuple[ModelSpec, LlamaModel]:
     """The checkpoint as a model whose weights are stored as `quantization` says;
     ConfigError naming the field when this model cannot take that mode."""
@@ -75,7 +80,8 @@ def _load_model(
             raise QuantizationError(f"its kernels run on CPU only so far, not {device.type}")
         # int8 / int4 quantize from float32, as they were measured
         load_dtype = dtype if quantization == "none" else torch.float32
-        spec, weights = load_checkpoint(path, quantization == "gguf", load_dtype, device)
+        keep = quantization == "gguf"
+        spec, weights = load_checkpoint(path, keep, load_dtype, device, progress)
         return spec, LlamaModel(spec, weights, dtype, device, quantization)
     except QuantizationError as e:
         raise ConfigError(f"quantization: {quantization}: {e}") from None
@@ -177,7 +183,8 @@ class _Live:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, progress: Progress | None = None) -> None:
+        """`progress` hears of each checkpoint tensor read while the weights load."""
         self.config = config
         if config.cpu_cores is not None:  # threads started from here on inherit it
             os.sched_setaffinity(0, config.cpu_cores)
@@ -192,7 +199,7 @@ class LLMEngine:
         backend = resolve_backend(config.attention_backend, self.device, self.dtype)
         started = time.perf_counter()
         memory = device_memory(self.device)  # before the weights: what other processes left
-        self.spec, self.model = _load_model(path, self.quantization, dtype, self.device)
+        self.spec, self.model = _load_model(path, self.quantization, dtype, self.device, progress)
         self.tokenizer = Tokenizer.load(path)
         self.sampling_defaults = read_sampling_defaults(path)
         spec = self.spec

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -65,10 +66,12 @@ async def start_router(
     decode: dict[str, DecodeHandle],
     redis_url: str | None,
     model: str | None = None,
+    routes: Sequence[web.RouteDef] = (),
 ) -> RouterApp:
     """Start serving gRPC on config.host:config.port for these workers (and HTTP on
     http_port), both over TLS when router.ssl_certfile is set. `model` is the checkpoint
-    the workers run (None: the bundled one): the router tokenizes with it."""
+    the workers run (None: the bundled one): the router tokenizes with it. `routes` go on
+    the HTTP API too (splitserve's lab page)."""
     if not decode:
         raise ValueError("a router needs at least one decode worker")
     info: ModelInfo = await next(iter(decode.values())).info.remote()
@@ -133,6 +136,7 @@ async def start_router(
                 pool,
                 key,
                 config.allowed_origins,
+                routes,
             )
             await app.http.start(config.host, config.http_port, config.grace_s, http_tls)
             log.info("router: OpenAI-compatible HTTP API on %s/v1", app.http.address)

@@ -3,9 +3,10 @@ constant time.
 
 What it guards is what vLLM's --api-key guards, the API itself (HTTP routes under /v1/,
 the tokenizer, gRPC's splitserve.v1.Generation), and /metrics on both ports that serve it
-(the HTTP API's and router.metrics_port), so a scraper sends the key too. Health checks
-(HTTP /health, the gRPC health service), /version and gRPC reflection stay open, so probes
-need no key.
+(the HTTP API's and router.metrics_port), so a scraper sends the key too, and the lab's
+live view (/lab/live). Health checks (HTTP /health, the gRPC health service), /version,
+gRPC reflection and the lab's page (no data of the server's) stay open, so probes need no
+key.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from aiohttp import web
 
 from cluster.config import ConfigError, RouterConfig, loopback
 
-# What the key guards: the API, the tokenizer and /metrics; /health and /version stay open.
-HTTP_GUARDED = ("/v1/", "/tokenize", "/detokenize", "/metrics")
+# What the key guards: the API, the tokenizer, /metrics and the lab's live view; /health,
+# /version and the lab's page and capacity arithmetic stay open.
+HTTP_GUARDED = ("/v1/", "/tokenize", "/detokenize", "/metrics", "/lab/live")
 UNAUTHORIZED = "invalid API key: send Authorization: Bearer <key>"
 
 

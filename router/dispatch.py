@@ -63,6 +63,16 @@ class Trace:
     kv_ready_at: float | None = None  # the decode worker began decoding it
     num_cached_tokens: int = 0  # prompt tokens the prefilling worker's cache held
     remote_prefill: bool = False  # a prefill worker computed the prompt
+    prefill_worker: str | None = None  # the workers of the attempt under way, by name
+    decode_worker: str | None = None
+
+    @property
+    def stage(self) -> str:
+        """Where the request is: admitting (no decode worker has taken it yet), prefilling
+        (taken, no token yet: its prompt is computed, or its KV moved) or decoding."""
+        if self.first_token_at is not None:
+            return "decoding"
+        return "admitting" if self.admitted_at is None else "prefilling"
 
 
 @dataclass
@@ -88,6 +98,18 @@ class _Stream:
     prefill: PrefillHandle | None
     trace: Trace
     stops: bool  # the request has stop strings
+    delivered: Delivered
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """A request in flight as the lab's live view shows it (router/lab.py)."""
+
+    request_id: str
+    stage: str  # Trace.stage
+    prefill_worker: str | None
+    decode_worker: str | None
+    tokens: int  # delivered to the caller so far
 
 
 class Dispatcher:
@@ -135,7 +157,7 @@ class Dispatcher:
             if resumed:
                 sampling = dataclasses.replace(sampling, prompt_logprobs=None)
         trace = trace or Trace()
-        stream = _Stream(asyncio.Queue(), decode, prefill, trace, sampling.stop != ())
+        stream = _Stream(asyncio.Queue(), decode, prefill, trace, sampling.stop != (), done)
         self._streams[rid], self._in_flight[caller] = stream, rid
         self._poll(decode)
         finished = False  # or refused: then there is nothing to abort
@@ -174,6 +196,20 @@ class Dispatcher:
             del self._streams[rid], self._in_flight[caller]
             if not finished:
                 self._spawn(self._abort(rid, stream))
+
+    def in_flight(self) -> list[InFlight]:
+        """This Dispatcher's requests in flight, where each is and what it has delivered."""
+        streams = [(caller, self._streams[rid]) for caller, rid in self._in_flight.items()]
+        return [
+            InFlight(
+                caller,
+                s.trace.stage,
+                s.trace.prefill_worker,
+                s.trace.decode_worker,
+                len(s.delivered.token_ids),
+            )
+            for caller, s in streams
+        ]
 
     async def close(self) -> None:
         """Stop reading from the decode workers (after the last stream has ended)."""

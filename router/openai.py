@@ -45,7 +45,7 @@ from cluster.types import (
     TokenDelta,
     TopLogprobs,
 )
-from router import cors
+from router import cors, lab
 from router.auth import UNAUTHORIZED, http_middleware
 from router.metrics import RouterMetrics
 from router.request import Prepared, prepare_off_loop, shown
@@ -475,8 +475,10 @@ class OpenAIFrontDoor:
         pool: TokenizePool,
         api_key: str | None = None,
         allowed_origins: tuple[str, ...] = (),
+        routes: Sequence[web.RouteDef] = (),  # more pages: splitserve's lab
     ) -> None:
         self.router = router
+        self.routes = routes
         self.api_key = api_key
         self.allowed_origins = allowed_origins  # CORS (router/cors.py); empty: off
         self.pool = pool
@@ -509,6 +511,8 @@ class OpenAIFrontDoor:
         app.router.add_get("/version", self._version)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self.metrics.scrape)
+        app.router.add_get("/lab/live", self._lab_live)
+        app.router.add_routes(self.routes)
         return app
 
     async def start(
@@ -532,6 +536,9 @@ class OpenAIFrontDoor:
             await self.runner.cleanup()
 
     # --- handlers ---
+
+    async def _lab_live(self, request: web.Request) -> web.Response:
+        return web.json_response(lab.live(self.router, self.metrics))
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=True)

@@ -236,6 +236,7 @@ class Router:
         """The request's deltas from the workers `chosen`; the last one with its usage."""
         decode = self.workers.decode_handle(chosen.decode)
         prefill = None if chosen.prefill is None else self.workers.prefill_handle(chosen.prefill)
+        trace.prefill_worker, trace.decode_worker = chosen.prefill, chosen.decode
         prompt_tokens = len(p.prompt_ids) + len(delivered.token_ids)
         stream = self.dispatcher.generate(
             p.prompt_ids, sampling, decode, prefill, p.request_id, trace, delivered

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -168,6 +169,14 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _lab(args: argparse.Namespace) -> int:
+    from splitserve.lab import serve
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve(args.port))
+    return 0
+
+
 def _calibrate(args: argparse.Namespace) -> int:
     from splitserve.calibrate import calibrate
     from splitserve.capacity import ARCHITECTURES
@@ -315,6 +324,14 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--threads", type=int, default=None)
     cal.add_argument("--out", default=None, help="default: ~/.cache/splitserve/step-cost.json")
     plan.set_defaults(func=_plan)
+
+    lab = sub.add_parser(
+        "lab",
+        help="the capacity explorer as a web page on 127.0.0.1 (a serving router has it, "
+        "with the cluster's live view, at its HTTP API's /lab)",
+    )
+    lab.add_argument("--port", type=int, default=8100, help="default %(default)s; 0: any free one")
+    lab.set_defaults(func=_lab)
 
     bench = sub.add_parser("bench", help="benchmarks (splitserve/bench/)")
     bench.add_argument("kind", choices=sorted(e.name for e in entry_points(group=BENCHES)))

@@ -29,6 +29,7 @@ from cluster.config import ServeConfig
 from router.app import RouterApp, start_router
 from router.auth import api_key
 from router.tls import server_tls
+from splitserve import lab
 from splitserve.fit import check_fit
 from splitserve.pool import DECODE, PREFILL, AnyPool, WorkerPool
 from splitserve.ports import check_ports
@@ -136,6 +137,7 @@ async def start_cluster(config: ServeConfig, redis_url: str | None, prefix: str 
             decode,
             redis_url,
             config.decode.engine.model,
+            lab.routes(),
         )
     except BaseException:
         for pool in pools.values():

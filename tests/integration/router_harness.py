@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 import ray
+from aiohttp import web
 
 from cluster.config import RouterConfig, ServeConfig
 from router.app import RouterApp, start_router
@@ -43,13 +44,14 @@ class RouterHarness(_LoopThread):
         decode: dict[str, Any],
         redis_url: str | None,
         local_prefill_tokens: int = 32,
+        routes: Sequence[web.RouteDef] = (),
         **router: Any,
     ) -> None:
         super().__init__()
         defaults = {"port": 0, "redis_timeout_s": 0.1, "metrics_port": None, "http_port": None}
         config = RouterConfig(**{**defaults, **router})
         self.app: RouterApp = self.call(
-            start_router(config, local_prefill_tokens, prefill, decode, redis_url)
+            start_router(config, local_prefill_tokens, prefill, decode, redis_url, routes=routes)
         )
 
     @property

@@ -8,7 +8,7 @@ import asyncio
 from typing import Any
 
 from cluster.types import RequestId, TokenDelta
-from router.dispatch import DELIVER_SLICE, Dispatcher, Trace, _Stream
+from router.dispatch import DELIVER_SLICE, Delivered, Dispatcher, Trace, _Stream
 
 STREAMS = 10 * DELIVER_SLICE
 
@@ -48,7 +48,8 @@ def test_a_step_is_handed_out_a_slice_at_a_time_with_the_loop_in_between() -> No
         decode: Any = _Decode(step, arrived)
         for rid in rids:
             queues.append(asyncio.Queue())
-            dispatcher._streams[rid] = _Stream(queues[-1], decode, None, Trace(), False)
+            stream = _Stream(queues[-1], decode, None, Trace(), False, Delivered())
+            dispatcher._streams[rid] = stream
         dispatcher._poll(decode)
         while sum(q.qsize() for q in queues) < STREAMS:
             await asyncio.sleep(0)

@@ -58,7 +58,9 @@ def test_the_benchmarks_ship_inside_splitserve_and_no_results_do(wheel: zipfile.
     assert "serve = splitserve.bench.serve:main" in entry_points.splitlines()
 
 
-def test_the_license_the_proto_and_the_example_config_ship(wheel: zipfile.ZipFile) -> None:
+def test_the_license_the_proto_the_example_config_and_the_lab_page_ship(
+    wheel: zipfile.ZipFile,
+) -> None:
     license_text = wheel.read(f"{DIST_INFO}/licenses/LICENSE").decode()
     assert license_text.split()[:4] == ["Apache", "License", "Version", "2.0,"]
     metadata = wheel.read(f"{DIST_INFO}/METADATA").decode().splitlines()
@@ -67,6 +69,8 @@ def test_the_license_the_proto_and_the_example_config_ship(wheel: zipfile.ZipFil
     assert "package splitserve.v1;" in proto
     example = wheel.read("splitserve/serve.example.yaml")
     assert example == (ROOT / "splitserve" / "serve.example.yaml").read_bytes()
+    lab = wheel.read("splitserve/lab.html")  # no build step, no CDN: the page is this file
+    assert lab == (ROOT / "splitserve" / "lab.html").read_bytes()
 
 
 def test_results_default_to_the_current_directory() -> None:

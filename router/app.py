@@ -11,7 +11,7 @@ from pathlib import Path
 from aiohttp import web
 
 from cluster.config import ConfigError, RouterConfig
-from cluster.engine.model_files import bundled_model_path
+from cluster.engine.model_files import model_path
 from cluster.engine.tokenizer import Tokenizer
 from cluster.protocol import DecodeHandle, PrefillHandle
 from cluster.types import ModelInfo
@@ -77,7 +77,7 @@ async def start_router(
     info: ModelInfo = await next(iter(decode.values())).info.remote()
     if config.served_model_name is not None:
         info = replace(info, name=config.served_model_name)
-    path = Path(model) if model else bundled_model_path()
+    path = model_path(model)
     tokenizer = await asyncio.to_thread(Tokenizer.load, path)
     if config.chat_template is not None:
         try:

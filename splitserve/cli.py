@@ -140,12 +140,13 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from cluster.engine.checkpoint import read_spec
+    from cluster.engine.model_files import model_path
     from splitserve.capacity import ARCHITECTURES
     from splitserve.hardware import GPUS, measure
 
     if args.kind == "calibrate":
         return _calibrate(args)
-    spec = ARCHITECTURES.get(args.model) or read_spec(args.model)
+    spec = ARCHITECTURES.get(args.model) or read_spec(model_path(args.model))
     if args.hardware == "this" or args.measure:
         hw = measure(args.measure_budget_s, refresh=args.measure)
     elif args.hardware in GPUS:

@@ -20,7 +20,7 @@ from cluster.config import ConfigError, EngineConfig, ServeConfig
 from cluster.engine.checkpoint import ModelSpec, read_spec
 from cluster.engine.engine import pick_device, pick_dtype, pick_quantization
 from cluster.engine.memory import device_memory, fits, kv_share
-from cluster.engine.model_files import bundled_model_path
+from cluster.engine.model_files import model_path
 from splitserve.capacity import BITS, weight_bytes
 
 
@@ -44,7 +44,7 @@ def check_fit(config: ServeConfig) -> None:
     if a worker on this node would not fit its device."""
     for phase, pool in (("prefill", config.prefill), ("decode", config.decode)):
         engine = pool.engine
-        path = Path(engine.model) if engine.model else bundled_model_path()
+        path = model_path(engine.model)
         spec = read_spec(path)
         if config.ray_address is not None or pool.scaling.max_replicas == 0:
             continue

@@ -78,7 +78,8 @@ FLAGS = (
     Flag(
         "model",
         _engines("model"),
-        "a .gguf file or HF checkpoint directory (default: the bundled SmolLM2-135M)",
+        "a .gguf file, an HF checkpoint directory, or an HF id (owner/name) in the local "
+        "Hugging Face cache, offline (default: the bundled SmolLM2-135M)",
     ),
     Flag("--host", ("router.host",), "where both front doors listen (default 127.0.0.1)"),
     Flag("--port", ("router.http_port",), "the OpenAI HTTP API's port (default 8000)", int),

@@ -33,7 +33,7 @@ from cluster.engine.kv_cache import KVCache, KVLayout
 from cluster.engine.kv_sink import KVSink, PageHolds, PromptDone, layer_hook
 from cluster.engine.memory import device_memory, fits, kv_share
 from cluster.engine.model import LlamaModel
-from cluster.engine.model_files import bundled_model_path
+from cluster.engine.model_files import model_name, model_path
 from cluster.engine.page_pool import PagePool
 from cluster.engine.quantization import QuantizationError
 from cluster.engine.runner import build_runner, prompt_rows, workspace_bytes
@@ -190,8 +190,8 @@ class LLMEngine:
             os.sched_setaffinity(0, config.cpu_cores)
         if config.threads is not None:
             torch.set_num_threads(config.threads)
-        path = Path(config.model) if config.model else bundled_model_path()
-        self.model_id = path.name if path.is_dir() else path.stem
+        path = model_path(config.model)
+        self.model_id = model_name(config.model, path)
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
         self.quantization = pick_quantization(config.quantization, path, self.device)

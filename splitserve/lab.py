@@ -12,8 +12,8 @@
   second.
 
 One HTML file (splitserve/lab.html) with its script and style inline: no build step, no
-CDN; it ships in the wheel. `splitserve lab` serves the capacity explorer alone, on
-127.0.0.1.
+CDN; it ships in the wheel. `splitserve lab --plan-only` serves the capacity explorer
+alone, on 127.0.0.1.
 """
 
 from __future__ import annotations

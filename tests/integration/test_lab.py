@@ -51,7 +51,8 @@ def _printed(kv_cache_gb: int) -> dict[int, int]:
 
 
 def test_the_capacity_explorer_shows_what_plan_capacity_prints(browser: Browser) -> None:
-    server = subprocess.Popen([*CLI, "lab", "--port", "0"], stdout=subprocess.PIPE, text=True)
+    lab_cli = [*CLI, "lab", "--plan-only", "--port", "0"]
+    server = subprocess.Popen(lab_cli, stdout=subprocess.PIPE, text=True)
     try:
         assert server.stdout is not None
         found = re.search(r"(http://\S+/lab)", server.stdout.readline())
@@ -77,7 +78,9 @@ def test_the_capacity_explorer_shows_what_plan_capacity_prints(browser: Browser)
         server.wait(30)
     assert int(before) == _printed(40)[2048] == 160
     assert int(after) == _printed(20)[2048] == 80
-    assert hidden  # `splitserve lab` alone has no cluster to show
+    assert hidden  # `splitserve lab --plan-only` has no cluster to show
+    live = subprocess.run([*CLI, "lab"], capture_output=True, text=True)
+    assert live.returncode == 2 and "/lab" in live.stderr and "--plan-only" in live.stderr
 
 
 def test_the_live_view_shows_the_workers_and_a_request_in_flight_until_it_goes(

@@ -52,10 +52,12 @@ class EngineConfig:
     cpu_cores: tuple[int, ...] | None = None  # pin the engine's threads to these cores (Linux)
     # The worker that runs this engine serves its own Prometheus /metrics on host:port
     # (cluster/worker_metrics.py; its URL is in the worker's stats and log); 0: any free
-    # port, null: off. One worker per node (a pod) can take a fixed port. It checks no API
-    # key, so the host must be loopback.
+    # port, null: off. One worker per node (a pod) can take a fixed port. Beyond loopback
+    # it asks for the key in metrics_api_key_file (Authorization: Bearer), as anything
+    # bound wider does.
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = 0
+    metrics_api_key_file: str | None = None  # e.g. the router's key, a mounted Secret
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
@@ -128,11 +130,18 @@ class EngineConfig:
         )
         if cores is not None:
             object.__setattr__(self, "cpu_cores", tuple(cores))  # YAML gives a list
+        key_file = self.metrics_api_key_file
         _check(
-            isinstance(self.metrics_host, str) and loopback(self.metrics_host),
+            key_file is None or (isinstance(key_file, str) and bool(key_file)),
+            "metrics_api_key_file",
+            f"must be a file's path or null, got {key_file!r}",
+        )
+        _check(
+            isinstance(self.metrics_host, str)
+            and (loopback(self.metrics_host) or key_file is not None),
             "metrics_host",
-            f"must be a loopback address (the worker's /metrics checks no API key; scrape "
-            f"the router's, which does), got {self.metrics_host!r}",
+            f"beyond loopback it needs engine.metrics_api_key_file (the worker's /metrics "
+            f"then asks for that key), got {self.metrics_host!r}",
         )
         port = self.metrics_port
         _check(

@@ -10,17 +10,21 @@ decode), which stand where vLLM's `engine` does.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterator, Mapping
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from cluster.bearer import authorized, read_key
 from cluster.config import EngineConfig
 from cluster.protocol import DecodeStats, EngineCounts, PrefillStats
 
 log = logging.getLogger(__name__)
 
 LABELS = ["model_name", "worker", "phase"]
+UNAUTHORIZED = b"invalid API key: send Authorization: Bearer <key>\n"
 Stats = DecodeStats | PrefillStats
 COUNTERS: dict[str, tuple[str, Callable[[EngineCounts], int]]] = {
     "vllm:prompt_tokens": ("Prompt tokens prefilled here", lambda c: c.prompt_tokens),
@@ -73,12 +77,36 @@ class _OneWorker:
 
 def serve(worker: str, model: str, read: Callable[[], Stats], config: EngineConfig) -> str | None:
     """Serve the worker's series on http://metrics_host:metrics_port/metrics (port 0: any
-    free one, None: no server), reading its stats with `read` at each scrape; the URL."""
+    free one, None: no server), reading its stats with `read` at each scrape, and asking for
+    the key in metrics_api_key_file when there is one; the URL."""
     if config.metrics_port is None:
         return None
     registry = CollectorRegistry()
     registry.register(_OneWorker(worker, model, read))
-    server, _ = start_http_server(config.metrics_port, addr=config.metrics_host, registry=registry)
+    path = config.metrics_api_key_file
+    key = None if path is None else read_key(path, "engine.metrics_api_key_file")
+
+    class Scrape(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path.partition("?")[0] != "/metrics":
+                self._answer(404, b"not found: /metrics only\n", "text/plain")
+            elif key is not None and not authorized(self.headers.get("Authorization"), key):
+                self._answer(401, UNAUTHORIZED, "text/plain")
+            else:
+                self._answer(200, generate_latest(registry), CONTENT_TYPE_LATEST)
+
+        def _answer(self, status: int, body: bytes, kind: str) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass  # no line per scrape
+
+    server = ThreadingHTTPServer((config.metrics_host, config.metrics_port), Scrape)
+    threading.Thread(target=server.serve_forever, name=f"{worker}-metrics", daemon=True).start()
     url = f"http://{config.metrics_host}:{server.server_address[1]}/metrics"
     log.info("%s: Prometheus metrics on %s", worker, url)
     return url

@@ -11,14 +11,13 @@ key.
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import grpc
 from aiohttp import web
 
+from cluster.bearer import authorized, read_key
 from cluster.config import ConfigError, RouterConfig, loopback
 
 # What the key guards: the API, the tokenizer, /metrics and the lab's live view; /health,
@@ -31,7 +30,8 @@ def api_key(config: RouterConfig) -> str | None:
     """The key clients must send: router.api_key, or router.api_key_file's contents
     (stripped); None: no check, which only a loopback router.host may go without (anything
     bound wider asks for a key: a ConfigError naming router.host and router.api_key)."""
-    key = config.api_key if config.api_key_file is None else _read(config.api_key_file)
+    path = config.api_key_file
+    key = config.api_key if path is None else read_key(path, "router.api_key_file")
     if key is None and not loopback(config.host):
         raise ConfigError(
             f"router.host: {config.host} is reachable from other machines, so it needs "
@@ -39,24 +39,6 @@ def api_key(config: RouterConfig) -> str | None:
             "listen on 127.0.0.1"
         )
     return key
-
-
-def _read(path: str) -> str:
-    try:
-        key = Path(path).read_text().strip()
-    except OSError as e:
-        raise ConfigError(f"router.api_key_file: cannot read {path}: {e}") from e
-    if not key:
-        raise ConfigError(f"router.api_key_file: {path} is empty")
-    return key
-
-
-def authorized(header: str | None, key: str) -> bool:
-    """Whether an `authorization` value carries this key (compared in constant time)."""
-    scheme, _, presented = (header or "").partition(" ")
-    if scheme.lower() != "bearer":
-        presented = ""
-    return hmac.compare_digest(presented.strip().encode(), key.encode())
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

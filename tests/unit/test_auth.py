@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
+from cluster.bearer import authorized
 from cluster.config import ConfigError, RouterConfig, serve_config_from_dict
-from router.auth import api_key, authorized
+from router.auth import api_key
 from splitserve.cli import build_parser, main
 from splitserve.serve_flags import serve_config
 

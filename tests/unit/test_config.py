@@ -72,13 +72,16 @@ def test_a_workers_metrics_listen_on_loopback(host: str) -> None:
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "worker.internal", ""])
-def test_a_workers_metrics_beyond_loopback_are_refused_as_they_check_no_key(host: str) -> None:
+def test_a_workers_metrics_beyond_loopback_need_a_key(host: str) -> None:
     with pytest.raises(ConfigError) as info:
         engine_config_from_dict({"metrics_host": host}, "decode.engine")
     assert str(info.value) == (
-        "decode.engine.metrics_host: must be a loopback address (the worker's /metrics checks "
-        f"no API key; scrape the router's, which does), got {host!r}"
+        "decode.engine.metrics_host: beyond loopback it needs engine.metrics_api_key_file "
+        f"(the worker's /metrics then asks for that key), got {host!r}"
     )
+    keyed = {"metrics_host": host, "metrics_api_key_file": "/etc/splitserve/api-key"}
+    if host:  # "" is no host at all
+        assert engine_config_from_dict(keyed, "decode.engine").metrics_host == host
 
 
 def test_a_share_of_the_gpu_sizes_the_kv_cache_in_place_of_kv_cache_gb() -> None:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import threading
+import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster import worker_metrics
-from cluster.config import EngineConfig
+from cluster.config import ConfigError, EngineConfig
 from cluster.protocol import EngineCounts
 from cluster.worker_loop import WorkerLoop
 from tests.unit.worker_stats import decode_stats, prefill_stats
@@ -82,6 +84,38 @@ def test_a_worker_serves_its_series_over_http_reading_its_stats_at_each_scrape()
     for running in (1, 4):
         text = urllib.request.urlopen(url, timeout=10).read().decode()
         assert samples(text)[("vllm:num_requests_running", labels("d0", "decode"))] == running
+
+
+def test_a_worker_bound_beyond_loopback_asks_for_the_key_of_its_key_file(
+    tmp_path: Path,
+) -> None:
+    """metrics_host 0.0.0.0 is taken only with a key file; then a scrape without the key,
+    with another or with another scheme is a 401, with it the series."""
+    key_file = tmp_path / "api-key"
+    key_file.write_text("s3cret\n")
+    config = EngineConfig(
+        metrics_host="0.0.0.0", metrics_port=0, metrics_api_key_file=str(key_file)
+    )
+    url = worker_metrics.serve("d0", "smol", decode_stats, config)
+    assert url is not None
+    local = url.replace("0.0.0.0", "127.0.0.1")
+    for header in (None, "Bearer wrong", "Basic s3cret"):
+        request = urllib.request.Request(local, headers={"Authorization": header} if header else {})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=10)
+        assert refused.value.code == 401
+    keyed = urllib.request.Request(local, headers={"Authorization": "Bearer s3cret"})
+    text = urllib.request.urlopen(keyed, timeout=10).read().decode()
+    assert ("vllm:num_requests_running", labels("d0", "decode")) in samples(text)
+    with pytest.raises(urllib.error.HTTPError) as elsewhere:
+        urllib.request.urlopen(local.replace("/metrics", "/other"), timeout=10)
+    assert elsewhere.value.code == 404
+
+
+def test_an_unreadable_key_file_is_refused_naming_the_field(tmp_path: Path) -> None:
+    config = EngineConfig(metrics_port=0, metrics_api_key_file=str(tmp_path / "missing"))
+    with pytest.raises(ConfigError, match=r"engine\.metrics_api_key_file: cannot read"):
+        worker_metrics.serve("d0", "smol", decode_stats, config)
 
 
 def test_no_port_no_server() -> None:

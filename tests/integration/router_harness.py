@@ -4,6 +4,8 @@ or a whole cluster (pools, router, scalers) the same way."""
 from __future__ import annotations
 
 import asyncio
+import re
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -108,3 +110,18 @@ def ask(address: str, prompt: Any, timeout_s: float = 120, **fields: Any) -> Rep
             return await client.generate(prompt, timeout_s=timeout_s, **fields)
 
     return asyncio.run(run())
+
+
+def serving(server: subprocess.Popen[str], log: list[str], timeout_s: float = 300) -> str:
+    """The gRPC address a `splitserve serve` child says it serves on; its stderr lines go
+    to `log`, up to that line here and from then on in a thread."""
+    assert server.stderr is not None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = server.stderr.readline()
+        assert line, "splitserve serve exited early:\n" + "".join(log)
+        log.append(line)
+        if m := re.search(r"serving on (\S+);", line):
+            threading.Thread(target=lambda: log.extend(server.stderr or ()), daemon=True).start()
+            return m.group(1)
+    raise AssertionError("splitserve serve is not serving yet:\n" + "".join(log))

@@ -20,7 +20,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,7 +29,7 @@ import pytest
 
 from splitserve.client import Reply
 from tests.helpers import wait_until
-from tests.integration.router_harness import RouterHarness, ask
+from tests.integration.router_harness import RouterHarness, ask, serving
 
 RAY = str(Path(sys.executable).with_name("ray"))
 # The engine of the session's shared workers (conftest.WORKER_ENGINE): the colocated
@@ -155,17 +154,7 @@ def test_pools_placed_by_node_type_serve_across_nodes_and_survive_a_lost_decode_
     )  # fmt: skip
     log: list[str] = []
     try:
-        assert server.stderr is not None
-        grpc_address = None
-        deadline = time.monotonic() + 300
-        while grpc_address is None and time.monotonic() < deadline:
-            line = server.stderr.readline()
-            assert line, "splitserve serve exited early:\n" + "".join(log)
-            log.append(line)
-            if m := re.search(r"serving on (\S+);", line):
-                grpc_address = m.group(1)
-        assert grpc_address is not None, "".join(log)
-        threading.Thread(target=lambda: log.extend(server.stderr or ()), daemon=True).start()
+        grpc_address = serving(server, log)
         text = "".join(log)
         assert f"ray: joined {address}" in text
         metrics = re.search(r"metrics on (\S+)", text)

@@ -11,12 +11,11 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from pathlib import Path
 
 from tests.helpers import wait_until
-from tests.integration.router_harness import ask
+from tests.integration.router_harness import ask, serving
 
 CONFIG = """
 engine: {kv_cache_gb: 0.2, threads: 1, max_num_batched_tokens: 256}
@@ -62,17 +61,7 @@ def test_serve_answers_cli_clients_and_stops_cleanly(tmp_path: Path) -> None:
         env={**os.environ, "SPLITSERVE_MAX_MODEL_LEN": "1024"},
     )
     log: list[str] = []
-    assert server.stderr is not None
-    address = None
-    deadline = time.monotonic() + 180
-    while address is None and time.monotonic() < deadline:
-        line = server.stderr.readline()
-        assert line, "splitserve serve exited early:\n" + "".join(log)
-        log.append(line)
-        if m := re.search(r"serving on (\S+);", line):
-            address = m.group(1)
-    assert address is not None, "".join(log)
-    threading.Thread(target=lambda: log.extend(server.stderr), daemon=True).start()
+    address = serving(server, log, 180)
     text = "\n".join(log)
     for component in (
         "redis: embedded valkey-server at redis://127.0.0.1:",

@@ -11,6 +11,12 @@ can decode on given hardware (the memory wall). Pure arithmetic over a ModelSpec
   bandwidth that is a floor on the step time. It does 2 x parameters x B FLOPs (+ the
   attention's 4 x layers x heads x head dim x C x B); past the ridge point the compute,
   not the memory, sets the floor. Tokens/s per user = 1 / step; in total, B / step.
+- Tensor parallelism over `tp` devices (Megatron's split, as vLLM's): each rank holds
+  1/tp of the weights and the KV of its share of the KV heads (a head replicated on
+  several ranks when tp exceeds them), reads and computes that share each step, and
+  joins two all-reduces a layer (after attention and after the MLP) of the batch's
+  activations: a ring moves 2 (tp - 1) / tp of their bytes over each rank's link, added
+  to the step. A KV cache size is then per rank (each device's budget).
 """
 
 from __future__ import annotations
@@ -35,8 +41,15 @@ def num_params(spec: ModelSpec) -> int:
     return spec.num_layers * per_layer + vocab + h
 
 
-def kv_bytes_per_token(spec: ModelSpec, kv_dtype: str) -> int:
-    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * BITS[kv_dtype] // 8
+def kv_heads_per_rank(spec: ModelSpec, tp: int) -> int:
+    """KV heads each of tp ranks holds: its share, or one replicated head past them."""
+    return -(-spec.num_kv_heads // tp)
+
+
+def kv_bytes_per_token(spec: ModelSpec, kv_dtype: str, tp: int = 1) -> int:
+    """KV bytes a token takes on one rank of tp (tp 1: on the one device)."""
+    heads = kv_heads_per_rank(spec, tp)
+    return 2 * spec.num_layers * heads * spec.head_dim * BITS[kv_dtype] // 8
 
 
 @dataclass(frozen=True)
@@ -58,9 +71,11 @@ class KVCapacity:
         return self.pages // math.ceil(context / self.page_size)
 
 
-def kv_capacity(spec: ModelSpec, kv_dtype: str, page_size: int, kv_cache_gb: float) -> KVCapacity:
-    """Pages of a `kv_cache_gb` GiB cache, as the engine sizes it."""
-    per_token = kv_bytes_per_token(spec, kv_dtype)
+def kv_capacity(
+    spec: ModelSpec, kv_dtype: str, page_size: int, kv_cache_gb: float, tp: int = 1
+) -> KVCapacity:
+    """Pages of a `kv_cache_gb` GiB cache (on each of tp ranks), as the engine sizes it."""
+    per_token = kv_bytes_per_token(spec, kv_dtype, tp)
     return KVCapacity(per_token, page_size, int(kv_cache_gb * 2**30 // (per_token * page_size)))
 
 
@@ -72,10 +87,11 @@ class DecodeBound:
     flops: float
     memory_s: float  # bytes / bandwidth
     compute_s: float  # flops / peak
+    allreduce_s: float = 0.0  # tensor parallel ranks' all-reduces, after the slower one
 
     @property
     def step_s(self) -> float:
-        return max(self.memory_s, self.compute_s)
+        return max(self.memory_s, self.compute_s) + self.allreduce_s
 
     @property
     def bound(self) -> str:
@@ -90,8 +106,23 @@ class DecodeBound:
         return self.batch / self.step_s
 
 
-def weight_bytes(spec: ModelSpec, weight_bits: float) -> float:
-    return num_params(spec) * weight_bits / 8
+def weight_bytes(spec: ModelSpec, weight_bits: float, tp: int = 1) -> float:
+    """Weight bytes on one rank of tp."""
+    return num_params(spec) * weight_bits / 8 / tp
+
+
+# What one small all-reduce costs beyond its bytes (launch and synchronisation): an assumed
+# figure of the order NCCL reaches on NVLink; at batch 1 it is most of the all-reduce time.
+ALLREDUCE_LATENCY_S = 8e-6
+
+
+def allreduce_s(spec: ModelSpec, batch: int, tp: int, link_gb_s: float) -> float:
+    """Two ring all-reduces a layer of batch x hidden bfloat16 activations over links of
+    link_gb_s each way, each ALLREDUCE_LATENCY_S more; 0 on one device."""
+    if tp == 1:
+        return 0.0
+    sent = 2 * spec.num_layers * batch * spec.hidden_size * 2 * 2 * (tp - 1) / tp
+    return sent / (link_gb_s * 1e9) + 2 * spec.num_layers * ALLREDUCE_LATENCY_S
 
 
 def decode_bound(
@@ -101,12 +132,15 @@ def decode_bound(
     kv_dtype: str,
     batch: int,
     context: int,
+    tp: int = 1,
+    link_gb_s: float = 0.0,  # with tp > 1: each rank's link, each way
 ) -> DecodeBound:
-    """The floor on one decode step of `batch` sequences at `context` tokens each."""
-    kv = batch * context * kv_bytes_per_token(spec, kv_dtype)
-    read = weight_bytes(spec, weight_bits) + kv
+    """The floor on one decode step of `batch` sequences at `context` tokens each, on
+    one rank of tp (bytes and FLOPs are the rank's)."""
+    kv = batch * context * kv_bytes_per_token(spec, kv_dtype, tp)
+    read = weight_bytes(spec, weight_bits, tp) + kv
     attention = 4 * spec.num_layers * spec.num_heads * spec.head_dim * context * batch
-    flops = 2 * num_params(spec) * batch + attention
+    flops = (2 * num_params(spec) * batch + attention) / tp
     return DecodeBound(
         batch,
         context,
@@ -114,6 +148,7 @@ def decode_bound(
         flops,
         read / (hw.bandwidth_gb_s * 1e9),
         flops / (hw.tflops * 1e12),
+        allreduce_s(spec, batch, tp, link_gb_s),
     )
 
 

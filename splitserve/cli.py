@@ -165,8 +165,10 @@ def _plan(args: argparse.Namespace) -> int:
     if args.plot:
         title = f"{args.model}: KV {args.kv_dtype}, pages of {args.page_size}"
         plot_capacity(spec, args.kv_dtype, args.page_size, contexts, Path(args.plot), title)
+    if args.tensor_parallel_size < 1:
+        raise ConfigError(f"tensor_parallel_size: at least 1, got {args.tensor_parallel_size}")
     print(report(args.model, spec, hw, args.kv_dtype, args.page_size, args.kv_cache_gb,
-                 contexts, batches))  # fmt: skip
+                 contexts, batches, args.tensor_parallel_size, args.tp_link_gb_s))  # fmt: skip
     return 0
 
 
@@ -295,6 +297,19 @@ def build_parser() -> argparse.ArgumentParser:
     cap = plan.add_argument_group("capacity")
     cap.add_argument("--contexts", default="512,2048,8192")
     cap.add_argument("--batches", default="1,8,64,256")
+    cap.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="devices a model is split over: weights and KV per device, all-reduces per step",
+    )
+    cap.add_argument(
+        "--tp-link-gb-s",
+        type=float,
+        default=300.0,
+        help="each device's link to the others, GB/s each way (default %(default)g: "
+        "NVLink 3, A100; NVLink 4, H100/H200: 450; PCIe 5: 64)",
+    )
     sim = plan.add_argument_group("cluster (a simulation; see splitserve/sim.py)")
     sim.add_argument("--workload", default="chat", help="a splitserve/workloads name or .yaml path")
     sim.add_argument("--rate", type=float, default=4.0, help="requests (conversations) a second")
@@ -372,6 +387,7 @@ then: curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: applicati
 
 PLAN_EXAMPLES = """examples:
   splitserve plan capacity --model llama-3-70b --hardware A100   # the textbook 70B case
+  splitserve plan capacity --model llama-3-70b --hardware A100 --tensor-parallel-size 4
   splitserve plan capacity --model llama-3-8b --hardware H200 --kv-cache-gb 100 --plot kv.png
   splitserve plan capacity --model path/to/model.gguf --hardware this --kv-cache-gb 1
   splitserve plan cluster --model llama-3-8b --hardware H100 --workload chat --rate 40 \\

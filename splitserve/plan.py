@@ -20,6 +20,7 @@ from splitserve.capacity import (
     decode_bound,
     kv_bytes_per_token,
     kv_capacity,
+    kv_heads_per_rank,
     num_params,
     weight_bytes,
 )
@@ -43,41 +44,57 @@ def report(
     kv_cache_gb: float,
     contexts: list[int],
     batches: list[int],
+    tp: int = 1,
+    link_gb_s: float = 0.0,  # with tp > 1: each device's link to the others, each way
 ) -> str:
-    per_token = kv_bytes_per_token(spec, kv_dtype)
-    cap = kv_capacity(spec, kv_dtype, page_size, kv_cache_gb)
+    per_token = kv_bytes_per_token(spec, kv_dtype, tp)
+    cap = kv_capacity(spec, kv_dtype, page_size, kv_cache_gb, tp)
+    rank = " per device" if tp > 1 else ""
     lines = [
         f"{name}: {num_params(spec) / 1e9:.3g}B parameters; {spec.num_layers} layers, "
         f"{spec.num_kv_heads} KV heads of {spec.head_dim}",
         f"hardware {hw.name}: {hw.memory_gb:.0f} GB, {hw.bandwidth_gb_s:.0f} GB/s, "
         f"{hw.tflops:.3g} {SHORT_DTYPE[hw.compute_dtype]} TFLOP/s "
         f"(ridge {hw.ridge_flop_per_byte:.0f} FLOP/byte)",
+    ]
+    if tp > 1:
+        lines.append(
+            f"tensor parallel over {tp} devices: each holds 1/{tp} of the weights and "
+            f"{kv_heads_per_rank(spec, tp)} of the {spec.num_kv_heads} KV heads; two "
+            f"all-reduces a layer over {link_gb_s:g} GB/s links"
+        )
+    fit = lambda bits: weight_bytes(spec, bits, tp) + kv_cache_gb * 2**30 <= hw.memory_gb * 1e9
+    lines += [
         "",
-        "weights: "
-        + ", ".join(f"{w} {weight_bytes(spec, bits) / 1e9:.3g} GB" for w, bits in WEIGHTS),
-        f"KV cache ({kv_dtype}): {per_token / 1024:.1f} KiB per token, "
+        f"weights{rank}: "
+        + ", ".join(f"{w} {weight_bytes(spec, bits, tp) / 1e9:.3g} GB" for w, bits in WEIGHTS),
+        f"with {kv_cache_gb:g} GiB of KV{rank}, the device's {hw.memory_gb:.0f} GB hold: "
+        + ", ".join(f"{w} {'yes' if fit(bits) else 'no'}" for w, bits in WEIGHTS),
+        f"KV cache ({kv_dtype}){rank}: {per_token / 1024:.1f} KiB per token, "
         f"{cap.bytes_per_page / 2**20:.2f} MiB per page of {page_size}; {kv_cache_gb:g} GiB "
         f"holds {cap.pages} pages = {cap.tokens} tokens",
         "",
-        "sequences that fit at once, by KV cache size (GiB) and context (tokens):",
+        f"sequences that fit at once, by KV cache size (GiB{rank}) and context (tokens):",
         f"{'KV GiB':>8} " + " ".join(f"{c:>9}" for c in contexts),
     ]
     for gb in sorted({*KV_GB, kv_cache_gb}):
-        row = kv_capacity(spec, kv_dtype, page_size, gb)
+        row = kv_capacity(spec, kv_dtype, page_size, gb, tp)
         lines.append(f"{gb:>8g} " + " ".join(f"{row.sequences(c):>9}" for c in contexts))
     context = contexts[len(contexts) // 2]
     lines += [
         "",
         f"decode floor (the memory wall) at context {context}: step time, tokens/s per user "
-        "and in total, and what bounds it",
-        f"{'weights':>8} {'batch':>6} {'step ms':>9} {'tok/s/user':>11} {'tok/s':>10} {'bound':>8}",
+        "and in total, and what bounds it" + (", all-reduces included" if tp > 1 else ""),
+        f"{'weights':>8} {'batch':>6} {'step ms':>9} {'tok/s/user':>11} {'tok/s':>10} {'bound':>8}"
+        + (f" {'all-reduce ms':>14}" if tp > 1 else ""),
     ]
     for w, bits in WEIGHTS:
         for b in batches:
-            d = decode_bound(spec, hw, bits, kv_dtype, b, context)
+            d = decode_bound(spec, hw, bits, kv_dtype, b, context, tp, link_gb_s)
             lines.append(
                 f"{w:>8} {b:>6} {d.step_s * 1e3:>9.2f} {d.tokens_per_s_per_user:>11.1f} "
                 f"{d.tokens_per_s:>10.0f} {d.bound:>8}"
+                + (f" {d.allreduce_s * 1e3:>14.2f}" if tp > 1 else "")
             )
     return "\n".join(lines)
 

@@ -32,6 +32,26 @@ def test_the_textbook_70b_on_an_a100() -> None:
     assert int4.tokens_per_s_per_user == pytest.approx(57.8, rel=0.02)
 
 
+def test_the_70b_split_over_four_a100s_fits_each_and_pays_its_all_reduces() -> None:
+    """Tensor parallel 4: 141 / 4 = 35.3 GB of bf16 weights per device, 2 of the 8 KV heads
+    (80 layers x 2 x 2 x 128 x 2 bytes = 80 KiB a token), so 40 GiB per device holds 32768
+    pages of 16. A batch-1 step reads 35.3 GB at 2039 GB/s (17.3 ms) and joins 160
+    all-reduces of 8192 x 2 bytes: 1.5 x 16 KiB / 300 GB/s each, plus 8 us."""
+    model, a100 = ARCHITECTURES["llama-3-70b"], GPUS["A100"]
+    assert weight_bytes(model, 16, tp=4) / 1e9 == pytest.approx(35.3, rel=0.01)
+    assert kv_bytes_per_token(model, "bfloat16", tp=4) == 80 * 1024
+    assert kv_capacity(model, "bfloat16", 16, 40, tp=4).pages == 32768
+    d = decode_bound(model, a100, 16, "bfloat16", 1, 1, tp=4, link_gb_s=300)
+    assert d.memory_s == pytest.approx(35.3e9 / 2039e9, rel=0.01)
+    assert d.allreduce_s == pytest.approx(160 * (1.5 * 8192 * 2 / 300e9 + 8e-6))
+    assert d.step_s == pytest.approx(d.memory_s + d.allreduce_s)
+    # Past the KV heads each rank holds one, replicated: 8 heads over 16 devices.
+    for tp in (8, 16):
+        assert kv_bytes_per_token(model, "bfloat16", tp=tp) == 2 * 80 * 1 * 128 * 2
+    one = decode_bound(model, a100, 16, "bfloat16", 1, 1)
+    assert one.allreduce_s == 0 and one.step_s == one.memory_s
+
+
 def test_kv_arithmetic_by_hand_and_as_the_engine_reports_it() -> None:
     # 2 (K, V) x 30 layers x 3 KV heads x 64 x 4 bytes = 46,080 bytes = 45.0 KiB a token
     assert kv_bytes_per_token(SMOL, "float32") == 46_080
@@ -60,3 +80,25 @@ def test_a_step_turns_compute_bound_past_the_ridge_point() -> None:
     above = decode_bound(model, h100, 16, "bfloat16", batch=512, context=1)
     assert (below.bound, above.bound) == ("memory", "compute")
     assert above.step_s == pytest.approx(2 * num_params(model) * 512 / 989e12, rel=0.01)
+
+
+def test_plan_capacity_reports_per_device_figures_under_tensor_parallelism() -> None:
+    from splitserve.plan import report
+
+    model = ARCHITECTURES["llama-3-70b"]
+    args = ("llama-3-70b", model, GPUS["A100"], "bfloat16", 16, 40.0, [512, 2048, 8192], [1, 64])
+    one = report(*args).splitlines()
+    four = report(*args, tp=4, link_gb_s=300).splitlines()
+    assert "with 40 GiB of KV, the device's 80 GB hold: bf16 no, int8 no, int4 yes" in one
+    assert (
+        "tensor parallel over 4 devices: each holds 1/4 of the weights and 2 of the 8 KV "
+        "heads; two all-reduces a layer over 300 GB/s links" in four
+    )
+    assert "weights per device: bf16 35.3 GB, int8 17.6 GB, int4 8.82 GB" in four
+    assert (
+        "with 40 GiB of KV per device, the device's 80 GB hold: bf16 yes, int8 yes, int4 yes"
+        in four
+    )
+    assert "      40      1024       256        64" in four  # 32768 pages per device
+    [bf16_b1] = [line for line in four if line.split()[:2] == ["bf16", "1"]]
+    assert bf16_b1.split()[-1] == "1.29"  # ms of all-reduces in the step

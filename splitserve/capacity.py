@@ -23,6 +23,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TypeVar
+
+import numpy as np
 
 from cluster.engine.checkpoint import ModelSpec
 from splitserve.hardware import Hardware
@@ -116,11 +119,14 @@ def weight_bytes(spec: ModelSpec, weight_bits: float, tp: int = 1) -> float:
 ALLREDUCE_LATENCY_S = 8e-6
 
 
-def allreduce_s(spec: ModelSpec, batch: int, tp: int, link_gb_s: float) -> float:
+Rows = TypeVar("Rows", float, np.ndarray)  # one step's, or many steps' at once
+
+
+def allreduce_s(spec: ModelSpec, batch: Rows, tp: int, link_gb_s: float) -> Rows:
     """Two ring all-reduces a layer of batch x hidden bfloat16 activations over links of
     link_gb_s each way, each ALLREDUCE_LATENCY_S more; 0 on one device."""
     if tp == 1:
-        return 0.0
+        return batch * 0.0
     sent = 2 * spec.num_layers * batch * spec.hidden_size * 2 * 2 * (tp - 1) / tp
     return sent / (link_gb_s * 1e9) + 2 * spec.num_layers * ALLREDUCE_LATENCY_S
 

@@ -303,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="devices a model is split over: weights and KV per device, all-reduces per step",
     )
-    cap.add_argument(
+    plan.add_argument(
         "--tp-link-gb-s",
         type=float,
         default=300.0,
@@ -329,6 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sim.add_argument("--efficiency", type=float, default=0.5, help="of the roofline reached")
     sim.add_argument("--link-gb-s", type=float, default=25.0, help="KV transfer, per prefill")
+    sim.add_argument("--prefill-tp", type=int, default=1, help="devices per prefill worker")
+    sim.add_argument("--decode-tp", type=int, default=1, help="devices per decode worker")
     cal = plan.add_argument_group("calibrate (times the real engine here)")
     cal.add_argument(
         "--dtype",

@@ -117,6 +117,7 @@ class Outcome:
     attainment: float  # of all requests, meeting both SLOs
     kv_use: tuple[tuple[float, float], ...]  # (time, mean decode KV use) at each tick
     transfer_gb: float
+    devices: int  # the workers' devices: each worker's tensor parallel size, summed
 
     @property
     def kv_peak(self) -> float:
@@ -133,7 +134,7 @@ class Outcome:
         return self.attainment * self.requests / self.span_s if self.span_s > 0 else 0.0
 
 
-def outcome(prefill: int, decode: int, result: Result, slo: Slo) -> Outcome:
+def outcome(prefill: int, decode: int, result: Result, slo: Slo, devices: int) -> Outcome:
     lat = result.latencies()
     ttft, tpot = lat["ttft"], lat["tpot"]
     done = [r for r in result.requests if not np.isnan(r.end)]
@@ -167,6 +168,7 @@ def outcome(prefill: int, decode: int, result: Result, slo: Slo) -> Outcome:
         met / len(result.requests),
         tuple((t, kv) for t, _, _, kv in result.ticks),
         result.transfer_bytes / 1e9,
+        devices,
     )
 
 
@@ -194,18 +196,25 @@ def sweep(
     decode: Sequence[int],
     slo: Slo,
     burstiness: float = 1.0,
+    tp: tuple[int, int] = (1, 1),  # each prefill and each decode worker's devices
 ) -> list[Outcome]:
     return [
-        outcome(p, d, simulate(make(p, d), workload, rate, requests, seed, burstiness), slo)
+        outcome(
+            p,
+            d,
+            simulate(make(p, d), workload, rate, requests, seed, burstiness),
+            slo,
+            p * tp[0] + d * tp[1],
+        )
         for p in prefill
         for d in decode
     ]
 
 
 def recommend(outcomes: Sequence[Outcome], goal: float = GOODPUT_ATTAINMENT) -> Outcome | None:
-    """The fewest workers meeting the SLOs for `goal` of requests; then the most goodput."""
+    """The fewest devices meeting the SLOs for `goal` of requests; then the most goodput."""
     meeting = [o for o in outcomes if o.attainment >= goal]
-    return min(meeting, key=lambda o: (o.workers, -o.goodput)) if meeting else None
+    return min(meeting, key=lambda o: (o.devices, -o.goodput)) if meeting else None
 
 
 def cluster_report(outcomes: Sequence[Outcome], slo: Slo, header: str) -> str:
@@ -216,14 +225,14 @@ def cluster_report(outcomes: Sequence[Outcome], slo: Slo, header: str) -> str:
         "meeting both",
         "",
         f"{'P':>3} {'D':>3} {'done':>7} {'TTFT p50/p90/p99 ms':>24} {'TPOT p50/p90/p99 ms':>22} "
-        f"{'ITL p99':>8} {'SLO met':>8} {'goodput':>8} {'/worker':>8} {'KV peak':>8} "
+        f"{'ITL p99':>8} {'SLO met':>8} {'goodput':>8} {'/device':>8} {'KV peak':>8} "
         f"{'KV moved GB':>11}",
     ]
     for o in outcomes:
         lines.append(
             f"{o.prefill:>3} {o.decode:>3} {o.completed:>7} {ms(o.ttft):>24} {ms(o.tpot):>22} "
             f"{o.itl[2] * 1e3:>8.0f} {o.attainment:>8.0%} {o.goodput:>8.2f} "
-            f"{o.goodput / o.workers:>8.3f} {o.kv_peak:>8.0%} {o.transfer_gb:>11.2f}"
+            f"{o.goodput / o.devices:>8.3f} {o.kv_peak:>8.0%} {o.transfer_gb:>11.2f}"
         )
     best = recommend(outcomes)
     lines.append("")
@@ -232,8 +241,8 @@ def cluster_report(outcomes: Sequence[Outcome], slo: Slo, header: str) -> str:
     else:
         lines.append(
             f"recommended: {best.prefill} prefill + {best.decode} decode workers "
-            f"({best.workers} in all, P:D = {best.prefill}:{best.decode}), the fewest that "
-            f"meet the SLOs for {best.attainment:.0%} of requests"
+            f"({best.workers} in all, P:D = {best.prefill}:{best.decode}; {best.devices} "
+            f"devices), the fewest that meet the SLOs for {best.attainment:.0%} of requests"
         )
     return "\n".join(lines)
 
@@ -253,13 +262,24 @@ def plan_cluster(args: argparse.Namespace, spec: ModelSpec, hw: Hardware) -> str
     """`splitserve plan cluster`: sweep the worker counts, print the table, maybe plot."""
     serve = load_serve_config(args.config) if args.config else ServeConfig()
     bits = {"none": BITS[args.kv_dtype], "int8": 8.0, "int4": 4.0, "gguf": 4.5}
-    cost: StepCost = (
-        Linear.load(Path(args.calibration))
-        if args.calibration
-        else Roofline(spec, hw, bits[args.quantization], args.kv_dtype, args.efficiency)
-    )
+    tps = (args.prefill_tp, args.decode_tp)
+    if min(tps) < 1 or (args.calibration and tps != (1, 1)):
+        raise ConfigError(
+            f"prefill_tp, decode_tp: at least 1, and 1 with --calibration (this engine's "
+            f"measured steps are on one device), got {tps}"
+        )
 
-    def pool(config: PoolConfig, replicas: int) -> Pool:
+    calibrated = Linear.load(Path(args.calibration)) if args.calibration else None
+
+    def cost(tp: int) -> StepCost:
+        if calibrated is not None:
+            return calibrated
+        weight_bits = bits[args.quantization]
+        return Roofline(
+            spec, hw, weight_bits, args.kv_dtype, args.efficiency, tp, args.tp_link_gb_s
+        )
+
+    def pool(phase: str, config: PoolConfig, replicas: int, tp: int) -> Pool:
         engine = replace(config.engine, page_size=args.page_size)
         if not args.config:
             engine = replace(engine, kv_cache_gb=args.kv_cache_gb)
@@ -268,8 +288,17 @@ def plan_cluster(args: argparse.Namespace, spec: ModelSpec, hw: Hardware) -> str
                 "engine.kv_cache_gb: plan cluster sizes each worker's KV cache from it; "
                 "gpu_memory_utilization depends on the device at start"
             )
-        pages = kv_capacity(spec, args.kv_dtype, engine.page_size, engine.kv_cache_gb).pages
-        return Pool(replicas, engine, pages, cost, config.autoscale)
+        gb = engine.kv_cache_gb  # on each of the worker's devices
+        weights = weight_bytes(spec, bits[args.quantization], tp)
+        if weights + gb * 2**30 > hw.memory_gb * 1e9:
+            raise ConfigError(
+                f"{phase}: weights {weights / 1e9:.3g} GB + KV {gb:g} GiB per "
+                f"device exceed {hw.name}'s {hw.memory_gb:g} GB at tensor parallel {tp}; "
+                f"split the model over more devices (--prefill-tp / --decode-tp) or shrink "
+                f"the KV cache"
+            )
+        pages = kv_capacity(spec, args.kv_dtype, engine.page_size, gb, tp).pages
+        return Pool(replicas, engine, pages, cost(tp), config.autoscale)
 
     policy = PolicyConfig(
         PolicyName(serve.router.policy),
@@ -281,8 +310,8 @@ def plan_cluster(args: argparse.Namespace, spec: ModelSpec, hw: Hardware) -> str
 
     def make(p: int, d: int) -> Cluster:
         return Cluster(
-            pool(serve.prefill, p),
-            pool(serve.decode, d),
+            pool("prefill", serve.prefill, p, tps[0]),
+            pool("decode", serve.decode, d, tps[1]),
             policy,
             kv_bytes_per_token(spec, args.kv_dtype),
             args.link_gb_s,
@@ -292,12 +321,14 @@ def plan_cluster(args: argparse.Namespace, spec: ModelSpec, hw: Hardware) -> str
     workload = load_workload(args.workload)
     outcomes = sweep(
         make, workload, args.rate, args.requests, args.seed,
-        counts(args.prefill), counts(args.decode), slo, args.burstiness,
+        counts(args.prefill), counts(args.decode), slo, args.burstiness, tps,
     )  # fmt: skip
     model = f"{args.model} ({num_params(spec) / 1e9:.3g}B, {args.quantization}, KV {args.kv_dtype})"
-    where = f"step costs {cost.source}" if isinstance(cost, Linear) else (
+    where = f"step costs {calibrated.source}" if calibrated is not None else (
         f"roofline of {hw.name} at {args.efficiency:.0%}"
     )  # fmt: skip
+    if tps != (1, 1):
+        where += f", tensor parallel {tps[0]} per prefill and {tps[1]} per decode worker"
     header = (
         f"{model} on {where}; workload {workload.name} at {args.rate:g}/s, "
         f"{args.requests} requests, seed {args.seed}"

@@ -27,7 +27,7 @@ from typing import Protocol
 import numpy as np
 
 from cluster.engine.checkpoint import ModelSpec
-from splitserve.capacity import kv_bytes_per_token, num_params, weight_bytes
+from splitserve.capacity import allreduce_s, kv_bytes_per_token, num_params, weight_bytes
 from splitserve.hardware import Hardware, cache_path
 
 Prefill = tuple[int, int]  # (new tokens, tokens already cached before them)
@@ -56,15 +56,18 @@ class Roofline:
     weight_bits: float = 16
     kv_dtype: str = "bfloat16"
     efficiency: float = 1.0  # the fraction of the roofline the engine reaches
+    tp: int = 1  # devices a worker's model is split over (capacity.py: tensor parallelism)
+    link_gb_s: float = 0.0  # with tp > 1: each device's link, each way
 
     def _time(self, new_tokens: np.ndarray, kv_tokens: np.ndarray, pairs: np.ndarray) -> np.ndarray:
-        per_token = kv_bytes_per_token(self.spec, self.kv_dtype)
-        read = weight_bytes(self.spec, self.weight_bits) + kv_tokens * per_token
-        s = self.spec
+        s, tp = self.spec, self.tp
+        per_token = kv_bytes_per_token(s, self.kv_dtype, tp)
+        read = weight_bytes(s, self.weight_bits, tp) + kv_tokens * per_token
         flops = 2 * num_params(s) * new_tokens + 4 * s.num_layers * s.num_heads * s.head_dim * pairs
         memory = read / (self.hw.bandwidth_gb_s * 1e9)
-        compute = flops / (self.hw.tflops * 1e12)
-        return np.maximum(memory, compute) / self.efficiency
+        compute = flops / tp / (self.hw.tflops * 1e12)
+        steps = np.maximum(memory, compute) / self.efficiency
+        return steps + allreduce_s(s, new_tokens, tp, self.link_gb_s)
 
     def seconds(self, contexts: Sequence[int], prefills: Sequence[Prefill]) -> float:
         new = len(contexts) + sum(n for n, _ in prefills)

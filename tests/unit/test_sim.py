@@ -244,3 +244,29 @@ def test_plan_cluster_refuses_a_kv_cache_sized_as_a_share_of_the_gpu(
         "splitserve: error: engine.kv_cache_gb: plan cluster sizes each worker's KV cache "
         "from it; gpu_memory_utilization depends on the device at start"
     ]
+
+
+def test_plan_cluster_splits_a_model_too_big_for_one_device_over_tensor_parallel_workers(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Llama-3-70B in bf16 (141 GB) does not fit an A100 (80 GB): refused, naming the
+    pool; at tensor parallel 4 per worker (35 GB a device) the sweep runs, counts four
+    devices a worker and recommends by devices; a TP-4 step is faster than the TP-1 roofline
+    would be (a quarter of the bytes per device, plus its all-reduces)."""
+    from splitserve.cli import main
+
+    args = ["plan", "cluster", "--model", "llama-3-70b", "--hardware", "A100", "--kv-cache-gb",
+            "30", "--workload", "chat", "--rate", "2", "--requests", "100"]  # fmt: skip
+    assert main(args) == 2
+    assert capsys.readouterr().err.startswith(
+        "splitserve: error: prefill: weights 141 GB + KV 30 GiB per device exceed A100's 80 GB "
+        "at tensor parallel 1"
+    )
+    assert main([*args, "--prefill-tp", "4", "--decode-tp", "4", "--decode", "1-2"]) == 0
+    out = capsys.readouterr().out
+    assert "tensor parallel 4 per prefill and 4 per decode worker" in out
+    assert "recommended: 1 prefill + 1 decode workers (2 in all, P:D = 1:1; 8 devices)" in out
+    spec, a100 = ARCHITECTURES["llama-3-70b"], GPUS["A100"]
+    one, four = Roofline(spec, a100), Roofline(spec, a100, tp=4, link_gb_s=300)
+    assert four.seconds([1], []) < one.seconds([1], []) / 3
+    assert four.seconds([1], []) > one.seconds([1], []) / 4  # the all-reduces cost

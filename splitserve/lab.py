@@ -1,8 +1,9 @@
 """`splitserve lab`: a web page of the capacity plan, and of the cluster when one serves.
 
-- The capacity explorer: model, hardware, weight bits, KV cache GiB and context as
-  controls; pages, tokens, the sequences that fit, the decode floor (tokens/s at the
-  memory wall) and whether weights and KV fit the device, each computed on the server by
+- The capacity explorer: model, hardware, weight bits, KV cache GiB, context, KV dtype
+  and tensor parallel size (figures then per device) as controls; pages, tokens, the
+  sequences that fit, the decode floor (tokens/s at the memory wall, all-reduces
+  included) and whether weights and KV fit the device, each computed on the server by
   `splitserve plan capacity`'s own functions (splitserve/capacity.py) at GET
   /lab/capacity, so the page shows what the CLI prints for the same inputs.
 - The live view, on a router's HTTP API (`splitserve serve` adds these routes there):
@@ -32,6 +33,8 @@ from splitserve.hardware import GPUS
 
 WEIGHT_BITS = (16, 8, 4)
 KV_DTYPES = ("bfloat16", "float16", "float32")
+TENSOR_PARALLEL = (1, 2, 4, 8)
+TP_LINK_GB_S = 300.0  # plan capacity's --tp-link-gb-s default (NVLink 3)
 
 
 def capacity(q: Mapping[str, str]) -> dict[str, Any]:
@@ -60,11 +63,12 @@ def capacity(q: Mapping[str, str]) -> dict[str, Any]:
     context = number("context", int, 1)
     kv_dtype = choice("kv_dtype", KV_DTYPES, "bfloat16")
     page_size = number("page_size", int, 1) if "page_size" in q else 16
-    cap = kv_capacity(spec, kv_dtype, page_size, kv_gb)
+    tp = number("tensor_parallel", int, 1) if "tensor_parallel" in q else 1
+    cap = kv_capacity(spec, kv_dtype, page_size, kv_gb, tp)  # KV GiB and pages per device
     sequences = cap.sequences(context)
-    one = decode_bound(spec, hw, bits, kv_dtype, 1, context)
-    full = decode_bound(spec, hw, bits, kv_dtype, max(1, sequences), context)
-    weights_gb = weight_bytes(spec, bits) / 1e9
+    one = decode_bound(spec, hw, bits, kv_dtype, 1, context, tp, TP_LINK_GB_S)
+    full = decode_bound(spec, hw, bits, kv_dtype, max(1, sequences), context, tp, TP_LINK_GB_S)
+    weights_gb = weight_bytes(spec, bits, tp) / 1e9
     need_gb = weights_gb + kv_gb * 2**30 / 1e9
     return {
         "pages": cap.pages,
@@ -79,6 +83,7 @@ def capacity(q: Mapping[str, str]) -> dict[str, Any]:
         "batch": full.batch,
         "tok_s_at_batch": full.tokens_per_s,
         "bound_at_batch": full.bound,
+        "allreduce_ms_at_batch": full.allreduce_s * 1e3,
     }
 
 
@@ -88,6 +93,7 @@ def page() -> str:
         "hardware": list(GPUS),
         "weight_bits": list(WEIGHT_BITS),
         "kv_dtypes": list(KV_DTYPES),
+        "tensor_parallel": list(TENSOR_PARALLEL),
     }
     html = files("splitserve").joinpath("lab.html").read_text()
     return html.replace("__OPTIONS__", json.dumps(options))

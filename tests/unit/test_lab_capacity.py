@@ -24,6 +24,13 @@ def test_the_textbook_70b_on_an_a100_does_not_fit_and_its_kv_matches_the_plan() 
     assert plan["bound_at_batch"] == "memory" and plan["batch"] == 4
 
 
+def test_the_70b_fits_four_a100s_as_plan_capacity_splits_it() -> None:
+    four = capacity({**QUERY, "tensor_parallel": "4"})
+    assert four["fits"] and round(four["weights_gb"], 1) == 35.3  # per device
+    assert four["pages"] == 4 * capacity(QUERY)["pages"]  # 2 of 8 KV heads a device
+    assert four["allreduce_ms_at_batch"] > 0 == capacity(QUERY)["allreduce_ms_at_batch"]
+
+
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
@@ -32,6 +39,7 @@ def test_the_textbook_70b_on_an_a100_does_not_fit_and_its_kv_matches_the_plan() 
         ("kv_cache_gb", "-1", "kv_cache_gb: at least 0, got -1"),
         ("context", "lots", "context: a number is needed, got 'lots'"),
         ("kv_dtype", "int2", "kv_dtype: one of ["),
+        ("tensor_parallel", "0", "tensor_parallel: at least 1, got 0"),
     ],
 )
 def test_a_bad_input_is_refused_naming_its_field(field: str, value: str, message: str) -> None:

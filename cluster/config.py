@@ -57,7 +57,7 @@ class EngineConfig:
     # bound wider does.
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = 0
-    metrics_api_key_file: str | None = None  # e.g. the router's key, a mounted Secret
+    metrics_api_key_file: str | None = None  # a scrape-only key (plain HTTP: not the API's)
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")

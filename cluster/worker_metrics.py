@@ -10,6 +10,7 @@ decode), which stand where vLLM's `engine` does.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -105,8 +106,12 @@ def serve(worker: str, model: str, read: Callable[[], Stats], config: EngineConf
         def log_message(self, format: str, *args: object) -> None:
             pass  # no line per scrape
 
-    server = ThreadingHTTPServer((config.metrics_host, config.metrics_port), Scrape)
+    class Server(ThreadingHTTPServer):
+        address_family = socket.AF_INET6 if ":" in config.metrics_host else socket.AF_INET
+
+    server = Server((config.metrics_host, config.metrics_port), Scrape)
     threading.Thread(target=server.serve_forever, name=f"{worker}-metrics", daemon=True).start()
-    url = f"http://{config.metrics_host}:{server.server_address[1]}/metrics"
+    host = f"[{config.metrics_host}]" if ":" in config.metrics_host else config.metrics_host
+    url = f"http://{host}:{server.server_address[1]}/metrics"
     log.info("%s: Prometheus metrics on %s", worker, url)
     return url

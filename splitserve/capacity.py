@@ -127,6 +127,8 @@ def allreduce_s(spec: ModelSpec, batch: Rows, tp: int, link_gb_s: float) -> Rows
     link_gb_s each way, each ALLREDUCE_LATENCY_S more; 0 on one device."""
     if tp == 1:
         return batch * 0.0
+    if link_gb_s <= 0:
+        raise ValueError(f"tensor parallel {tp} needs a link bandwidth > 0, got {link_gb_s}")
     sent = 2 * spec.num_layers * batch * spec.hidden_size * 2 * 2 * (tp - 1) / tp
     return sent / (link_gb_s * 1e9) + 2 * spec.num_layers * ALLREDUCE_LATENCY_S
 

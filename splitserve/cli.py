@@ -167,6 +167,8 @@ def _plan(args: argparse.Namespace) -> int:
         plot_capacity(spec, args.kv_dtype, args.page_size, contexts, Path(args.plot), title)
     if args.tensor_parallel_size < 1:
         raise ConfigError(f"tensor_parallel_size: at least 1, got {args.tensor_parallel_size}")
+    if args.tp_link_gb_s <= 0:
+        raise ConfigError(f"tp_link_gb_s: a bandwidth > 0, got {args.tp_link_gb_s:g}")
     print(report(args.model, spec, hw, args.kv_dtype, args.page_size, args.kv_cache_gb,
                  contexts, batches, args.tensor_parallel_size, args.tp_link_gb_s))  # fmt: skip
     return 0

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from collections.abc import Mapping
 from importlib.resources import files
 from typing import Any
@@ -46,8 +47,8 @@ def capacity(q: Mapping[str, str]) -> dict[str, Any]:
             value = kind(q[field])
         except (KeyError, ValueError):
             raise ConfigError(f"{field}: a number is needed, got {q.get(field)!r}") from None
-        if value < low:
-            raise ConfigError(f"{field}: at least {low:g}, got {value:g}")
+        if not math.isfinite(value) or value < low:
+            raise ConfigError(f"{field}: a finite number, at least {low:g}, got {value:g}")
         return value
 
     def choice(field: str, options: Any, default: str | None = None) -> Any:

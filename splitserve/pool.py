@@ -177,7 +177,10 @@ class WorkerPool(Generic[H]):
         info = asyncio.ensure_future(handle.info.remote())
         try:
             while not (await asyncio.wait([info], timeout=0.25))[0]:
-                if (read := role_worker.loaded(name)) is not None:
+                if not BARS.on:  # no terminal: nothing to draw
+                    continue
+                # A call to Ray's GCS: off the loop that serves requests.
+                if (read := await asyncio.to_thread(role_worker.loaded, name)) is not None:
                     BARS.update(name, *read)
         finally:
             info.cancel()  # a timeout's: the worker is killed next

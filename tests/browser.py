@@ -10,6 +10,7 @@ import json
 import re
 import shutil
 import subprocess
+import threading
 import urllib.request
 from pathlib import Path
 from types import TracebackType
@@ -48,6 +49,8 @@ class Browser:
                 break
         else:
             raise RuntimeError(f"chromium exited ({self.process.wait()}) before listening")
+        # It goes on logging: read the rest, or a full pipe would stall it.
+        threading.Thread(target=self.process.stderr.read, daemon=True).start()
 
     def page(self) -> str:
         """A new tab's DevTools websocket URL."""

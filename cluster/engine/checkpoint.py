@@ -305,8 +305,8 @@ def _load_gguf(
     heads, kv_heads = spec.num_heads, spec.num_kv_heads
     weights: dict[str, torch.Tensor | GroupQuant] = {}
     for i, t in enumerate(reader.tensors, 1):
-        if progress is not None:
-            progress(i, len(reader.tensors))
+        if progress is not None and i > 1:
+            progress(i - 1, len(reader.tensors))  # the one before is read
         try:
             hf_name = _gguf_name(t.name)
         except (KeyError, ValueError):
@@ -325,6 +325,8 @@ def _load_gguf(
         w = dequantize(t.data, t.kind).reshape(shape)
         w = _unpermuted(arch, t.name, w, heads, kv_heads)
         weights[hf_name] = torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
+    if progress is not None:
+        progress(len(reader.tensors), len(reader.tensors))
     return spec, weights
 
 

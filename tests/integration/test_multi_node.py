@@ -72,8 +72,13 @@ class Node:
         )
         # One node at a time: nodes starting together on two cores time out registering.
         started = lambda: "Ray runtime started" in log.read_text()
-        wait_until(lambda: started() or self.process.poll() is not None, f"{log.stem} up", 180)
-        assert started(), log.read_text()
+        try:
+            up = lambda: started() or self.process.poll() is not None
+            wait_until(up, f"{log.stem} up", 180)
+            assert started(), log.read_text()
+        except BaseException:
+            self.kill()
+            raise
 
     def runs(self, name: str) -> bool:
         """Whether a process of this node's session has `name` in its title (an actor)."""
@@ -100,13 +105,13 @@ def cluster(tmp_path: Path) -> Iterator[tuple[str, dict[str, Node]]]:
     port = _free_port()
     # Ray's sockets live under its temp dir, and a socket's path has at most 107 bytes.
     temp = tempfile.TemporaryDirectory(prefix="ray-", dir="/tmp")
-    head = Node(
-        ["--head", f"--port={port}", "--num-cpus=0", "--include-dashboard=false",
-         f"--temp-dir={temp.name}"],
-        tmp_path / "head.log",
-    )  # fmt: skip
-    nodes = {"head": head}
+    nodes: dict[str, Node] = {}
     try:
+        nodes["head"] = Node(
+            ["--head", f"--port={port}", "--num-cpus=0", "--include-dashboard=false",
+             f"--temp-dir={temp.name}"],
+            tmp_path / "head.log",
+        )  # fmt: skip
         address = f"127.0.0.1:{port}"
         for name, resource in (("prefill", "prefill_node"), ("decode-a", "decode_node"),
                                ("decode-b", "decode_node")):  # fmt: skip

@@ -50,6 +50,8 @@ def test_the_70b_split_over_four_a100s_fits_each_and_pays_its_all_reduces() -> N
         assert kv_bytes_per_token(model, "bfloat16", tp=tp) == 2 * 80 * 1 * 128 * 2
     one = decode_bound(model, a100, 16, "bfloat16", 1, 1)
     assert one.allreduce_s == 0 and one.step_s == one.memory_s
+    with pytest.raises(ValueError, match="needs a link bandwidth > 0"):
+        decode_bound(model, a100, 16, "bfloat16", 1, 1, tp=2)  # no link given
 
 
 def test_kv_arithmetic_by_hand_and_as_the_engine_reports_it() -> None:

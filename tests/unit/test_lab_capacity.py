@@ -36,10 +36,12 @@ def test_the_70b_fits_four_a100s_as_plan_capacity_splits_it() -> None:
     [
         ("model", "gpt-5", "model: one of ["),
         ("hardware", "TPU", "hardware: one of ["),
-        ("kv_cache_gb", "-1", "kv_cache_gb: at least 0, got -1"),
+        ("kv_cache_gb", "-1", "kv_cache_gb: a finite number, at least 0, got -1"),
+        ("kv_cache_gb", "nan", "kv_cache_gb: a finite number, at least 0, got nan"),
+        ("context", "1e400", "context: a number is needed, got '1e400'"),
         ("context", "lots", "context: a number is needed, got 'lots'"),
         ("kv_dtype", "int2", "kv_dtype: one of ["),
-        ("tensor_parallel", "0", "tensor_parallel: at least 1, got 0"),
+        ("tensor_parallel", "0", "tensor_parallel: a finite number, at least 1, got 0"),
     ],
 )
 def test_a_bad_input_is_refused_naming_its_field(field: str, value: str, message: str) -> None:

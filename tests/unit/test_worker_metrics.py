@@ -112,6 +112,14 @@ def test_a_worker_bound_beyond_loopback_asks_for_the_key_of_its_key_file(
     assert elsewhere.value.code == 404
 
 
+def test_a_worker_serves_its_series_on_ipv6_loopback_too() -> None:
+    config = EngineConfig(metrics_host="::1", metrics_port=0)
+    url = worker_metrics.serve("d0", "smol", decode_stats, config)
+    assert url is not None and url.startswith("http://[::1]:")
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    assert ("vllm:num_requests_running", labels("d0", "decode")) in samples(text)
+
+
 def test_an_unreadable_key_file_is_refused_naming_the_field(tmp_path: Path) -> None:
     config = EngineConfig(metrics_port=0, metrics_api_key_file=str(tmp_path / "missing"))
     with pytest.raises(ConfigError, match=r"engine\.metrics_api_key_file: cannot read"):

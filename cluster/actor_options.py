@@ -19,6 +19,15 @@ def worker_gpus(num_gpus: float | None, device: str, cluster_gpus: float) -> flo
     return 1.0 if device == "cuda" or (device == "auto" and cluster_gpus > 0) else 0.0
 
 
+def rank_bundles(options: dict[str, Any], size: int) -> list[dict[str, float]]:
+    """The placement group of a worker whose model is split across `size` ranks (its
+    actor's `options`): a bundle per rank of the worker's CPUs and GPUs, the worker's
+    custom resources (its node type's) in rank 0's only."""
+    each = {"CPU": options["num_cpus"], "GPU": options["num_gpus"]}
+    each = {k: v for k, v in each.items() if v}
+    return [{**each, **options["resources"]}] + [dict(each) for _ in range(size - 1)]
+
+
 def actor_options(
     name: str,
     num_cpus: float,

@@ -49,6 +49,9 @@ class EngineConfig:
     prefix_caching: bool = True
     max_model_len: int | None = None  # None: the model's own context length
     threads: int | None = None  # CPU threads for torch; None: torch's default
+    # Ranks the model is split across (cluster/engine/tensor_parallel.py): Ray actors on one
+    # node, a CPU (or a GPU) each; 1: the whole model in this engine.
+    tensor_parallel_size: int = 1
     cpu_cores: tuple[int, ...] | None = None  # pin the engine's threads to these cores (Linux)
     # The worker that runs this engine serves its own Prometheus /metrics on host:port
     # (cluster/worker_metrics.py; its URL is in the worker's stats and log); 0: any free
@@ -116,6 +119,11 @@ class EngineConfig:
             self.threads is None or (_is_int(self.threads) and self.threads >= 1),
             "threads",
             f"must be an integer >= 1 or null, got {self.threads!r}",
+        )
+        _check(
+            _is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1,
+            "tensor_parallel_size",
+            f"must be an integer >= 1, got {self.tensor_parallel_size!r}",
         )
         cores = self.cpu_cores
         _check(
@@ -306,6 +314,12 @@ class PoolConfig:
             "0 gives each worker no GPU, but engine.device is cuda: leave num_gpus null "
             "(one each) or give a share (0.5: two workers on one GPU)",
         )
+        _check(
+            self.num_cpus > 0 or self.engine.tensor_parallel_size == 1,
+            "num_cpus",
+            f"must be > 0 for engine.tensor_parallel_size {self.engine.tensor_parallel_size}: "
+            f"each rank's bundle of the worker's placement group holds that many CPUs",
+        )
         _check(isinstance(self.resources, dict), "resources", "must be a mapping")
         for key, value in self.resources.items():
             _check(
@@ -488,6 +502,15 @@ class ServeConfig:
                 f"prefill.engine.{name}",
                 f"must equal decode.engine.{name} ({theirs!r}), got {ours!r}",
             )
+        if self.prefill.scaling.max_replicas > 0:  # KV moves whole from rank to rank
+            for pool in ("prefill", "decode"):
+                size = getattr(self, pool).engine.tensor_parallel_size
+                _check(
+                    size == 1,
+                    f"{pool}.engine.tensor_parallel_size",
+                    f"KV moves between the pools from unsplit engines only so far: serve a "
+                    f"split model colocated (prefill.replicas: 0), got {size}",
+                )
         # auto resolves per device, so two pools on different devices would hold different KV.
         devices = self.prefill.engine.device, self.decode.engine.device
         for name, named in (("dtype", "float32 or bfloat16"), ("quantization", "none or gguf")):

@@ -12,8 +12,10 @@ from typing import Any, TypeVar, cast
 
 import ray
 from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_get, _internal_kv_put
+from ray.util.placement_group import get_placement_group, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.actor_options import actor_options
+from cluster.actor_options import actor_options, rank_bundles
 from cluster.config import EngineConfig, TransferConfig
 from cluster.engine.checkpoint import Progress
 from cluster.engine.engine import LLMEngine
@@ -38,7 +40,23 @@ def spawn(
     actor: Any = ray.remote(worker)
     gpus = ray.cluster_resources().get("GPU", 0.0)
     options = actor_options(name, num_cpus, num_gpus, engine.device, resources or {}, gpus)
+    if engine.tensor_parallel_size > 1:  # the worker and its other ranks, on one node
+        bundles = rank_bundles(options, engine.tensor_parallel_size)
+        group = placement_group(bundles, strategy="STRICT_PACK", name=ranks_group(name))
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, 0)
     return cast(H, actor.options(**options).remote(name, engine, transfer))
+
+
+def ranks_group(name: str) -> str:
+    """The placement group of worker `name`'s ranks (tensor parallelism)."""
+    return f"{name}-ranks"
+
+
+def kill(name: str, handle: Any, tensor_parallel_size: int) -> None:
+    """End worker `name`'s actor, and its other ranks' with their placement group."""
+    ray.kill(handle)
+    if tensor_parallel_size > 1:
+        remove_placement_group(get_placement_group(ranks_group(name)))
 
 
 def endpoint(name: str, engine: LLMEngine, transfer: TransferConfig) -> KVEndpoint:

@@ -17,10 +17,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import queue
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+from cluster.engine.tensor_parallel import GroupLost
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -81,6 +84,11 @@ class WorkerLoop:
                     self._calls.get()()
             try:
                 wait = self._tick()
+            except GroupLost:  # a rank of its model is gone: the pool replaces the worker
+                log.critical(
+                    "a rank of this worker's model is lost; the worker ends", exc_info=True
+                )
+                os._exit(70)
             except Exception:  # a bug in one round must not stop the worker for good
                 log.exception("worker loop round failed")
                 wait = 0.01

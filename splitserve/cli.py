@@ -51,6 +51,7 @@ def _generate(args: argparse.Namespace) -> int:
         "dtype": args.dtype,
         "quantization": args.quantization,
         "kv_cache_gb": args.kv_cache_gb,
+        "tensor_parallel_size": args.tensor_parallel_size,
     }
     fields = {**vars(base), **{k: v for k, v in overrides.items() if v is not None}}
     from splitserve.load_bars import BARS
@@ -61,11 +62,14 @@ def _generate(args: argparse.Namespace) -> int:
     if args.chat:
         prompt = engine.tokenizer.encode_chat([{"role": "user", "content": prompt}])
     rid = engine.add_request(prompt, sampling)
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.request_id == rid:
-                sys.stdout.write(out.new_text)
-                sys.stdout.flush()
+    try:
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.request_id == rid:
+                    sys.stdout.write(out.new_text)
+                    sys.stdout.flush()
+    finally:
+        engine.close()
     sys.stdout.write("\n")
     return 0
 
@@ -265,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--chat", action="store_true", help="wrap as one user turn (chat template)")
     _sampling_args(gen, max_tokens=128)
-    for name in ("--dtype", "--quantization", "--kv-cache-gb"):
+    for name in ("--dtype", "--quantization", "--kv-cache-gb", "--tensor-parallel-size"):
         BY_NAME[name].add_to(gen, BY_NAME[name].help)
     gen.add_argument("--model", default=None, help="GGUF file or HF checkpoint dir")
     gen.add_argument("--config", default=None, help="YAML config (its engine: section)")

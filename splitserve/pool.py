@@ -20,10 +20,8 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Generic, Literal, TypeVar, cast
+from typing import Generic, Literal, TypeVar
 
-import ray
-from ray.actor import ActorHandle
 from ray.exceptions import RayActorError
 
 from cluster import role_worker
@@ -114,7 +112,7 @@ class WorkerPool(Generic[H]):
             log.warning("%s died while draining: %s", name, e)
         finally:
             registry.remove(name)
-            _kill(handle)
+            self._kill(name, handle)
             del self.workers[name]
             self.draining.discard(name)
         log.info("%s: drained and stopped", name)
@@ -124,12 +122,12 @@ class WorkerPool(Generic[H]):
         live = set(registry.names(self.phase))
         dead = [w for w in self.workers if w not in live and w not in self.draining]
         for name in dead:
-            _kill(self.workers.pop(name))  # it may only look dead (a failed call)
+            self._kill(name, self.workers.pop(name))  # it may only look dead (a failed call)
         return dead
 
     def stop(self) -> None:
-        for handle in self.workers.values():
-            _kill(handle)
+        for name, handle in self.workers.items():
+            self._kill(name, handle)
         self.workers.clear()
 
     def _spawn(self) -> tuple[str, H]:
@@ -147,7 +145,7 @@ class WorkerPool(Generic[H]):
         try:
             info = await asyncio.wait_for(self._loading(name, handle), timeout_s)
         except BaseException as e:
-            _kill(handle)
+            self._kill(name, handle)
             if isinstance(e, TimeoutError):
                 raise TimeoutError(
                     f"{name}: not ready within start_timeout_s={timeout_s:g} (does any node "
@@ -197,9 +195,8 @@ class WorkerPool(Generic[H]):
                 return False
             await asyncio.sleep(0.1)
 
+    def _kill(self, name: str, handle: H) -> None:
+        role_worker.kill(name, handle, self.config.engine.tensor_parallel_size)
+
 
 AnyPool = WorkerPool[DecodeHandle] | WorkerPool[PrefillHandle]
-
-
-def _kill(handle: DecodeHandle | PrefillHandle) -> None:
-    ray.kill(cast(ActorHandle, handle))  # typed by its Protocol, it is Ray's handle

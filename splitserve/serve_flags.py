@@ -126,6 +126,13 @@ FLAGS = (
         float,
         clears=_engines("kv_cache_gb"),
     ),
+    Flag(
+        "--tensor-parallel-size",
+        _engines("tensor_parallel_size"),
+        "ranks each worker's model is split across, a CPU (or GPU) each, on one node "
+        "(default 1; above 1 only colocated so far: --prefill-replicas 0)",
+        int,
+    ),
     Flag("--prefill-replicas", ("prefill.replicas",), "prefill workers (default 1)", int),
     Flag("--decode-replicas", ("decode.replicas",), "decode workers (default 1)", int),
     Flag("--redis-url", ("redis_url",), "an external Redis (default: embedded)"),

@@ -245,7 +245,7 @@ class PiecewiseGraphs:
             mlp = None
             ids, positions = self.inputs[:, :b]
             if i == 0:
-                x.copy_(m.embed(ids))
+                x.copy_(m.embed_tokens(ids))
             else:
                 new_x, mlp = m.after_attention(i - 1, x, a)
                 keep(x, new_x)

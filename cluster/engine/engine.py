@@ -12,6 +12,7 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,10 +59,11 @@ from cluster.types import (
     TopLogprobs,
 )
 
-if TYPE_CHECKING:  # xgrammar loads only when a request asks for structured output
+if TYPE_CHECKING:  # xgrammar loads only for structured output, torch.distributed for TP
     from xgrammar import GrammarMatcher
 
     from cluster.engine.grammar import Grammars
+    from cluster.engine.tensor_parallel import Rank, Ranks, TensorGroup
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +74,11 @@ def _load_model(
     dtype: torch.dtype,
     device: torch.device,
     progress: Progress | None,
+    split: Callable[[ModelSpec], TensorGroup] | None,
 ) -> tuple[ModelSpec, LlamaModel]:
-    """The checkpoint as a model whose weights are stored as `quantization` says;
-    ConfigError naming the field when this model cannot take that mode."""
+    """The checkpoint as a model whose weights are stored as `quantization` says (`split`:
+    its shard on this rank, once the rank has joined the group `split` returns);
+    ConfigError naming the field when this model cannot take that mode or split."""
     try:
         if quantization != "none" and device.type != "cpu":
             raise QuantizationError(f"its kernels run on CPU only so far, not {device.type}")
@@ -82,7 +86,14 @@ def _load_model(
         load_dtype = dtype if quantization == "none" else torch.float32
         keep = quantization == "gguf"
         spec, weights = load_checkpoint(path, keep, load_dtype, device, progress)
-        return spec, LlamaModel(spec, weights, dtype, device, quantization)
+        if split is None:
+            return spec, LlamaModel(spec, weights, dtype, device, quantization)
+        from cluster.engine.tensor_parallel import ShardedWeights
+
+        group = split(spec)
+        sharded = ShardedWeights(weights, group.shard, spec.head_dim)
+        local = group.shard.local(spec)
+        return spec, LlamaModel(local, sharded, dtype, device, quantization, group)
     except QuantizationError as e:
         raise ConfigError(f"quantization: {quantization}: {e}") from None
 
@@ -183,9 +194,16 @@ class _Live:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, progress: Progress | None = None) -> None:
-        """`progress` hears of each checkpoint tensor read while the weights load."""
+    def __init__(
+        self, config: EngineConfig, progress: Progress | None = None, rank: Rank | None = None
+    ) -> None:
+        """`progress` hears of each checkpoint tensor read while the weights load.
+
+        With `tensor_parallel_size` > 1 this engine is rank 0 of its model's ranks: it
+        starts the others (Ray actors on this node, tensor_parallel.Ranks) and drives them
+        step by step; `rank` is given to those others, which `follow` it."""
         self.config = config
+        self.ranks: Ranks | None = None  # rank 0's hold on the others
         if config.cpu_cores is not None:  # threads started from here on inherit it
             os.sched_setaffinity(0, config.cpu_cores)
         if config.threads is not None:
@@ -199,14 +217,27 @@ class LLMEngine:
         backend = resolve_backend(config.attention_backend, self.device, self.dtype)
         started = time.perf_counter()
         memory = device_memory(self.device)  # before the weights: what other processes left
-        self.spec, self.model = _load_model(path, self.quantization, dtype, self.device, progress)
+        split = None
+        if config.tensor_parallel_size > 1:
+            from cluster.engine.tensor_parallel import join
+
+            def split(spec: ModelSpec) -> TensorGroup:
+                group, self.ranks = join(
+                    config, spec, self.quantization, self.device, rank, LLMEngine
+                )
+                return group
+
+        self.spec, self.model = _load_model(
+            path, self.quantization, dtype, self.device, progress, split
+        )
+        group = self.model.group
         self.tokenizer = Tokenizer.load(path)
         self.sampling_defaults = read_sampling_defaults(path)
         spec = self.spec
         self.max_model_len = min(config.max_model_len or spec.max_position, spec.max_position)
-        self.layout = KVLayout.of(spec, config.page_size, dtype)
+        self.layout = KVLayout.of(self.model.spec, config.page_size, dtype)  # its heads
         workspace = workspace_bytes(
-            spec,
+            self.model.spec,
             dtype.itemsize,
             backend,
             self.device,
@@ -223,6 +254,8 @@ class LLMEngine:
             if too_big:
                 raise ConfigError(f"kv_cache_gb: {too_big}")
         num_pages = self.layout.pages_for(kv_bytes)
+        if group is not None:  # every rank's cache holds as many pages as rank 0's
+            num_pages = group.fewest(num_pages)
         if num_pages < 1:
             raise ValueError(f"kv_cache_gb: {kv_bytes / 2**30:g} GiB holds no page of KV")
         if num_pages * config.page_size < self.max_model_len:
@@ -251,6 +284,8 @@ class LLMEngine:
             config.max_num_batched_tokens,
             self.device,
         )
+        if self.ranks is not None:
+            self.ranks.follow()
         self._live: dict[RequestId, _Live] = {}
         self._ids = itertools.count()
         self._prompt_tokens = 0  # prompts whose prefill finished here, whole (EngineCounts)
@@ -269,6 +304,17 @@ class LLMEngine:
         log.info("%s", self.layout.capacity_report(num_pages, self.max_model_len))
 
     # --- the API ---------------------------------------------------------------------------
+
+    def follow(self) -> None:
+        """Ranks > 0: run rank 0's steps on this rank's shard until it closes."""
+        self.runner.follow()
+
+    def close(self) -> None:
+        """Stop this engine's other ranks (a model on one rank has none)."""
+        if self.ranks is not None:
+            self.runner.stop_followers()
+            self.ranks.close()
+            self.ranks = None
 
     def add_request(
         self,

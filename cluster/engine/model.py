@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,9 @@ from cluster.engine.quantization import (
     linear,
     quantize,
 )
+
+if TYPE_CHECKING:  # torch.distributed loads only for a model split across ranks
+    from cluster.engine.tensor_parallel import TensorGroup
 
 
 @dataclass
@@ -62,10 +65,15 @@ class LlamaModel:
         dtype: torch.dtype,
         device: torch.device,
         quantization: str = "none",
+        group: TensorGroup | None = None,
     ) -> None:
         """Build from checkpoint weights, taking (and dropping) them from `weights` one
-        by one so no float copy outlives its quantized form."""
+        by one so no float copy outlives its quantized form.
+
+        `group`: this rank's share of a model split across ranks (tensor_parallel.py):
+        `spec` is then the rank's shape (Shard.local) and `weights` its ShardedWeights."""
         self.spec = spec
+        self.group = group
         self.kernels: ModuleType | None = None  # layer_kernels, on CUDA (its torch has triton)
         if device.type == "cuda":
             from cluster.engine import layer_kernels
@@ -131,7 +139,8 @@ class LlamaModel:
                     down=mat(p + "mlp.down_proj.weight"),
                 )
             )
-        expected = (spec.vocab_size, spec.hidden_size)
+        vocab = spec.vocab_size if group is None else group.shard.vocab_width
+        expected = (vocab, spec.hidden_size)
         if tuple(self.embed.shape) != expected:
             raise ModelLoadError(
                 f"checkpoint {spec.name!r}: embed_tokens has shape {tuple(self.embed.shape)}, "
@@ -168,7 +177,7 @@ class LlamaModel:
     ) -> torch.Tensor:
         s = self.spec
         rows = None if attention.fuses_rope else self.rope_rows(positions)
-        x, mlp = self.embed(input_ids), None
+        x, mlp = self.embed_tokens(input_ids), None
         for i in range(len(self.layers)):
             x, qkv = self.before_attention(i, x, mlp)
             qk, v = self.heads(qkv)
@@ -208,15 +217,32 @@ class LlamaModel:
         """Layer i from attention's output a: (the residual with the output projection
         added, the MLP of its RMSNorm, not yet added)."""
         layer = self.layers[i]
-        x, h = self._add_norm(x, layer.o(a.reshape(a.shape[0], -1)), layer.post_norm)
-        return x, layer.down(self._silu_mul(layer.gate_up(h)))
+        o = self._sum(layer.o(a.reshape(a.shape[0], -1)))
+        x, h = self._add_norm(x, o, layer.post_norm)
+        return x, self._sum(layer.down(self._silu_mul(layer.gate_up(h))))
 
     def logits(self, x: torch.Tensor, mlp: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Float32 next-token logits of the given rows, from the last layer's residual and
         MLP output."""
         x = x[rows] + mlp[rows]
         x = F.rms_norm(x, (self.spec.hidden_size,), self.norm, self.spec.rms_norm_eps)
-        return self.lm_head(x).float()
+        logits = self.lm_head(x).float()
+        return logits if self.group is None else self.group.gather_vocab(logits)
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embedding rows; split across ranks, each looks up the ids in its
+        slice of the vocabulary, zeros elsewhere, and the sum is the row (exactly)."""
+        if self.group is None:
+            return self.embed(ids)
+        start, end = self.group.shard.vocab
+        local = ids - start
+        inside = (local >= 0) & (local < end - start)
+        x = self.embed(torch.where(inside, local, 0))
+        return self.group.all_reduce(x * inside.unsqueeze(1).to(x.dtype))
+
+    def _sum(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel projection's output: its ranks' partial sums added up."""
+        return partial if self.group is None else self.group.all_reduce(partial)
 
     def _add_norm(
         self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor

@@ -121,8 +121,11 @@ class ModelRunner:
             logits = self.pieces.run(inputs.batch, inputs.ids, metadata, wanted, on_layer)
             if logits is not None:
                 return inputs.sampled, logits
+        ids = torch.tensor(inputs.ids, dtype=torch.long)
+        if self.model.group is not None:  # the other ranks run the same step on theirs
+            self.model.group.send_step(ids, inputs.batch, wanted)
         logits = self.model.forward(
-            torch.tensor(inputs.ids, dtype=torch.long).to(self.device),
+            ids.to(self.device),
             inputs.batch.positions.to(self.device),
             self.attention,
             metadata,
@@ -131,6 +134,27 @@ class ModelRunner:
             on_layer,
         )
         return inputs.sampled, logits
+
+    def follow(self) -> None:
+        """A rank > 0: each step rank 0 sends, run on this rank's shard and KV cache (its
+        logits are rank 0's to sample), until rank 0 stops."""
+        group = self.model.group
+        assert group is not None
+        while (step := group.receive_step()) is not None:
+            ids, batch, rows = step
+            metadata = self.attention.prepare(batch)
+            d = self.device
+            self.model.forward(
+                ids.to(d), batch.positions.to(d), self.attention, metadata, self.cache, rows.to(d)
+            )
+        group.close()
+
+    def stop_followers(self) -> None:
+        """Rank 0: end the other ranks' `follow`, and leave the group."""
+        group = self.model.group
+        assert group is not None
+        group.stop()
+        group.close()
 
 
 def graph_kinds(backend: str, device: torch.device) -> tuple[bool, bool]:
@@ -191,11 +215,12 @@ def build_runner(
     max_num_batched_tokens: int,
     device: torch.device,
 ) -> ModelRunner:
-    """A runner on `backend`; on CUDA its steps replay CUDA graphs (`graph_kinds`)."""
+    """A runner on `backend`; on CUDA its steps replay CUDA graphs (`graph_kinds`), unless
+    the model is split across ranks (its steps run eager)."""
     rope = (model.cos, model.signed_sin)
     attention = make_backend(backend, cache.layout, model.spec.num_heads, device, rope)
     decode_graphs, pieces = graph_kinds(backend, device)
-    if not pieces:
+    if not pieces or model.group is not None:
         return ModelRunner(model, cache, attention, device, max_model_len)
     from cluster.engine.attention_triton import TritonBackend
     from cluster.engine.cuda_graphs import (

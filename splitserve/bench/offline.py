@@ -33,7 +33,16 @@ from cluster.engine.engine import LLMEngine
 from cluster.engine.model_files import bundled_model_path
 from cluster.types import SamplingParams
 from splitserve import workload
-from splitserve.bench import RESULTS, baselines, decode_cost, llamacpp, modes, report, vllm_peer
+from splitserve.bench import (
+    RESULTS,
+    baselines,
+    decode_cost,
+    llamacpp,
+    modes,
+    report,
+    tensor_parallel,
+    vllm_peer,
+)
 from splitserve.bench.baselines import Run
 from splitserve.bench.decode_cost import DecodeEfficiency, GatherCost
 from splitserve.bench.kv_waste import KVWaste, kv_waste
@@ -71,6 +80,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--quantization", choices=QUANTIZATIONS, default="none")
     p.add_argument(
         "--modes-only", action="store_true", help="only the engine modes table (~2 minutes)"
+    )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="only TP=N (a thread a rank) against TP=1 (N threads): splitserve/bench/"
+        "tensor_parallel.py",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=RESULTS / "offline.json")
@@ -202,6 +218,8 @@ def engine_modes(
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
+    if args.tensor_parallel_size > 1:
+        return _tensor_parallel(args, argv)
     if args.modes_only:
         results = engine_modes(args, decode_cost.read_bandwidths(), None)
         doc = {
@@ -255,6 +273,26 @@ def main(argv: list[str]) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
     say(f"wrote {args.out}")
+    return 0
+
+
+def _tensor_parallel(args: argparse.Namespace, argv: list[str]) -> int:
+    size = args.tensor_parallel_size
+    vocab = read_spec(bundled_model_path()).vocab_size
+    prompts, outputs = workload.QUICK_PROMPTS, workload.QUICK_OUTPUTS
+    requests = workload.make_requests(args.num_requests, vocab, args.seed, prompts, outputs)
+    say(f"TP={size} against TP=1: {len(requests)} requests, {args.decode_steps} decode steps")
+    results = tensor_parallel.compare(
+        size, args.dtype, args.quantization, args.decode_steps, args.seed, requests
+    )
+    print(f"\n{args.dtype}, quantization {args.quantization}")
+    print(tensor_parallel.table(results))
+    doc = {
+        "command": ["python", "-m", "splitserve.bench.offline", *argv],
+        "tensor_parallel": [dataclasses.asdict(r) for r in results],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=2) + "\n")
     return 0
 
 

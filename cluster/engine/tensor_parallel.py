@@ -1,0 +1,385 @@
+"""Tensor parallelism: one worker's model split across `tensor_parallel_size` ranks.
+
+Megatron's split of a Llama layer: each rank holds a contiguous range of KV heads with
+their query heads (the qkv projection's rows, o_proj's columns, its own slice of every KV
+page), a range of the MLP's intermediate units (gate and up rows, down's columns), and a
+range of the vocabulary (embedding and lm_head rows). A step sums o_proj's and down's
+partial outputs over the ranks (one all-reduce per attention and per MLP block), the
+embedding's rows likewise, and gathers the logits' vocabulary slices. Ranges need not be
+equal: SmolLM2-135M's 3 KV heads split 2 + 1 over two ranks. A quantized matrix's column
+ranges fall on its groups of 32.
+
+The ranks of a worker run in Ray actors on one node (a STRICT_PACK placement group).
+Rank 0 is the engine (scheduler, sampler, its own shard); before each forward it
+broadcasts the step's layout (token ids, positions, slots, page table, logits rows) and
+the other ranks, in `TensorRank.follow`, run the same forward on their shards and their
+own KV caches, whose page ids are rank 0's. The ranks talk through torch.distributed
+(gloo on CPU, NCCL on CUDA), over loopback, met through a file: nothing listens beyond
+the node.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from cluster.config import ConfigError, EngineConfig
+from cluster.engine.checkpoint import ModelSpec, Weights
+from cluster.engine.quantization import GROUP, GroupQuant
+from cluster.engine.step_batch import StepBatch
+
+COLLECTIVE_TIMEOUT = timedelta(seconds=120)  # a rank that stops answering fails its step
+HEADER = 6  # op, tokens, sequences, page table width, logits rows, decodes
+STOP, STEP = 0, 1
+
+
+def split(total: int, parts: int, unit: int) -> list[tuple[int, int]]:
+    """[start, end) ranges of 0..total, one per part, each a multiple of `unit` long, as
+    even as can be (the first ones take the remainder)."""
+    units, rest = divmod(total, unit)
+    assert rest == 0 and units >= parts, (total, parts, unit)
+    base, extra = divmod(units, parts)
+    ranges, start = [], 0
+    for i in range(parts):
+        end = start + (base + (i < extra)) * unit
+        ranges.append((start, end))
+        start = end
+    return ranges
+
+
+@dataclass(frozen=True)
+class Shard:
+    """What rank `rank` of `size` holds of a model, as [start, end) ranges."""
+
+    rank: int
+    size: int
+    kv_heads: tuple[int, int]
+    heads: tuple[int, int]  # query heads: the KV heads' groups
+    intermediate: tuple[int, int]
+    vocab: tuple[int, int]
+    vocab_widths: tuple[int, ...]  # every rank's vocabulary slice (the logits gather)
+
+    @staticmethod
+    def of(spec: ModelSpec, rank: int, size: int, quantized: bool) -> Shard:
+        """Rank `rank`'s shard; ConfigError naming tensor_parallel_size when the model does
+        not split that many ways (fewer KV heads than ranks, or a quantized matrix whose
+        groups a range would cut)."""
+
+        def refuse(why: str) -> ConfigError:
+            return ConfigError(f"tensor_parallel_size: {size} ranks: {why}")
+
+        if spec.num_kv_heads < size:
+            raise refuse(f"the model has {spec.num_kv_heads} KV heads, one rank needs one")
+        unit = GROUP if quantized else 1
+        if spec.intermediate_size % unit or spec.intermediate_size // unit < size:
+            raise refuse(
+                f"the MLP's {spec.intermediate_size} units do not split into groups of {unit}"
+            )
+        kv = split(spec.num_kv_heads, size, 1)
+        group = spec.num_heads // spec.num_kv_heads
+        if quantized and any((a * group * spec.head_dim) % GROUP for a, _ in kv):
+            raise refuse(f"o_proj's columns of {spec.head_dim}-wide heads cut its groups")
+        vocab = split(spec.vocab_size, size, 1)
+        return Shard(
+            rank,
+            size,
+            kv[rank],
+            (kv[rank][0] * group, kv[rank][1] * group),
+            split(spec.intermediate_size, size, unit)[rank],
+            vocab[rank],
+            tuple(b - a for a, b in vocab),
+        )
+
+    @property
+    def vocab_width(self) -> int:
+        return self.vocab[1] - self.vocab[0]
+
+    def local(self, spec: ModelSpec) -> ModelSpec:
+        """The shape this rank computes: its heads and MLP units (the vocabulary stays the
+        model's, as gathered logits have it)."""
+        return dataclasses.replace(
+            spec,
+            num_heads=self.heads[1] - self.heads[0],
+            num_kv_heads=self.kv_heads[1] - self.kv_heads[0],
+            intermediate_size=self.intermediate[1] - self.intermediate[0],
+        )
+
+
+def _rows(t: torch.Tensor | GroupQuant, start: int, end: int) -> torch.Tensor | GroupQuant:
+    if isinstance(t, GroupQuant):
+        return GroupQuant(
+            t.q[start:end].clone(), t.scale[start:end].clone(), t.offset[start:end].clone(), t.bits
+        )
+    return t[start:end].clone()
+
+
+def _columns(t: torch.Tensor | GroupQuant, start: int, end: int) -> torch.Tensor | GroupQuant:
+    if isinstance(t, GroupQuant):
+        assert start % GROUP == 0 and end % GROUP == 0, (start, end)
+        g0, g1 = start // GROUP, end // GROUP
+        return GroupQuant(
+            t.q[:, start:end].clone(),
+            t.scale[:, g0:g1].clone(),
+            t.offset[:, g0:g1].clone(),
+            t.bits,
+        )
+    return t[:, start:end].clone()
+
+
+class ShardedWeights:
+    """A checkpoint's tensors as one rank holds them: each matrix cut to its shard as it is
+    taken (HF layout, [out, in]), the full tensor dropped."""
+
+    def __init__(self, weights: Weights, shard: Shard, head_dim: int) -> None:
+        self.weights, self.shard, self.head_dim = weights, shard, head_dim
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.weights
+
+    def pop(self, name: str) -> torch.Tensor | GroupQuant:
+        t, s, d = self.weights.pop(name), self.shard, self.head_dim
+        part = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else name
+        if part == "q_proj":
+            return _rows(t, s.heads[0] * d, s.heads[1] * d)
+        if part in ("k_proj", "v_proj"):
+            return _rows(t, s.kv_heads[0] * d, s.kv_heads[1] * d)
+        if part == "o_proj":
+            return _columns(t, s.heads[0] * d, s.heads[1] * d)
+        if part in ("gate_proj", "up_proj"):
+            return _rows(t, *s.intermediate)
+        if part == "down_proj":
+            return _columns(t, *s.intermediate)
+        if part in ("embed_tokens", "lm_head"):
+            return _rows(t, *s.vocab)
+        return t  # the norms: every rank holds them whole
+
+
+class GroupLost(BaseException):
+    """A rank of this model's group is gone (its process died, or stopped answering within
+    COLLECTIVE_TIMEOUT): no step can run again. Not an Exception, so that no handler of one
+    step's failure takes it for a request's: the worker ends, and its pool replaces it."""
+
+
+class TensorGroup:
+    """One worker's ranks, joined: the collectives a sharded step runs, and rank 0's
+    broadcast of each step's layout."""
+
+    def __init__(self, shard: Shard, store: str, device: torch.device) -> None:
+        """Join the group (blocks until every rank has); `store` is a file all ranks see."""
+        self.shard, self.device = shard, device
+        self.collectives = 0  # run by this rank, and the seconds it spent in them (waits
+        self.collective_s = 0.0  # for the slower ranks included): bench/tensor_parallel.py
+        # Loopback only: the ranks share a node, and gloo's and NCCL's sockets stay on it.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            init_method=f"file://{store}",
+            rank=shard.rank,
+            world_size=shard.size,
+            timeout=COLLECTIVE_TIMEOUT,
+        )
+
+    def close(self) -> None:
+        dist.destroy_process_group()
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """x summed over the ranks, in place."""
+        self._run(dist.all_reduce, x)
+        return x
+
+    def fewest(self, n: int) -> int:
+        """The smallest of every rank's n (KV pages: each rank's cache holds that many)."""
+        t = torch.tensor([n], dtype=torch.long, device=self.device)
+        self._run(dist.all_reduce, t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
+    def gather_vocab(self, part: torch.Tensor) -> torch.Tensor:
+        """The logits [rows, vocab] from each rank's vocabulary slice [rows, its width]."""
+        widths = self.shard.vocab_widths
+        wide = max(widths)
+        if part.shape[1] < wide:
+            part = torch.nn.functional.pad(part, (0, wide - part.shape[1]))
+        parts = [torch.empty_like(part) for _ in widths]
+        self._run(dist.all_gather, parts, part.contiguous())
+        return torch.cat([p[:, :w] for p, w in zip(parts, widths, strict=True)], dim=1)
+
+    def send_step(self, ids: torch.Tensor, batch: StepBatch, rows: torch.Tensor) -> None:
+        """Rank 0: the step every other rank runs with it."""
+        table = batch.page_table
+        header = [STEP, len(ids), batch.num_seqs, table.shape[1], len(rows), batch.num_decodes]
+        body = [
+            ids.cpu(),
+            batch.positions.cpu(),
+            batch.slot_mapping.cpu(),
+            torch.tensor(batch.query_start + batch.context_lens, dtype=torch.long),
+            table.reshape(-1).cpu(),
+            rows.cpu(),
+        ]
+        self._broadcast(torch.tensor(header, dtype=torch.long))
+        self._broadcast(torch.cat(body))
+
+    def stop(self) -> None:
+        """Rank 0: no more steps; the other ranks leave `receive_step`'s loop."""
+        self._broadcast(torch.tensor([STOP] + [0] * (HEADER - 1), dtype=torch.long))
+
+    def receive_step(self) -> tuple[torch.Tensor, StepBatch, torch.Tensor] | None:
+        """Ranks > 0: the next step's (token ids, layout, logits rows); None at the stop."""
+        header = self._broadcast(torch.empty(HEADER, dtype=torch.long))
+        op, tokens, seqs, width, nrows, decodes = header.tolist()
+        if op == STOP:
+            return None
+        sizes = [tokens, tokens, tokens, 2 * seqs + 1, seqs * width, nrows]
+        body = self._broadcast(torch.empty(sum(sizes), dtype=torch.long))
+        ids, positions, slots, lens, table, rows = body.split(sizes)
+        lists = lens.tolist()  # query starts, then context lengths
+        starts, contexts = lists[: seqs + 1], lists[seqs + 1 :]
+        batch = StepBatch(decodes, starts, contexts, table.view(seqs, width), slots, positions)
+        return ids, batch, rows
+
+    def _broadcast(self, t: torch.Tensor) -> torch.Tensor:
+        """From rank 0 (through the device on NCCL, which moves device tensors only)."""
+        moved = t.to(self.device)
+        self._run(dist.broadcast, moved, src=0)
+        return moved.cpu()
+
+    def _run(self, collective: Callable[..., object], *args: Any, **kwargs: Any) -> None:
+        started = time.perf_counter()
+        try:
+            collective(*args, **kwargs)
+        except RuntimeError as e:  # gloo's and NCCL's errors, a lost peer's among them
+            raise GroupLost(f"rank {self.shard.rank} of {self.shard.size}: {e}") from e
+        self.collectives += 1
+        self.collective_s += time.perf_counter() - started
+
+
+class StoreDir:
+    """Where a worker's ranks meet: a fresh directory on their node, removed at close."""
+
+    def __init__(self) -> None:
+        self.path = Path(tempfile.mkdtemp(prefix="splitserve-tp-"))
+        self.store = str(self.path / "store")
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class Rank:
+    """Which rank an engine is of how many, and the file where they meet."""
+
+    rank: int
+    size: int
+    store: str
+
+
+class Follower(Protocol):
+    """An engine of rank > 0 (LLMEngine, built with its `rank`)."""
+
+    def follow(self) -> None: ...
+
+
+Build = Callable[..., Follower]  # called as build(config, rank=rank)
+
+
+class TensorRank:
+    """A rank > 0 of a worker's model, as a Ray actor: its engine follows rank 0's steps."""
+
+    def __init__(self, build: Build, config: EngineConfig, rank: Rank) -> None:
+        self.engine = build(config, rank=rank)
+
+    def follow(self) -> None:
+        self.engine.follow()
+
+
+class Ranks:
+    """Rank 0's hold on the other ranks: their actors, where they met, their follow loops."""
+
+    def __init__(self, config: EngineConfig, build: Build) -> None:
+        """Start ranks 1.. (each an engine `build` makes) on this node: in bundles 1.. of
+        the placement group this engine runs in (the pool's STRICT_PACK group of one bundle
+        per rank), or, outside one (an engine of the driver's own), pinned to this node, a
+        CPU each (or a GPU)."""
+        import ray
+        from ray.util import get_current_placement_group
+        from ray.util.scheduling_strategies import (
+            NodeAffinitySchedulingStrategy,
+            PlacementGroupSchedulingStrategy,
+        )
+
+        if not ray.is_initialized():
+            ray.init()
+        size = config.tensor_parallel_size
+        self.dir = StoreDir()
+        self.rank0 = Rank(0, size, self.dir.store)
+        group = get_current_placement_group()
+        actor: Any = ray.remote(TensorRank)
+        self.actors = []
+        for r in range(1, size):
+            if group is not None:
+                assert len(group.bundle_specs) == size, group.bundle_specs
+                bundle = group.bundle_specs[r]
+                options: dict[str, Any] = {
+                    "num_cpus": bundle.get("CPU", 0),
+                    "num_gpus": bundle.get("GPU", 0),
+                    "scheduling_strategy": PlacementGroupSchedulingStrategy(group, r),
+                }
+            else:
+                node = ray.get_runtime_context().get_node_id()
+                options = {
+                    "num_cpus": 0 if config.device == "cuda" else 1,
+                    "num_gpus": 1 if config.device == "cuda" else 0,
+                    "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False),
+                }
+            rank = Rank(r, size, self.dir.store)
+            # Two threads: `follow` holds one for the rank's life; a health probe gets the other.
+            options["max_concurrency"] = 2
+            self.actors.append(actor.options(**options).remote(build, config, rank))
+        self._following: list[Any] = []
+
+    def follow(self) -> None:
+        """Every rank has joined and built its cache: set them following rank 0's steps."""
+        self.dir.remove()  # the group is connected: the file it met through is done
+        self._following = [a.follow.remote() for a in self.actors]
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """After rank 0's stop: wait for the ranks' loops to end, then end their actors."""
+        import ray
+
+        try:
+            ray.get(self._following, timeout=timeout_s)
+        finally:
+            for a in self.actors:
+                ray.kill(a)
+            self.dir.remove()
+
+
+def join(
+    config: EngineConfig,
+    spec: ModelSpec,
+    quantization: str,
+    device: torch.device,
+    rank: Rank | None,
+    build: Build,
+) -> tuple[TensorGroup, Ranks | None]:
+    """This engine's rank joined to its group, and with no `rank` given (rank 0) the other
+    ranks it started. The split is checked first: a model that does not split that many
+    ways is refused (ConfigError) before any rank starts."""
+    size = config.tensor_parallel_size
+    shard = Shard.of(spec, 0 if rank is None else rank.rank, size, quantization != "none")
+    ranks = None
+    if rank is None:
+        ranks = Ranks(config, build)
+        rank = ranks.rank0
+    return TensorGroup(shard, rank.store, device), ranks

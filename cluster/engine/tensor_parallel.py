@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -37,9 +37,12 @@ import torch.distributed as dist
 from cluster.config import ConfigError, EngineConfig
 from cluster.engine.checkpoint import ModelSpec, Weights
 from cluster.engine.quantization import GROUP, GroupQuant
+from cluster.engine.shared_collectives import SHM, PeerLost, SharedExchange
 from cluster.engine.step_batch import StepBatch
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)  # a rank that stops answering fails its step
+IDLE_TIMEOUT = timedelta(days=7)  # gloo's: a follower waits this long for the next step
+T = TypeVar("T")
 HEADER = 6  # op, tokens, sequences, page table width, logits rows, decodes
 STOP, STEP = 0, 1
 
@@ -173,13 +176,24 @@ class GroupLost(BaseException):
 
 class TensorGroup:
     """One worker's ranks, joined: the collectives a sharded step runs, and rank 0's
-    broadcast of each step's layout."""
+    broadcast of each step's layout.
+
+    On a CPU the collectives go through shared memory (shared_collectives.py), a tensor
+    too large for it through gloo; on CUDA through NCCL. The step's layout goes through
+    shared memory too, or a gloo group (NCCL's watchdog would end a rank idle too long).
+    A rank waiting for the next step waits as long as rank 0 lives; one inside a step
+    waits COLLECTIVE_TIMEOUT for the others (gloo: a dead peer's closed socket ends it
+    at once)."""
 
     def __init__(self, shard: Shard, store: str, device: torch.device) -> None:
-        """Join the group (blocks until every rank has); `store` is a file all ranks see."""
+        """Join the group (blocks until every rank has); `store` is a file all ranks see,
+        in a directory of this group's own."""
         self.shard, self.device = shard, device
         self.collectives = 0  # run by this rank, and the seconds it spent in them (waits
         self.collective_s = 0.0  # for the slower ranks included): bench/tensor_parallel.py
+        segment = SHM / Path(store).parent.name
+        if shard.rank == 0 and SHM.is_dir():
+            SharedExchange.create(segment, shard.size)
         # Loopback only: the ranks share a node, and gloo's and NCCL's sockets stay on it.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
@@ -188,15 +202,29 @@ class TensorGroup:
             init_method=f"file://{store}",
             rank=shard.rank,
             world_size=shard.size,
-            timeout=COLLECTIVE_TIMEOUT,
+            timeout=IDLE_TIMEOUT,
         )
+        self.control = dist.new_group(backend="gloo") if device.type == "cuda" else None
+        self.shared = None
+        if segment.exists():  # rank 0 made it before any rank could join
+            timeout_s = COLLECTIVE_TIMEOUT.total_seconds()
+            self.shared = SharedExchange(segment, shard.rank, shard.size, timeout_s)
+        dist.barrier(self.control)  # every rank has mapped the segment
+        if shard.rank == 0:
+            segment.unlink(missing_ok=True)
 
     def close(self) -> None:
+        if self.shared is not None:
+            self.shared.close()
         dist.destroy_process_group()
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """x summed over the ranks, in place."""
-        self._run(dist.all_reduce, x)
+        if self._shares(x):
+            assert self.shared is not None
+            self._run(self.shared.all_reduce, x)
+        else:
+            self._run(dist.all_reduce, x)
         return x
 
     def fewest(self, n: int) -> int:
@@ -211,8 +239,13 @@ class TensorGroup:
         wide = max(widths)
         if part.shape[1] < wide:
             part = torch.nn.functional.pad(part, (0, wide - part.shape[1]))
-        parts = [torch.empty_like(part) for _ in widths]
-        self._run(dist.all_gather, parts, part.contiguous())
+        part = part.contiguous()
+        if self._shares(part):
+            assert self.shared is not None
+            parts = self._run(self.shared.exchange, part)
+        else:
+            parts = [torch.empty_like(part) for _ in widths]
+            self._run(dist.all_gather, parts, part)
         return torch.cat([p[:, :w] for p, w in zip(parts, widths, strict=True)], dim=1)
 
     def send_step(self, ids: torch.Tensor, batch: StepBatch, rows: torch.Tensor) -> None:
@@ -236,7 +269,7 @@ class TensorGroup:
 
     def receive_step(self) -> tuple[torch.Tensor, StepBatch, torch.Tensor] | None:
         """Ranks > 0: the next step's (token ids, layout, logits rows); None at the stop."""
-        header = self._broadcast(torch.empty(HEADER, dtype=torch.long))
+        header = self._broadcast(torch.empty(HEADER, dtype=torch.long), idle=True)
         op, tokens, seqs, width, nrows, decodes = header.tolist()
         if op == STOP:
             return None
@@ -248,20 +281,27 @@ class TensorGroup:
         batch = StepBatch(decodes, starts, contexts, table.view(seqs, width), slots, positions)
         return ids, batch, rows
 
-    def _broadcast(self, t: torch.Tensor) -> torch.Tensor:
-        """From rank 0 (through the device on NCCL, which moves device tensors only)."""
-        moved = t.to(self.device)
-        self._run(dist.broadcast, moved, src=0)
-        return moved.cpu()
+    def _shares(self, t: torch.Tensor) -> bool:
+        return self.shared is not None and t.device.type == "cpu" and self.shared.fits(t)
 
-    def _run(self, collective: Callable[..., object], *args: Any, **kwargs: Any) -> None:
+    def _broadcast(self, t: torch.Tensor, idle: bool = False) -> torch.Tensor:
+        """Rank 0's `t` (its shape known to all); `idle`: a wait for the next step, as
+        long as rank 0 lives."""
+        if self._shares(t):
+            assert self.shared is not None
+            return self._run(self.shared.exchange, t, patient=idle)[0].clone()
+        self._run(dist.broadcast, t, src=0, group=self.control)
+        return t
+
+    def _run(self, collective: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         started = time.perf_counter()
         try:
-            collective(*args, **kwargs)
-        except RuntimeError as e:  # gloo's and NCCL's errors, a lost peer's among them
+            out = collective(*args, **kwargs)
+        except (RuntimeError, PeerLost) as e:  # gloo's, NCCL's and ours, a lost peer's
             raise GroupLost(f"rank {self.shard.rank} of {self.shard.size}: {e}") from e
         self.collectives += 1
         self.collective_s += time.perf_counter() - started
+        return out
 
 
 class StoreDir:

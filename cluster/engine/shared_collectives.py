@@ -9,13 +9,15 @@ rank has entered the next call, so after each has read it. Every rank sums the s
 rank order, so all hold the same bits.
 
 The segment is a file in /dev/shm that rank 0 creates before the ranks meet and removes
-once all have mapped it; a tensor larger than a slot goes through gloo instead (every
-rank sees the same shapes, so all choose alike). A rank waiting long checks its peers'
+once all have mapped it (2 x ranks x 8 MiB; with no room for it, every collective goes
+through gloo); a tensor larger than a slot goes through gloo too (every rank sees the
+same shapes, so all choose alike). A rank waiting long checks its peers'
 processes: a dead one, or COLLECTIVE_TIMEOUT passed, is GroupLost.
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import time
@@ -50,9 +52,16 @@ class SharedExchange:
         self._calls = 0
 
     @staticmethod
-    def create(path: Path, size: int) -> None:
-        with open(path, "wb") as f:
-            f.truncate(2 * size * 8 + 2 * size * SLOT_BYTES)
+    def create(path: Path, size: int) -> bool:
+        """Rank 0: the segment, its memory taken now (a full /dev/shm, Docker's 64 MB by
+        default, would otherwise fault a write later); False if there is no room."""
+        try:
+            with open(path, "wb") as f:
+                os.posix_fallocate(f.fileno(), 0, 2 * size * 8 + 2 * size * SLOT_BYTES)
+        except OSError:
+            path.unlink(missing_ok=True)
+            return False
+        return True
 
     @staticmethod
     def fits(t: torch.Tensor) -> bool:
@@ -78,10 +87,8 @@ class SharedExchange:
 
     def close(self) -> None:
         del self._flags, self._pids, self._slots
-        try:
+        with contextlib.suppress(BufferError):  # a view is still held: unmapped with it
             self._map.close()
-        except BufferError:  # a view of it is still held: unmapped when that goes
-            pass
 
     def _slot(self, which: int, rank: int, like: torch.Tensor) -> torch.Tensor:
         start = (which * self.size + rank) * SLOT_BYTES

@@ -21,6 +21,7 @@ the node.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import shutil
 import tempfile
@@ -40,6 +41,7 @@ from cluster.engine.quantization import GROUP, GroupQuant
 from cluster.engine.shared_collectives import SHM, PeerLost, SharedExchange
 from cluster.engine.step_batch import StepBatch
 
+log = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)  # a rank that stops answering fails its step
 IDLE_TIMEOUT = timedelta(days=7)  # gloo's: a follower waits this long for the next step
 T = TypeVar("T")
@@ -102,6 +104,14 @@ class Shard:
             split(spec.intermediate_size, size, unit)[rank],
             vocab[rank],
             tuple(b - a for a, b in vocab),
+        )
+
+    def describe(self) -> str:
+        """For the start-up line: `rank 0 of 2 (KV heads 0-1, MLP units 0-767)`."""
+        (k0, k1), (i0, i1) = self.kv_heads, self.intermediate
+        return (
+            f"tensor parallel rank {self.rank} of {self.size} (KV heads {k0}-{k1 - 1}, "
+            f"MLP units {i0}-{i1 - 1})"
         )
 
     @property
@@ -192,8 +202,8 @@ class TensorGroup:
         self.collectives = 0  # run by this rank, and the seconds it spent in them (waits
         self.collective_s = 0.0  # for the slower ranks included): bench/tensor_parallel.py
         segment = SHM / Path(store).parent.name
-        if shard.rank == 0 and SHM.is_dir():
-            SharedExchange.create(segment, shard.size)
+        if shard.rank == 0 and SHM.is_dir() and not SharedExchange.create(segment, shard.size):
+            log.warning("no room in %s for the ranks' shared memory: gloo carries all", SHM)
         # Loopback only: the ranks share a node, and gloo's and NCCL's sockets stay on it.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")

@@ -32,7 +32,7 @@ def _rank_1(path: Path, out: mp.Queue, delay_s: float = 0.0) -> None:
 @pytest.fixture
 def segment(tmp_path: Path) -> Path:
     path = tmp_path / "segment"  # any file both processes map; /dev/shm in production
-    SharedExchange.create(path, 2)
+    assert SharedExchange.create(path, 2)
     return path
 
 

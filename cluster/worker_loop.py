@@ -65,7 +65,7 @@ class WorkerLoop:
         def run() -> None:
             try:
                 done.set_result(fn())
-            except Exception as e:
+            except BaseException as e:  # a split model's GroupLost at start-up too
                 done.set_exception(e)
 
         self._calls.put(run)

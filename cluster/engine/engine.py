@@ -312,10 +312,17 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop this engine's other ranks (a model on one rank has none)."""
-        if self.ranks is not None:
+        if self.ranks is None:
+            return
+        from cluster.engine.tensor_parallel import GroupLost
+
+        ranks, self.ranks = self.ranks, None
+        try:
             self.runner.stop_followers()
-            self.ranks.close()
-            self.ranks = None
+        except GroupLost:  # a rank is gone already: the rest are ended below
+            log.warning("closing an engine whose group lost a rank", exc_info=True)
+        finally:
+            ranks.close()
 
     def add_request(
         self,

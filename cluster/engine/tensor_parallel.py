@@ -409,6 +409,8 @@ class Ranks:
 
         try:
             ray.get(self._following, timeout=timeout_s)
+        except Exception as e:  # a rank that died, or did not stop: ended below anyway
+            log.warning("a rank did not stop cleanly: %s", e)
         finally:
             for a in self.actors:
                 ray.kill(a)

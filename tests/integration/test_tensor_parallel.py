@@ -19,6 +19,7 @@ import torch
 
 from cluster.config import ConfigError, EngineConfig, PoolConfig, RouterConfig, ServeConfig
 from cluster.engine.engine import LLMEngine
+from cluster.engine.tensor_parallel import GroupLost
 from cluster.types import RequestOutput, SamplingParams
 from tests.helpers import wait_until
 from tests.integration.conftest import EXACT, RAW_PROMPTS
@@ -49,6 +50,11 @@ def test_float32_two_ranks_generate_one_ranks_greedy_tokens(
         assert split.layout.num_kv_heads == 2 and split.model.spec.num_heads == 6
         assert [c.token_ids for c in split.generate(prompts, GREEDY)] == expected
         assert split.num_free_pages == split.pool.num_pages
+        # A rank lost: the next step says so, and the engine still closes.
+        assert split.ranks is not None
+        os.kill(_pid(split.ranks.actors[0]), signal.SIGKILL)
+        with pytest.raises(GroupLost, match=r"rank 1 \(pid \d+\) is gone"):
+            split.generate(prompts[:1], GREEDY)
     finally:
         split.close()
 
@@ -119,9 +125,12 @@ def test_served_two_ranks_reply_one_ranks_tokens(
     served.assert_all_pages_free()
 
 
-def _rank_1_pid(worker: Any) -> int:
-    rank = ray.get(worker.__ray_call__.remote(lambda actor: actor.engine.ranks.actors[0]))
+def _pid(rank: Any) -> int:
     return int(ray.get(rank.__ray_call__.remote(lambda r: os.getpid())))  # while it follows
+
+
+def _rank_1_pid(worker: Any) -> int:
+    return _pid(ray.get(worker.__ray_call__.remote(lambda actor: actor.engine.ranks.actors[0])))
 
 
 def test_a_worker_that_loses_a_rank_mid_stream_is_replaced_and_its_stream_ends_there(

@@ -153,8 +153,10 @@ class ModelRunner:
         """Rank 0: end the other ranks' `follow`, and leave the group."""
         group = self.model.group
         assert group is not None
-        group.stop()
-        group.close()
+        try:
+            group.stop()
+        finally:  # a group that lost a rank is left too: the next engine here joins anew
+            group.close()
 
 
 def graph_kinds(backend: str, device: torch.device) -> tuple[bool, bool]:

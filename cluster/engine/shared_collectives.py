@@ -8,8 +8,8 @@ slot. Slots come in two sets used in turn: a rank can only overwrite a set after
 rank has entered the next call, so after each has read it. Every rank sums the slots in
 rank order, so all hold the same bits.
 
-The segment is a file in /dev/shm that rank 0 creates before the ranks meet and removes
-once all have mapped it (2 x ranks x 8 MiB; with no room for it, every collective goes
+The segment is a file in /dev/shm that rank 0 creates once the ranks have met and removes
+as soon as all have mapped it (2 x ranks x 8 MiB; with no room for it, every collective goes
 through gloo); a tensor larger than a slot goes through gloo too (every rank sees the
 same shapes, so all choose alike). A rank waiting long checks its peers'
 processes: a dead one, or COLLECTIVE_TIMEOUT passed, is GroupLost.

@@ -201,9 +201,6 @@ class TensorGroup:
         self.shard, self.device = shard, device
         self.collectives = 0  # run by this rank, and the seconds it spent in them (waits
         self.collective_s = 0.0  # for the slower ranks included): bench/tensor_parallel.py
-        segment = SHM / Path(store).parent.name
-        if shard.rank == 0 and SHM.is_dir() and not SharedExchange.create(segment, shard.size):
-            log.warning("no room in %s for the ranks' shared memory: gloo carries all", SHM)
         # Loopback only: the ranks share a node, and gloo's and NCCL's sockets stay on it.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
@@ -216,12 +213,22 @@ class TensorGroup:
         )
         self.control = dist.new_group(backend="gloo") if device.type == "cuda" else None
         self.shared = None
-        if segment.exists():  # rank 0 made it before any rank could join
-            timeout_s = COLLECTIVE_TIMEOUT.total_seconds()
-            self.shared = SharedExchange(segment, shard.rank, shard.size, timeout_s)
-        dist.barrier(self.control)  # every rank has mapped the segment
-        if shard.rank == 0:
-            segment.unlink(missing_ok=True)
+        # The segment lives in /dev/shm only between two barriers: made, mapped, unlinked.
+        segment = SHM / Path(store).parent.name
+        try:
+            if shard.rank == 0 and SHM.is_dir() and not SharedExchange.create(segment, shard.size):
+                log.warning("no room in %s for the ranks' shared memory: gloo carries all", SHM)
+            dist.barrier(self.control)  # rank 0 has made it, or found no room
+            if segment.exists():
+                timeout_s = COLLECTIVE_TIMEOUT.total_seconds()
+                self.shared = SharedExchange(segment, shard.rank, shard.size, timeout_s)
+            dist.barrier(self.control)  # every rank has mapped it
+        except BaseException:
+            dist.destroy_process_group()  # so that another engine here can join anew
+            raise
+        finally:
+            if shard.rank == 0:
+                segment.unlink(missing_ok=True)
 
     def close(self) -> None:
         if self.shared is not None:

@@ -381,6 +381,7 @@ SERVE_EXAMPLES = """examples:
       --host 0.0.0.0 --api-key-file key.txt --port 8080 --grpc-port 50052 --decode-replicas 2
   splitserve serve --ssl-keyfile key.pem --ssl-certfile cert.pem \\
       --allowed-origins https://app.example.com   # https:// and TLS gRPC; CORS for one origin
+  splitserve serve --tensor-parallel-size 2 --prefill-replicas 0   # one model on two ranks
   splitserve serve --config serve.yaml --redis-url redis://host:6379   # from the example below
   SPLITSERVE_API_KEY=$(cat key.txt) \\
       splitserve serve --config deploy/splitserve.yaml   # join a GPU Ray cluster (0.0.0.0)

@@ -14,6 +14,9 @@ import pytest
 pytest.importorskip("triton")
 
 
+# Nightly: ~50 s of Triton's interpreter, for CI's time (issue 26); the kernels it times
+# stay tested in every run (test_engine_triton.py, test_gpu_first_run.py's dry run).
+@pytest.mark.nightly
 def test_bench_gpu_dry_run_reports_every_figure(tmp_path: Path) -> None:
     out = tmp_path / "gpu.json"
     # Its own process: the dry run turns on Triton's interpreter before triton loads.

@@ -251,7 +251,8 @@ class TensorGroup:
         return int(t.item())
 
     def gather_vocab(self, part: torch.Tensor) -> torch.Tensor:
-        """The logits [rows, vocab] from each rank's vocabulary slice [rows, its width]."""
+        """Rank 0: the logits [rows, vocab] from each rank's vocabulary slice [rows, its
+        width]; the other ranks send theirs and get their own back (they sample nothing)."""
         widths = self.shard.vocab_widths
         wide = max(widths)
         if part.shape[1] < wide:
@@ -263,6 +264,8 @@ class TensorGroup:
         else:
             parts = [torch.empty_like(part) for _ in widths]
             self._run(dist.all_gather, parts, part)
+        if self.shard.rank != 0:
+            return part
         return torch.cat([p[:, :w] for p, w in zip(parts, widths, strict=True)], dim=1)
 
     def send_step(self, ids: torch.Tensor, batch: StepBatch, rows: torch.Tensor) -> None:

@@ -502,15 +502,6 @@ class ServeConfig:
                 f"prefill.engine.{name}",
                 f"must equal decode.engine.{name} ({theirs!r}), got {ours!r}",
             )
-        if self.prefill.scaling.max_replicas > 0:  # KV moves whole from rank to rank
-            for pool in ("prefill", "decode"):
-                size = getattr(self, pool).engine.tensor_parallel_size
-                _check(
-                    size == 1,
-                    f"{pool}.engine.tensor_parallel_size",
-                    f"KV moves between the pools from unsplit engines only so far: serve a "
-                    f"split model colocated (prefill.replicas: 0), got {size}",
-                )
         # auto resolves per device, so two pools on different devices would hold different KV.
         devices = self.prefill.engine.device, self.decode.engine.device
         for name, named in (("dtype", "float32 or bfloat16"), ("quantization", "none or gguf")):

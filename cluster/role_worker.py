@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import ray
@@ -19,8 +19,9 @@ from cluster.actor_options import actor_options, rank_bundles
 from cluster.config import EngineConfig, TransferConfig
 from cluster.engine.checkpoint import Progress
 from cluster.engine.engine import LLMEngine
-from cluster.transfer.endpoint import KVEndpoint
-from cluster.transfer.wire import compat_hash
+from cluster.transfer.endpoint import KVEndpoint, Pending, TransferError
+from cluster.transfer.wire import RankPages, compat_hash
+from cluster.types import PageId
 
 H = TypeVar("H")
 LOADING = "splitserve-loading"  # the namespace of Ray's key-value store the reports go to
@@ -61,16 +62,53 @@ def kill(name: str, handle: Any, tensor_parallel_size: int) -> None:
 
 def endpoint(name: str, engine: LLMEngine, transfer: TransferConfig) -> KVEndpoint:
     """The KV endpoint named `name` over the engine's cache; peers whose engine differs in
-    model, dtype, page size or quantization are refused (compat_hash)."""
+    model, dtype, page size or quantization are refused (compat_hash). With tensor
+    parallelism it is rank 0's, and each other rank opens its own (`name`-rank1, ...),
+    which writes and takes its heads' KV."""
     compat = compat_hash(engine.spec, engine.dtype, engine.pool.page_size, engine.quantization)
-    return KVEndpoint(
-        name,
-        engine.cache,
-        compat,
-        transfer.ucx_devices,
-        transfer.ucx_transports,
-        transfer.progress_thread,
+    devices, transports = transfer.ucx_devices, transfer.ucx_transports
+    ep = KVEndpoint(
+        name, engine.cache, compat, devices, transports, transfer.progress_thread, engine.kv_heads
     )
+    if engine.ranks is not None:
+        actors = engine.ranks.actors
+        opened = [
+            a.open_kv.remote(f"{name}-rank{r}", compat, devices, transports)
+            for r, a in enumerate(actors, 1)
+        ]
+        ep.followers = [RankKV(a, m) for a, m in zip(actors, ray.get(opened), strict=True)]
+    return ep
+
+
+class RankKV:
+    """Rank 0's hold on another rank's KV endpoint (a tensor_parallel.TensorRank's), as
+    the endpoint's RankWriter: that rank posts its heads' WRITEs."""
+
+    def __init__(self, actor: Any, memory: RankPages) -> None:
+        self.actor = actor
+        self.memory = memory
+
+    def post(
+        self, handshake: bytes, layers: range, src: Sequence[PageId], dst: Sequence[PageId]
+    ) -> Pending:
+        return _Posted(self.actor.write_kv.remote(handshake, layers, list(src), list(dst)))
+
+
+class _Posted:
+    def __init__(self, ref: Any) -> None:
+        self.ref = ref
+
+    def done(self) -> bool:
+        ready, _ = ray.wait([self.ref], timeout=0)
+        if not ready:
+            return False
+        try:
+            why = ray.get(self.ref)
+        except Exception as e:  # the rank died: its WRITEs went with it
+            raise TransferError(f"a rank's WRITE: {e}") from e
+        if why:
+            raise TransferError(why)
+        return True
 
 
 def load_reporter(name: str, clock: Callable[[], float] = time.monotonic) -> Progress:

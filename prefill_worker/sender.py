@@ -250,7 +250,7 @@ class KVSender:
 
     def _post(self, rid: RequestId, push: _Push, planned: _Planned) -> list[machine.Event]:
         src, dst, layers = planned.src, planned.dst, planned.layers
-        nbytes = 2 * len(src) * len(layers) * self.endpoint.page_bytes
+        nbytes = 2 * len(src) * len(layers) * self.endpoint.model_page_bytes
         notice = Notice(NoticeKind.LAYERS, rid, layers.start, layers.stop, tuple(dst), nbytes)
         started = time.perf_counter()
         try:

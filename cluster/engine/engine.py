@@ -405,6 +405,12 @@ class LLMEngine:
         return self.pool.num_free
 
     @property
+    def kv_heads(self) -> range:
+        """The model's KV heads this rank's cache holds (all of them on one rank)."""
+        group = self.model.group
+        return range(self.spec.num_kv_heads) if group is None else range(*group.shard.kv_heads)
+
+    @property
     def model_info(self) -> ModelInfo:
         return ModelInfo(
             self.model_id,

@@ -173,7 +173,7 @@ class LlamaModel:
         metadata: Any,  # attention.prepare's for this step
         cache: KVCache,
         logits_rows: torch.Tensor,  # rows whose next-token logits are wanted
-        on_layer: Callable[[int], None] | None = None,  # after layer i's KV is in the cache
+        on_layer: Callable[[int], None] | None = None,  # after layer i's KV is in the cache(s)
     ) -> torch.Tensor:
         s = self.spec
         rows = None if attention.fuses_rope else self.rope_rows(positions)
@@ -184,9 +184,11 @@ class LlamaModel:
             if not attention.fuses_rope:  # else attention rotates q and k as it stores k
                 qk = self.rope(qk, positions, rows)  # q and k together: one RoPE
             a = attention.forward(i, qk[:, : s.num_heads], qk[:, s.num_heads :], v, cache, metadata)
-            if on_layer is not None:
+            if on_layer is not None and self.group is None:
                 on_layer(i)
             x, mlp = self.after_attention(i, x, a)
+            if on_layer is not None and self.group is not None:
+                on_layer(i)  # past the layer's all-reduces: every rank's KV of layer i is in
         assert mlp is not None
         return self.logits(x, mlp, logits_rows)
 

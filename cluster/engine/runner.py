@@ -107,7 +107,8 @@ class ModelRunner:
     ) -> tuple[list[Sequence], torch.Tensor]:
         """The sequences that get a next token, and their logits rows [len, vocab].
 
-        `on_layer(i)` runs as soon as layer i's KV for this step is in the cache.
+        `on_layer(i)` runs as soon as layer i's KV for this step is in the cache (in every
+        rank's, with tensor parallelism: after the layer's all-reduces).
         """
         inputs = lay_out(step, self.cache.layout.page_size, self.tables)
         if self.graphs is not None and not step.prefills and on_layer is None:

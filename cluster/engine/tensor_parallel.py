@@ -30,16 +30,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from cluster.config import ConfigError, EngineConfig
 from cluster.engine.checkpoint import ModelSpec, Weights
+from cluster.engine.kv_cache import KVCache
 from cluster.engine.quantization import GROUP, GroupQuant
 from cluster.engine.shared_collectives import SHM, PeerLost, SharedExchange
 from cluster.engine.step_batch import StepBatch
+from cluster.types import PageId
+
+if TYPE_CHECKING:
+    from cluster.transfer.endpoint import KVEndpoint
+    from cluster.transfer.wire import RankPages
 
 log = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)  # a rank that stops answering fails its step
@@ -347,6 +353,11 @@ class Rank:
 class Follower(Protocol):
     """An engine of rank > 0 (LLMEngine, built with its `rank`)."""
 
+    cache: KVCache
+
+    @property
+    def kv_heads(self) -> range: ...
+
     def follow(self) -> None: ...
 
 
@@ -358,9 +369,35 @@ class TensorRank:
 
     def __init__(self, build: Build, config: EngineConfig, rank: Rank) -> None:
         self.engine = build(config, rank=rank)
+        self.kv: KVEndpoint | None = None
 
     def follow(self) -> None:
         self.engine.follow()
+
+    def open_kv(self, name: str, compat: bytes, devices: str, transports: str) -> RankPages:
+        """Open this rank's KV transfer endpoint `name` over its cache: peers write its heads
+        into it, and it writes them into peers' (cluster.transfer.endpoint)."""
+        from cluster.transfer.endpoint import KVEndpoint
+
+        heads = self.engine.kv_heads
+        self.kv = KVEndpoint(name, self.engine.cache, compat, devices, transports, True, heads)
+        return self.kv.memory()
+
+    def write_kv(
+        self, handshake: bytes, layers: range, src: list[PageId], dst: list[PageId]
+    ) -> str:
+        """WRITE this rank's heads of pages `src` into the peer's `dst` for `layers`; ""
+        once every part has landed, else why not (nothing of it in flight any more)."""
+        from cluster.transfer.endpoint import TransferError
+
+        assert self.kv is not None, "open_kv first"
+        try:
+            write = self.kv.write(self.kv.connect(handshake), layers, src, dst, None)
+            while not self.kv.finished(write):
+                time.sleep(0.0002)
+        except (TransferError, ConnectionError, ValueError) as e:
+            return str(e)
+        return ""
 
 
 class Ranks:

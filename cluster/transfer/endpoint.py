@@ -1,10 +1,12 @@
 """A worker's KV transfer endpoint: NIXL agents over UCX, one-sided WRITEs into peer pages.
 
-The receiver registers its whole KV cache once and publishes a Handshake; a sender
-connects to it (refusing a different compatibility hash), then WRITEs runs of pages,
-layer range by layer range, straight into the receiver's pages. Each WRITE carries a
-LAYERS notice that the receiver reads after the bytes have landed; the receiver never
-polls page contents. On one host UCX moves the bytes by cross-memory attach (cma),
+The receiver registers its whole KV cache once (each rank's, with tensor parallelism)
+and publishes a Handshake; a sender connects to it (refusing a different compatibility
+hash, or heads split in a way it cannot map), then WRITEs runs of pages, layer range by
+layer range, straight into the receiver's pages, each rank's heads into the rank that
+holds them. Each WRITE is followed by a LAYERS notice (riding on it, or sent once its
+parts have all landed) that the receiver reads after the bytes; the receiver never polls
+page contents. On one host UCX moves the bytes by cross-memory attach (cma),
 across hosts over RDMA or TCP, and CUDA pages GPU to GPU (cuda_ipc, GPUDirect RDMA).
 """
 
@@ -14,15 +16,15 @@ import contextlib
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from cluster.config import ConfigError
 from cluster.engine.kv_cache import KVCache
-from cluster.transfer.wire import Handshake, Notice, WireError
+from cluster.transfer.wire import Handshake, IncompatiblePeerError, Notice, RankPages, WireError
 from cluster.types import PageId
 
 log = logging.getLogger(__name__)
@@ -46,18 +48,54 @@ def page_runs(src: Sequence[PageId], dst: Sequence[PageId]) -> list[tuple[int, i
 
 @dataclass(frozen=True)
 class Peer:
-    name: str
+    name: str  # its rank 0's agent, where notices go
     handshake: Handshake
+    raw: bytes  # the handshake as it came, for this model's other ranks
+
+
+class Pending(Protocol):
+    """WRITEs another rank of this model posted (tensor parallelism)."""
+
+    def done(self) -> bool:
+        """True once they are over, none in flight; TransferError if one failed."""
+        ...
+
+
+class RankWriter(Protocol):
+    """Another rank of this model (rank 0's endpoint has one per other rank): it posts the
+    WRITEs of its own KV heads."""
+
+    memory: RankPages
+
+    def post(
+        self, handshake: bytes, layers: range, src: Sequence[PageId], dst: Sequence[PageId]
+    ) -> Pending: ...
 
 
 @dataclass
 class Write:
-    handle: Any
-    num_bytes: int
+    """One WRITE of pages for some layers, in parts: one per (rank here, rank there) pair
+    whose KV heads overlap. Over once every part is; its notice rides on the one part
+    when there is one, else goes once all are over."""
+
+    handles: list[Any]  # this rank's parts in flight
+    num_bytes: int  # every part's, other ranks' too
+    peer: Peer
+    notice: Notice | None = None  # to send once every part is over
+    pending: list[Pending] = field(default_factory=list)  # the other ranks' parts
+    error: str = ""  # the first part that failed
 
 
 class KVEndpoint:
-    """One NIXL agent over one KVCache. Not thread-safe: one thread drives it."""
+    """One NIXL agent over one KVCache. Not thread-safe: one thread drives it.
+
+    With tensor parallelism each rank's cache holds its range of the model's KV heads,
+    and every rank has an agent; rank 0's endpoint speaks for the model: its handshake
+    lists every rank, its `write` has the other ranks post theirs (`followers`), and only
+    it sends and reads notices. A WRITE copies each head range straight from the rank
+    that holds it into the peer rank that holds it, whatever the two sides' TP sizes:
+    whole pages where the two ranks hold the same heads, else one run per token of the
+    heads they share (a page is [page_size, heads, head_dim]); nothing is gathered."""
 
     def __init__(
         self,
@@ -67,16 +105,20 @@ class KVEndpoint:
         ucx_devices: str,
         ucx_transports: str = "",
         progress_thread: bool = False,
+        heads: range | None = None,
     ) -> None:
         """UCX runs on exactly `ucx_devices` over `ucx_transports` ("" for all of either);
         ConfigError naming the field if this host has not got them. Without a progress
         thread, UCX moves only inside `finished`, `notices` and the posting calls: the owner
-        must call one of them regularly (workers do every tick)."""
+        must call one of them regularly (workers do every tick). `heads`: the model's KV
+        heads this cache holds (all of them without tensor parallelism)."""
         from nixl_cu12._api import nixl_agent, nixl_agent_config
 
         self.name = name
         self.cache = cache
         self.compat = compat
+        self.heads = range(cache.layout.num_kv_heads) if heads is None else heads
+        assert len(self.heads) == cache.layout.num_kv_heads, (self.heads, cache.layout)
         config = nixl_agent_config(enable_prog_thread=progress_thread, backends=[])
         self._agent = nixl_agent(name, config)
         _create_ucx_backend(self._agent, ucx_devices, ucx_transports)
@@ -84,36 +126,70 @@ class KVEndpoint:
         self._dev = cache.k.device.index or 0
         self._regs = [self._agent.register_memory(t) for t in (cache.k, cache.v)]
         self.page_bytes = cache.k[0, 0].numel() * cache.k.element_size()
+        self.head_bytes = self.page_bytes // len(self.heads)  # one head of one page
+        self.followers: list[RankWriter] = []  # this model's other ranks, on rank 0
         self._peers: dict[str, Peer] = {}
         self._inbox: list[Notice] = []
 
+    @property
+    def model_page_bytes(self) -> int:
+        """One page of one layer of K (or V) over every rank: the model's heads."""
+        num_heads = len(self.heads) + sum(len(f.memory.heads) for f in self.followers)
+        return num_heads * self.head_bytes
+
+    def memory(self) -> RankPages:
+        """This rank's pages as a peer writes into them."""
+        return RankPages(
+            self.name,
+            self._agent.get_agent_metadata(),
+            self.cache.num_pages,
+            self.page_bytes,
+            self.cache.k.data_ptr(),
+            self.cache.v.data_ptr(),
+            self._on_gpu,
+            self._dev,
+            self.heads,
+        )
+
     def handshake(self) -> bytes:
-        return Handshake(
-            compat=self.compat,
-            agent=self.name,
-            agent_metadata=self._agent.get_agent_metadata(),
-            num_layers=self.cache.k.shape[0],
-            num_pages=self.cache.num_pages,
-            page_bytes=self.page_bytes,
-            k_base=self.cache.k.data_ptr(),
-            v_base=self.cache.v.data_ptr(),
-            on_gpu=self._on_gpu,
-            device_id=self._dev,
-        ).encode()
+        ranks = (self.memory(), *(f.memory for f in self.followers))
+        return Handshake(self.compat, self.cache.k.shape[0], ranks).encode()
 
     def connect(self, handshake: bytes) -> Peer:
-        """The peer behind a handshake, connected once; IncompatiblePeerError if it differs."""
+        """The peer behind a handshake, connected once; IncompatiblePeerError if it differs
+        or splits its heads in a way this rank's cannot map onto."""
         hs = Handshake.decode(handshake)
         hs.check(self.compat)
+        self._check_heads(hs)
         known = self._peers.get(hs.agent)
         if known is not None and known.handshake == hs:
             return known
         if known is not None:  # the same name restarted: forget the old one
-            self._agent.remove_remote_agent(hs.agent)
-        self._agent.add_remote_agent(hs.agent_metadata)
-        peer = Peer(hs.agent, hs)
+            for rank in known.handshake.ranks:
+                self._agent.remove_remote_agent(rank.agent)
+        for rank in hs.ranks:
+            self._agent.add_remote_agent(rank.agent_metadata)
+        peer = Peer(hs.agent, hs, handshake)
         self._peers[hs.agent] = peer
         return peer
+
+    def _check_heads(self, hs: Handshake) -> None:
+        start = 0
+        for rank in hs.ranks:
+            if rank.heads.start != start or not rank.heads:
+                why = f"its ranks' KV heads {[r.heads for r in hs.ranks]} do not tile from 0"
+                raise IncompatiblePeerError(f"KV peer {hs.agent!r}: {why}")
+            if rank.page_bytes != self.head_bytes * len(rank.heads):
+                raise IncompatiblePeerError(
+                    f"KV peer {hs.agent!r}: rank {rank.agent!r} has {rank.page_bytes}-byte "
+                    f"pages for {len(rank.heads)} KV heads, ours {self.head_bytes} per head"
+                )
+            start = rank.heads.stop
+        if self.heads.stop > start:
+            raise IncompatiblePeerError(
+                f"KV peer {hs.agent!r} holds KV heads 0-{start - 1}, "
+                f"ours reach {self.heads.stop - 1}"
+            )
 
     def write(
         self,
@@ -121,29 +197,82 @@ class KVEndpoint:
         layers: range,
         src: Sequence[PageId],
         dst: Sequence[PageId],
-        notice: Notice,
+        notice: Notice | None,
     ) -> Write:
-        """Post one WRITE of pages src -> dst (K and V) for `layers`; the notice rides on it.
-        The caller posts only KV the device has finished writing (see the engine's
-        LayerReady): UCX reads the pages as they are when it runs, and nothing here waits
-        on the device."""
+        """Post the WRITE of pages src -> dst (K and V) for `layers`, this rank's heads into
+        each peer rank holding them, and have the other ranks of this model post theirs;
+        `notice` follows (rides on the one part when there is one). The caller posts only
+        KV the device has finished writing on every rank (see the engine's LayerReady):
+        UCX reads the pages as they are when it runs, and nothing here waits on the device.
+        TransferError if no part could be posted; a part failing after another was posted
+        fails the Write once every part is over."""
         hs = peer.handshake
-        assert hs.page_bytes == self.page_bytes and 0 <= layers.start < layers.stop
-        runs = np.array(page_runs(src, dst), dtype=np.uint64).reshape(-1, 3)
+        assert 0 <= layers.start < layers.stop <= hs.num_layers
+        parts = [(rank, _overlap(self.heads, rank.heads)) for rank in hs.ranks]
+        parts = [(rank, heads) for rank, heads in parts if heads]
+        rides = not self.followers and len(parts) == 1 and parts[0][0] == hs.ranks[0]
+        write = Write([], 0, peer, None if rides else notice)
+        for rank, heads in parts:
+            try:
+                handle, nbytes = self._post(
+                    peer, rank, heads, layers, src, dst, notice if rides else None
+                )
+            except TransferError as e:
+                if not write.handles:
+                    raise
+                write.error = str(e)
+                return write
+            write.handles.append(handle)
+            write.num_bytes += nbytes
+        n = 2 * len(src) * len(layers)
+        for follower in self.followers:
+            write.pending.append(follower.post(peer.raw, layers, src, dst))
+            write.num_bytes += n * self.head_bytes * len(follower.memory.heads)
+        return write
+
+    def _post(
+        self,
+        peer: Peer,
+        rank: RankPages,
+        heads: range,
+        layers: range,
+        src: Sequence[PageId],
+        dst: Sequence[PageId],
+        notice: Notice | None,
+    ) -> tuple[Any, int]:
+        """Post one part: this rank's `heads` of the pages into `rank`'s; (handle, bytes)."""
+        here, there = np.uint64(self.cache.num_pages), np.uint64(rank.num_pages)
         lay = np.arange(layers.start, layers.stop, dtype=np.uint64)[:, None]
-        pb = np.uint64(self.page_bytes)
-        here = np.uint64(self.cache.num_pages)
-        there = np.uint64(hs.num_pages)
-        lengths = np.broadcast_to(runs[:, 2] * pb, (len(lay), len(runs))).ravel()
-        local, remote = [], []
-        for base, peer_base in ((self.cache.k, hs.k_base), (self.cache.v, hs.v_base)):
-            local.append((np.uint64(base.data_ptr()) + (lay * here + runs[:, 0]) * pb).ravel())
-            remote.append((np.uint64(peer_base) + (lay * there + runs[:, 1]) * pb).ravel())
-        lengths = np.concatenate([lengths, lengths])
+        if heads == self.heads == rank.heads:  # whole pages, in runs of consecutive ones
+            runs = np.array(page_runs(src, dst), dtype=np.uint64).reshape(-1, 3)
+            pb = np.uint64(self.page_bytes)
+            lengths = np.broadcast_to(runs[:, 2] * pb, (len(lay), len(runs))).ravel()
+            local_at = ((lay * here + runs[:, 0]) * pb).ravel()
+            remote_at = ((lay * there + runs[:, 1]) * pb).ravel()
+        else:  # the shared heads of each token's row
+            page_size = self.cache.layout.page_size
+            token = np.arange(page_size, dtype=np.uint64)[None, None, :]
+            s = np.asarray(src, dtype=np.uint64)[None, :, None]
+            d = np.asarray(dst, dtype=np.uint64)[None, :, None]
+            hb = self.head_bytes // page_size  # one head of one token
+            local_at = (
+                (lay[:, :, None] * here + s) * np.uint64(self.page_bytes)
+                + token * np.uint64(hb * len(self.heads))
+                + np.uint64(hb * (heads.start - self.heads.start))
+            ).ravel()
+            remote_at = (
+                (lay[:, :, None] * there + d) * np.uint64(rank.page_bytes)
+                + token * np.uint64(hb * len(rank.heads))
+                + np.uint64(hb * (heads.start - rank.heads.start))
+            ).ravel()
+            lengths = np.full(len(local_at), hb * len(heads), dtype=np.uint64)
+        local = [np.uint64(t.data_ptr()) + local_at for t in (self.cache.k, self.cache.v)]
+        remote = [np.uint64(base) + remote_at for base in (rank.k_base, rank.v_base)]
+        both = np.concatenate([lengths, lengths])
 
         def descs(addrs: list[np.ndarray], on_gpu: bool, dev: int) -> Any:
             rows = np.stack(
-                [np.concatenate(addrs), lengths, np.full(len(lengths), dev, np.uint64)], axis=1
+                [np.concatenate(addrs), both, np.full(len(both), dev, np.uint64)], axis=1
             )
             return self._agent.get_xfer_descs(rows, "VRAM" if on_gpu else "DRAM")
 
@@ -151,34 +280,53 @@ class KVEndpoint:
             handle = self._agent.initialize_xfer(
                 "WRITE",
                 descs(local, self._on_gpu, self._dev),
-                descs(remote, hs.on_gpu, hs.device_id),
-                peer.name,
-                notice.encode(),
+                descs(remote, rank.on_gpu, rank.device_id),
+                rank.agent,
+                b"" if notice is None else notice.encode(),
             )
             if self._agent.transfer(handle) == "ERR":
                 self._agent.release_xfer_handle(handle)
-                raise TransferError(f"WRITE to {peer.name} failed to post")
+                raise TransferError(f"WRITE to {rank.agent} failed to post")
         except TransferError:
             raise
         except Exception as e:  # NIXL raises its own types, e.g. on a disconnected peer
-            raise TransferError(f"WRITE to {peer.name} failed: {e}") from e
-        return Write(handle, int(lengths.sum()))
+            raise TransferError(f"WRITE to {rank.agent} failed: {e}") from e
+        return handle, int(both.sum())
 
     def finished(self, write: Write) -> bool:
-        """True once the WRITE has completed; TransferError if it failed (a peer that went
-        away included: NIXL then raises its own error, which must not escape, or each
-        poll of the worker's loop would fail on it again). Either way its handle is
-        released."""
-        try:
-            state = self._agent.check_xfer_state(write.handle)
-        except Exception as e:
-            state = f"{type(e).__name__}: {e}"
-        if state == "PROC":
+        """True once every part of the WRITE is over and its notice is sent; TransferError
+        if a part failed (a peer that went away included: NIXL then raises its own error,
+        which must not escape, or each poll of the worker's loop would fail on it again),
+        once none is in flight any more. Each part's handle is released as it ends."""
+        still = []
+        for handle in write.handles:
+            try:
+                state = self._agent.check_xfer_state(handle)
+            except Exception as e:
+                state = f"{type(e).__name__}: {e}"
+            if state == "PROC":
+                still.append(handle)
+                continue
+            with contextlib.suppress(Exception):  # a failed transfer's handle may refuse too
+                self._agent.release_xfer_handle(handle)
+            if state != "DONE":
+                write.error = write.error or f"WRITE failed in flight: {state}"
+        write.handles = still
+        pending = []
+        for part in write.pending:
+            try:
+                if not part.done():
+                    pending.append(part)
+            except TransferError as e:
+                write.error = write.error or str(e)
+        write.pending = pending
+        if write.handles or write.pending:
             return False
-        with contextlib.suppress(Exception):  # a failed transfer's handle may refuse too
-            self._agent.release_xfer_handle(write.handle)
-        if state != "DONE":
-            raise TransferError(f"WRITE failed in flight: {state}")
+        if write.error:
+            raise TransferError(write.error)
+        if write.notice is not None:
+            notice, write.notice = write.notice, None
+            self.notify(write.peer, notice)
         return True
 
     def notify(self, peer: Peer, notice: Notice) -> None:
@@ -201,6 +349,10 @@ class KVEndpoint:
         self.progress()
         out, self._inbox = self._inbox, []
         return out
+
+
+def _overlap(a: range, b: range) -> range:
+    return range(max(a.start, b.start), min(a.stop, b.stop))
 
 
 def _create_ucx_backend(agent: Any, devices: str, transports: str) -> None:

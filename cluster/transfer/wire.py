@@ -17,8 +17,9 @@ from cluster.engine.checkpoint import ModelSpec
 from cluster.types import PageId, RequestId, TopLogprobs
 
 MAGIC = b"SPKV"
-# 2: STARTED, RENEW, ACK and REVOKE, a STARTED with its handshake; 3: DONE with top logprobs
-VERSION = 3
+# 2: STARTED, RENEW, ACK and REVOKE, a STARTED with its handshake; 3: DONE with top logprobs;
+# 4: a handshake lists every rank of the model, each with its KV heads
+VERSION = 4
 LAYOUT = "layers,pages,page_size,kv_heads,head_dim;k,v"  # the KVCache tensor layout
 
 
@@ -85,36 +86,78 @@ def _raw(b: bytes) -> bytes:
 
 
 @dataclass(frozen=True)
-class Handshake:
-    """What a KV receiver publishes so a sender can write into its pages."""
+class RankPages:
+    """One rank's KV cache as a peer writes into it: its transfer agent, where its pages
+    are, and which of the model's KV heads they hold (a page of one layer is
+    [page_size, len(heads), head_dim])."""
 
-    compat: bytes  # compat_hash(...)
-    agent: str  # the receiver's transfer agent name
+    agent: str  # the rank's transfer agent name
     agent_metadata: bytes  # opaque to us: the transport's own connection blob
-    num_layers: int
     num_pages: int
     page_bytes: int  # one page of one layer of K (or V)
     k_base: int  # address of k[0, 0]
     v_base: int
     on_gpu: bool
     device_id: int
+    heads: range  # [start, stop) of the model's KV heads
 
     def encode(self) -> bytes:
         return b"".join(
             (
-                struct.pack("<4sH16s", MAGIC, VERSION, self.compat),
                 _raw(self.agent.encode()),
                 _raw(self.agent_metadata),
                 struct.pack(
-                    "<IIQQQ?I",
-                    self.num_layers,
+                    "<IQQQ?III",
                     self.num_pages,
                     self.page_bytes,
                     self.k_base,
                     self.v_base,
                     self.on_gpu,
                     self.device_id,
+                    self.heads.start,
+                    self.heads.stop,
                 ),
+            )
+        )
+
+    @staticmethod
+    def read(r: _Reader) -> RankPages:
+        agent, meta = r.text(), r.raw()
+        pages, page_bytes, k_base, v_base, on_gpu, dev, h0, h1 = r.take("<IQQQ?III")
+        return RankPages(
+            agent,
+            meta,
+            int(pages),
+            int(page_bytes),
+            int(k_base),
+            int(v_base),
+            bool(on_gpu),
+            int(dev),
+            range(int(h0), int(h1)),
+        )
+
+
+@dataclass(frozen=True)
+class Handshake:
+    """What a KV receiver publishes so a sender can write into its pages: every rank of
+    its model (tensor parallelism), rank 0 first, whose agent takes the notices."""
+
+    compat: bytes  # compat_hash(...)
+    num_layers: int
+    ranks: tuple[RankPages, ...]
+
+    @property
+    def agent(self) -> str:
+        """Where notices go: rank 0's agent."""
+        return self.ranks[0].agent
+
+    def encode(self) -> bytes:
+        return b"".join(
+            (
+                struct.pack(
+                    "<4sH16sIH", MAGIC, VERSION, self.compat, self.num_layers, len(self.ranks)
+                ),
+                *(rank.encode() for rank in self.ranks),
             )
         )
 
@@ -122,22 +165,12 @@ class Handshake:
     def decode(data: bytes) -> Handshake:
         r = _Reader(data, "handshake")
         r.header()
-        (compat,) = r.take("<16s")
-        agent, meta = r.text(), r.raw()
-        layers, pages, page_bytes, k_base, v_base, on_gpu, dev = r.take("<IIQQQ?I")
+        compat, layers, num_ranks = r.take("<16sIH")
+        if not num_ranks:
+            raise WireError("handshake: no rank")
+        ranks = tuple(RankPages.read(r) for _ in range(int(num_ranks)))
         r.end()
-        return Handshake(
-            bytes(compat),  # type: ignore[arg-type]
-            agent,
-            meta,
-            int(layers),
-            int(pages),
-            int(page_bytes),
-            int(k_base),
-            int(v_base),
-            bool(on_gpu),
-            int(dev),
-        )
+        return Handshake(bytes(compat), int(layers), ranks)  # type: ignore[arg-type]
 
     def check(self, compat: bytes) -> None:
         """Refuse a peer that does not share our compatibility hash."""

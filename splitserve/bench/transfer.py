@@ -7,7 +7,9 @@ Three measurements in one run, on one machine, between two processes:
    size of a prompt's KV, and one message the size of one WRITE descriptor.
 2. splitserve: the KV of 512-, 2048- and 8192-token prompts (the bundled model's layout,
    all layers, K and V) written by KVEndpoint into another process's pages; bytes over
-   the time from posting to the receiver reading the last notice.
+   the time from posting to the receiver reading the last notice. Again into a receiver
+   whose model is split over two ranks (its 3 KV heads 2 + 1, a NIXL agent each): each
+   rank's heads of each token are one run, so many small descriptors.
 3. Exposure: real prefills on the bundled model pushing into a receiver. Exposed
    transfer = time until the receiver holds all KV (DONE plus every WRITE notice)
    minus the same prefill's time with no transfer at all (medians, interleaved runs).
@@ -25,7 +27,7 @@ import socket
 import statistics
 import subprocess
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +38,9 @@ from cluster.engine.checkpoint import load_checkpoint
 from cluster.engine.engine import LLMEngine
 from cluster.engine.kv_cache import KVCache, KVLayout
 from cluster.engine.model_files import bundled_model_path
+from cluster.engine.tensor_parallel import split
 from cluster.transfer.endpoint import KVEndpoint
-from cluster.transfer.wire import Notice, NoticeKind, compat_hash
+from cluster.transfer.wire import Handshake, Notice, NoticeKind, compat_hash
 from cluster.types import KVTarget, PageId, RequestId, SamplingParams
 from prefill_worker.sender import KVSender
 from splitserve.bench import RESULTS
@@ -55,6 +58,9 @@ class Bandwidth:
     splitserve_gbps: float
     perftest_whole_gbps: float  # one message of the prompt's KV size
     perftest_descriptor_gbps: float  # messages of one descriptor's size (cache-warm)
+    # the same KV into a receiver whose model is split over two ranks (tensor parallelism):
+    # each rank's heads of each token, a run each
+    split_gbps: float
 
     @property
     def ratio(self) -> float:
@@ -117,14 +123,25 @@ def ucx_perftest_gbps(size: int, iters: int) -> float:
 
 
 def _receiver(
-    conn: Any, layout: KVLayout, num_pages: int, compat: bytes, poll_s: float, device: str
+    conn: Any,
+    layout: KVLayout,
+    num_pages: int,
+    compat: bytes,
+    poll_s: float,
+    device: str,
+    splits: tuple[range, ...],
 ) -> None:
-    """Holds a KV cache and polls notices every poll_s, rounds or not (so a prefill measured
-    alone shares the CPU with the same polling); reports when a round's KV has all landed."""
+    """Holds a KV cache (a rank's per split of the heads, each its own agent) and polls
+    notices every poll_s, rounds or not (so a prefill measured alone shares the CPU with
+    the same polling); reports when a round's KV has all landed."""
     torch.set_num_threads(1)
-    cache = KVCache(layout, num_pages, torch.device(device))
-    ep = KVEndpoint("bench-receiver", cache, compat, "lo")
-    conn.send(ep.handshake())
+    ranks = []
+    for r, heads in enumerate(splits or (range(layout.num_kv_heads),)):
+        cache = KVCache(replace(layout, num_kv_heads=len(heads)), num_pages, torch.device(device))
+        name = "bench-receiver" if r == 0 else f"bench-receiver-rank{r}"
+        ranks.append(KVEndpoint(name, cache, compat, "lo", "", r > 0, heads))
+    ep = ranks[0]
+    conn.send(Handshake(compat, layout.num_layers, tuple(e.memory() for e in ranks)).encode())
     in_round, landed, expected = False, 0, None
     while True:
         for n in ep.notices():
@@ -146,11 +163,17 @@ def _receiver(
 
 class Receiver:
     def __init__(
-        self, layout: KVLayout, num_pages: int, compat: bytes, poll_s: float, device: str = "cpu"
+        self,
+        layout: KVLayout,
+        num_pages: int,
+        compat: bytes,
+        poll_s: float,
+        device: str = "cpu",
+        splits: tuple[range, ...] = (),  # the receiver's model split over ranks: their heads
     ) -> None:
         ctx = mp.get_context("spawn")
         self.conn, there = ctx.Pipe()
-        args = (there, layout, num_pages, compat, poll_s, device)
+        args = (there, layout, num_pages, compat, poll_s, device, splits)
         self.proc = ctx.Process(target=_receiver, args=args)
         self.proc.start()
         self.handshake: bytes = self.conn.recv()
@@ -178,13 +201,14 @@ def kv_bandwidth(
     reps: int,
     tokens_list: tuple[int, ...] = TOKENS,
     device: str = "cpu",  # both caches: "cuda" is GPU to GPU on one device
+    splits: tuple[range, ...] = (),  # the receiver's ranks (tensor parallelism): their heads
 ) -> list[tuple[int, int, int, float]]:
     """(tokens, bytes, descriptor bytes, GB/s) for each prompt size, all layers in one WRITE."""
     pages = max(tokens_list) // PAGE_SIZE
     cache = KVCache(layout, pages, torch.device(device))
     cache.k.normal_()
     cache.v.normal_()
-    receiver = Receiver(layout, pages, compat, poll_s=0.0002, device=device)
+    receiver = Receiver(layout, pages, compat, poll_s=0.0002, device=device, splits=splits)
     ep = KVEndpoint("bench-sender", cache, compat, "lo")
     peer = ep.connect(receiver.handshake)
     out = []
@@ -277,13 +301,14 @@ def report(bandwidth: list[Bandwidth], exposures: list[Exposure]) -> str:
     lines = [
         f"KV transfer bandwidth between two processes (UCX_TLS={UCX_TLS} for ucx_perftest)",
         f"{'prompt':>8} {'KV bytes':>10} {'splitserve':>11} {'perftest':>9} {'ratio':>6}"
-        f" {'perftest@desc':>14}",
+        f" {'perftest@desc':>14} {'into TP=2':>10}",
     ]
     for b in bandwidth:
         lines.append(
             f"{b.tokens:>8} {b.bytes / 2**20:>8.1f}Mi {b.splitserve_gbps:>7.2f}GB/s "
             f"{b.perftest_whole_gbps:>5.2f}GB/s {b.ratio:>5.0%} "
-            f"{b.perftest_descriptor_gbps:>6.2f}GB/s@{b.descriptor_bytes // 1024}Ki"
+            f"{b.perftest_descriptor_gbps:>6.2f}GB/s@{b.descriptor_bytes // 1024}Ki "
+            f"{b.split_gbps:>6.2f}GB/s"
         )
     lines += [
         "",
@@ -322,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     compat = compat_hash(spec, "float32", PAGE_SIZE, "none")
     layout = KVLayout.of(spec, PAGE_SIZE, torch.float32)
     measured = kv_bandwidth(layout, compat, args.reps)
+    heads = tuple(range(a, b) for a, b in split(spec.num_kv_heads, 2, 1))
+    into_split = kv_bandwidth(layout, compat, args.reps, splits=heads)
     bandwidth = [
         Bandwidth(
             tokens,
@@ -330,8 +357,9 @@ def main(argv: list[str] | None = None) -> int:
             gbps,
             ucx_perftest_gbps(nbytes, max(4, 2**30 // nbytes)),
             ucx_perftest_gbps(desc, 200),
+            split_gbps,
         )
-        for tokens, nbytes, desc, gbps in measured
+        for (tokens, nbytes, desc, gbps), (*_, split_gbps) in zip(measured, into_split, strict=True)
     ]
     engine = LLMEngine(
         EngineConfig(

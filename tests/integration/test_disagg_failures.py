@@ -48,7 +48,8 @@ class StalledSender:
     before the reservation is made, so the claim is all that runs on the lease's clock."""
 
     def __init__(self, name: str, compat: bytes) -> None:
-        cache = KVCache(KVLayout(1, 1, 8, 16, torch.float32), 1, torch.device("cpu"))
+        layout = KVLayout.of(read_spec(bundled_model_path()), 16, torch.float32)  # the workers'
+        cache = KVCache(layout, 1, torch.device("cpu"))
         self.endpoint = KVEndpoint(name, cache, compat, "lo")
         self.heard: list[NoticeKind] = []
 

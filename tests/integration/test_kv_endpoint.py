@@ -5,10 +5,12 @@ and notices arrive after the bytes."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import multiprocessing as mp
 import os
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -18,7 +20,7 @@ from cluster.config import ConfigError
 from cluster.engine.checkpoint import ModelSpec
 from cluster.engine.kv_cache import KVCache, KVLayout
 from cluster.transfer.endpoint import KVEndpoint
-from cluster.transfer.wire import Notice, NoticeKind, compat_hash
+from cluster.transfer.wire import Handshake, IncompatiblePeerError, Notice, NoticeKind, compat_hash
 from cluster.types import PageId, RequestId
 from tests.unit.test_wire import SPEC
 
@@ -81,6 +83,114 @@ def test_a_write_lands_in_exactly_the_named_pages_and_its_notice_follows(
         assert torch.equal(got[1, DST], sent[1, SRC])
         untouched = [p for p in range(40) if p not in DST]
         assert not got[1, untouched].any() and not got[0].any()
+
+
+SPEC3 = dataclasses.replace(SPEC, num_kv_heads=3, num_heads=6)  # the bundled model's 3 heads
+COMPAT3 = compat_hash(SPEC3, "float32", 16, "none")
+
+
+def _cache(heads: range, pages: int) -> KVCache:
+    layout = KVLayout(SPEC3.num_layers, len(heads), SPEC3.head_dim, 16, torch.float32)
+    return KVCache(layout, pages, torch.device("cpu"))
+
+
+def _receive_ranks(conn: Any, splits: list[range]) -> None:
+    """A receiver whose model is split over `splits` (a rank each, each its own agent):
+    publishes the handshake of all, reads rank 0's notices, sends back every rank's
+    pages joined along the heads."""
+    caches = [_cache(heads, 40) for heads in splits]
+    names = ["receiver", *(f"receiver-rank{r}" for r in range(1, len(splits)))]
+    # Ranks > 0 read no notices: UCX moves for them on their own progress thread.
+    eps = [
+        KVEndpoint(name, cache, COMPAT3, "lo", progress_thread=name != "receiver", heads=heads)
+        for name, cache, heads in zip(names, caches, splits, strict=True)
+    ]
+    conn.send(Handshake(COMPAT3, SPEC3.num_layers, tuple(ep.memory() for ep in eps)).encode())
+    notices: list[Notice] = []
+    deadline = time.monotonic() + 30
+    while len(notices) < 2 and time.monotonic() < deadline:
+        notices += eps[0].notices()
+        time.sleep(0.001)
+    k = torch.cat([c.k for c in caches], dim=3)
+    v = torch.cat([c.v for c in caches], dim=3)
+    conn.send((notices, k.numpy(), v.numpy()))
+
+
+class _LocalRank:
+    """Another rank of the sender's model in this process (a TensorRank's part, without Ray)."""
+
+    def __init__(self, ep: KVEndpoint) -> None:
+        self.ep, self.memory = ep, ep.memory()
+
+    def post(self, handshake: bytes, layers: range, src: Any, dst: Any) -> Any:
+        write = self.ep.write(self.ep.connect(handshake), layers, src, dst, None)
+        return SimpleNamespace(done=lambda: self.ep.finished(write))
+
+
+@pytest.mark.parametrize(
+    ("senders", "receivers"),
+    [
+        ([range(0, 3)], [range(0, 2), range(2, 3)]),  # TP=1 -> TP=2
+        ([range(0, 2), range(2, 3)], [range(0, 3)]),  # TP=2 -> TP=1
+        ([range(0, 2), range(2, 3)], [range(0, 1), range(1, 3)]),  # splits that cross
+    ],
+    ids=["1-to-2", "2-to-1", "crossed"],
+)
+def test_each_ranks_heads_land_in_the_peer_rank_holding_them_and_one_notice_follows(
+    senders: list[range], receivers: list[range]
+) -> None:
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    receiver = ctx.Process(target=_receive_ranks, args=(there, receivers))
+    receiver.start()
+    try:
+        full_k = torch.randn(SPEC3.num_layers, 12, 16, 3, SPEC3.head_dim)
+        full_v = torch.randn(full_k.shape)
+        eps = []
+        for r, heads in enumerate(senders):
+            cache = _cache(heads, 12)
+            cache.k.copy_(full_k[:, :, :, heads.start : heads.stop])
+            cache.v.copy_(full_v[:, :, :, heads.start : heads.stop])
+            eps.append(KVEndpoint(f"sender-rank{r}", cache, COMPAT3, "lo", heads=heads))
+        ep = eps[0]
+        ep.followers = [_LocalRank(other) for other in eps[1:]]
+        peer = ep.connect(here.recv())
+        assert ep.model_page_bytes == 16 * 3 * SPEC3.head_dim * 4
+        nbytes = 2 * len(SRC) * ep.model_page_bytes
+        notice = Notice(NoticeKind.LAYERS, RequestId("r"), 1, 2, tuple(DST), nbytes)
+        write = ep.write(peer, range(1, 2), SRC, DST, notice)
+        deadline = time.monotonic() + 30
+        while not ep.finished(write):
+            assert time.monotonic() < deadline
+        assert write.num_bytes == nbytes
+        ep.notify(peer, Notice(NoticeKind.DONE, RequestId("r"), num_writes=1, first_token=5))
+        notices, k_np, v_np = here.recv()
+    finally:
+        receiver.join(30)
+    assert [n.kind for n in notices] == [NoticeKind.LAYERS, NoticeKind.DONE]
+    assert notices[0] == notice
+    for got, sent in ((torch.from_numpy(k_np), full_k), (torch.from_numpy(v_np), full_v)):
+        assert torch.equal(got[1, DST], sent[1, SRC])
+        untouched = [p for p in range(40) if p not in DST]
+        assert not got[1, untouched].any() and not got[0].any()
+
+
+def test_a_peer_whose_heads_do_not_tile_is_refused() -> None:
+    ep = KVEndpoint("tiler", _cache(range(0, 3), 4), COMPAT3, "lo")
+    gap = Handshake(
+        COMPAT3,
+        SPEC3.num_layers,
+        (ep.memory(), dataclasses.replace(ep.memory(), agent="other", heads=range(4, 5))),
+    )
+    with pytest.raises(IncompatiblePeerError, match="do not tile from 0"):
+        ep.connect(gap.encode())
+    short = Handshake(
+        COMPAT3,
+        SPEC3.num_layers,
+        (dataclasses.replace(ep.memory(), heads=range(0, 2), page_bytes=ep.head_bytes * 2),),
+    )
+    with pytest.raises(IncompatiblePeerError, match="holds KV heads 0-1, ours reach 2"):
+        ep.connect(short.encode())
 
 
 def _listening_sockets() -> set[str]:

@@ -39,7 +39,7 @@ class FakeWrite:
 class FakeEndpoint:
     """Records what the sender posts; a WRITE finishes when the test says so."""
 
-    page_bytes: int = 64
+    model_page_bytes: int = 64
     writes: list[FakeWrite] = field(default_factory=list)
     posted: list[Notice] = field(default_factory=list)  # sent
     inbox: list[Notice] = field(default_factory=list)  # from the receiver, not yet read

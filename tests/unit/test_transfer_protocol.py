@@ -77,7 +77,7 @@ class Net:
 class FakeEndpoint:
     name: str
     net: Net
-    page_bytes: int = 64
+    model_page_bytes: int = 64
 
     def handshake(self) -> bytes:
         return self.name.encode()

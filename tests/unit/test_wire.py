@@ -13,6 +13,7 @@ from cluster.transfer.wire import (
     IncompatiblePeerError,
     Notice,
     NoticeKind,
+    RankPages,
     WireError,
     compat_hash,
 )
@@ -37,13 +38,28 @@ SPEC = ModelSpec(
 OURS = compat_hash(SPEC, "float32", 16, "none")
 
 
+def rank(agent: str, heads: range) -> RankPages:
+    return RankPages(
+        agent, b"\x00opaque\xff", 100, 1024 * len(heads), 2**40, 2**41, False, 0, heads
+    )
+
+
 def handshake(compat: bytes = OURS) -> Handshake:
-    return Handshake(compat, "decode-0", b"\x00opaque\xff", 2, 100, 2048, 2**40, 2**41, False, 0)
+    return Handshake(compat, 2, (rank("decode-0", range(2)),))
 
 
-def test_a_handshake_round_trips() -> None:
+def test_a_handshake_round_trips_with_each_rank_and_its_heads() -> None:
     hs = handshake()
     assert Handshake.decode(hs.encode()) == hs
+    two = Handshake(OURS, 2, (rank("decode-0", range(0, 1)), rank("decode-0-rank1", range(1, 2))))
+    back = Handshake.decode(two.encode())
+    assert back == two and back.agent == "decode-0"
+    assert [r.heads for r in back.ranks] == [range(0, 1), range(1, 2)]
+
+
+def test_a_handshake_without_ranks_is_refused() -> None:
+    with pytest.raises(WireError, match="no rank"):
+        Handshake.decode(Handshake(OURS, 2, ()).encode())
 
 
 @pytest.mark.parametrize(

@@ -68,7 +68,10 @@ class DecodeWorker:
         self.engine = self._loop.call_blocking(lambda: LLMEngine(engine, report), None)
         self.epoch = uuid.uuid4().hex[:12]
         self.transfer = transfer
-        self.endpoint = role_worker.endpoint(name, self.engine, transfer)
+        # On the engine's thread, which drives it (and waits there for the other ranks').
+        self.endpoint = self._loop.call_blocking(
+            lambda: role_worker.endpoint(name, self.engine, transfer), None
+        )
         terms = inbound.Terms(
             transfer.lease_s, transfer.revoke_cap_s, transfer.on_timeout == "recompute"
         )

@@ -52,7 +52,10 @@ class PrefillWorker:
         report = role_worker.load_reporter(name)
         self.engine = self._loop.call_blocking(lambda: LLMEngine(engine, report), None)
         self.epoch = uuid.uuid4().hex[:12]
-        self.endpoint = role_worker.endpoint(name, self.engine, transfer)
+        # On the engine's thread, which drives it (and waits there for the other ranks').
+        self.endpoint = self._loop.call_blocking(
+            lambda: role_worker.endpoint(name, self.engine, transfer), None
+        )
         self.sender = KVSender(
             self.endpoint,
             self.engine.holds,

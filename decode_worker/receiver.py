@@ -90,23 +90,18 @@ class KVReceiver:
     def _on_notice(self, notice: Notice) -> list[tuple[RequestId, Release]]:
         rid, kind = notice.request_id, notice.kind
         transfer = self._transfers.get(rid)
+        if transfer is None:  # released (or never reserved here): the machine's RELEASED
+            transfer = _Transfer(machine.released(self.terms), frozenset())
         if kind is NoticeKind.STARTED:
-            sender = self._connect(notice)
-            if sender is None:
+            transfer.sender = self._connect(notice)
+            if transfer.sender is None:
                 return []
-            if transfer is None:  # released before it was claimed: nothing may come
-                self._notify(sender, Notice(NoticeKind.REVOKE, rid))
-                return []
-            transfer.sender = sender
-        if transfer is None:
-            log.debug("%s notice for %s, which is not transferring: dropped", kind.name, rid)
-            return []
         if kind is NoticeKind.LAYERS:
             if not transfer.pages.issuperset(notice.pages):
                 log.error("request %s: a peer wrote pages outside its reservation", rid)
-            self.bytes_received += notice.num_bytes
-            if notice.layer_end == self.num_layers:
+            elif notice.layer_end == self.num_layers:
                 self.pages_received += len(notice.pages)
+            self.bytes_received += notice.num_bytes
         event = _EVENTS.get(kind)
         if kind is NoticeKind.DONE:
             event = machine.Done(
@@ -115,10 +110,14 @@ class KVReceiver:
         if event is None:
             log.warning("request %s: a sender sent %s, a receiver's notice: dropped", rid, kind)
             return []
-        return self._on(rid, event)
+        return self._on(rid, event, transfer)
 
-    def _on(self, rid: RequestId, event: machine.Event) -> list[tuple[RequestId, Release]]:
-        transfer = self._transfers.get(rid)
+    def _on(
+        self, rid: RequestId, event: machine.Event, transfer: _Transfer | None = None
+    ) -> list[tuple[RequestId, Release]]:
+        """Feed one event to rid's transfer (`transfer`: one this worker does not hold) and
+        apply what the machine says: answer the sender, hand the pages on."""
+        transfer = self._transfers.get(rid) if transfer is None else transfer
         if transfer is None:
             return []
         transfer.state, actions = machine.on_event(transfer.state, event, self.clock())
@@ -127,7 +126,8 @@ class KVReceiver:
             if isinstance(action, RELEASES):
                 del self._transfers[rid]
                 released.append((rid, action))
-            elif transfer.sender is not None:  # Ack and Revoke follow a STARTED
+            else:  # Ack or Revoke: the machine answers only a transfer that was STARTED
+                assert transfer.sender is not None, (rid, action)
                 kind = NoticeKind.ACK if isinstance(action, machine.Ack) else NoticeKind.REVOKE
                 self._notify(transfer.sender, Notice(kind, rid))
         return released

@@ -21,7 +21,8 @@ depends on two hosts' clocks agreeing.
    posting on its own `lease_s` after its last progress, long before).
 4. RELEASED: the pages were handed on exactly once: to decode (all landed), to a local
    prefill (recompute), or freed (failed, aborted). Later notices change nothing; a
-   STARTED is answered with REVOKE.
+   STARTED is answered with REVOKE. A transfer the receiver no longer holds (or never
+   held) is RELEASED too (`released`): so a late claim posts nothing.
 """
 
 from __future__ import annotations
@@ -165,6 +166,12 @@ class Inbound:
 def reserve(terms: Terms, now: float) -> Inbound:
     """Pages were just reserved: the sender has `lease_s` to claim them."""
     return Inbound(terms, InboundStatus.RESERVED, now + terms.lease_s)
+
+
+def released(terms: Terms) -> Inbound:
+    """A transfer this side does not hold (released, or never reserved here): RELEASED to
+    the protocol, so a STARTED for it is answered with REVOKE and nothing else matters."""
+    return Inbound(terms, InboundStatus.RELEASED, 0.0)
 
 
 def on_event(s: Inbound, e: Event, now: float) -> tuple[Inbound, tuple[Action, ...]]:

@@ -115,21 +115,26 @@ def test_with_policy_fail_a_missed_lease_fails_the_request_with_a_clear_status(
 def test_a_reservation_nobody_fills_is_released_when_its_lease_ends(
     workers: Any, prompts: list[list[int]]
 ) -> None:
-    """The prefill worker chosen for it never claims it (it died before it could)."""
+    """The prefill worker chosen for it never claims it (it died before it could), or
+    claims it too late: its STARTED gets REVOKE (the receiving machine's RELEASED rule)."""
     d = workers.decode("decode-short-lease", **SHORT_LEASE)
     c = workers.decode("colocated")
     rid = RequestId("unclaimed")
     failures = ray.get(d.stats.remote()).transfer_failures
+    late = StalledSender("late-sender", COMPAT)
 
     async def go() -> list[int]:
         target = await d.submit.remote(rid, prompts[8], GREEDY, True, READER)
         assert target is not None and len(target.pages) == -(-len(prompts[8]) // 16)
         assert target.lease_s == SHORT_LEASE["lease_s"]
         deltas = await _outputs(d, rid)
+        late.claim(target, rid)  # the request is over there: released
+        await until(lambda: late.hears(NoticeKind.REVOKE), "a late claim revoked")
         return [t for x in deltas for t in x.token_ids]
 
     assert run(go()) == run(collect(Dispatcher(), prompts[8], GREEDY, c)).tokens
     assert ray.get(d.stats.remote()).transfer_failures == failures + 1  # the lease ended
+    assert late.heard == [NoticeKind.REVOKE]  # never an ACK: no WRITE may follow
 
 
 async def _is(ref: Any, status: RequestStatus) -> bool:

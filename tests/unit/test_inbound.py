@@ -154,3 +154,12 @@ def test_the_clock_s_origin_does_not_matter() -> None:
             m.Revoke(),
             m.StartDecode(1, 0.0),
         ]
+
+
+def test_a_transfer_not_held_is_released_to_the_protocol_and_a_claim_on_it_is_revoked() -> None:
+    # What the decode worker's receiver feeds a notice for a request it no longer holds
+    # (or never held): the same RELEASED rule as above, not a rule of its own.
+    gone = m.released(TERMS)
+    assert m.on_event(gone, m.Started(), 0.0) == (gone, (m.Revoke(),))
+    for event in (m.Renew(), m.Layers(), m.Done(1, 5, 0.0), m.Cancel(), m.Tick(), m.Abort()):
+        assert m.on_event(gone, event, 1e9) == (gone, ())

@@ -129,7 +129,7 @@ class KVSender:
         self._post_ready(event.request_id)
         self._on(
             event.request_id,
-            machine.FirstToken(event.token, event.logprob or 0.0, event.top_logprobs),
+            machine.PromptSampled(event.token, event.logprob or 0.0, event.top_logprobs),
         )
 
     def stop(self, request_id: RequestId) -> None:

@@ -46,6 +46,14 @@ from prefill_worker.sender import KVSender
 log = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Waiting:
+    """A request until its first token: what `prefill` returns it through."""
+
+    done: asyncio.Future[FirstToken | None]
+    held: int  # prompt tokens the target already holds
+
+
 class PrefillWorker:
     def __init__(self, name: str, engine: EngineConfig, transfer: TransferConfig) -> None:
         self._loop = WorkerLoop(name=f"{name}-engine")
@@ -63,8 +71,7 @@ class PrefillWorker:
             self.engine.spec.num_layers,
             transfer.stream_layers,
         )
-        self._waiting: dict[RequestId, asyncio.Future[FirstToken | None]] = {}
-        self._held: dict[RequestId, int] = {}  # prompt tokens the target already holds
+        self._waiting: dict[RequestId, _Waiting] = {}  # until the first token
         self._recomputed_tokens = 0
         self._loop.start(self._tick)
         self.metrics_url: str | None = None  # a fixed port may be scraped before serve returns
@@ -94,8 +101,7 @@ class PrefillWorker:
             except Exception:
                 self.sender.stop(request_id)
                 raise
-            self._waiting[request_id] = done
-            self._held[request_id] = target.num_cached_tokens
+            self._waiting[request_id] = _Waiting(done, target.num_cached_tokens)
 
         await self._loop.call(admit)
         return await done
@@ -167,7 +173,8 @@ class PrefillWorker:
                 outputs = []
             for out in outputs:
                 if out.finished:
-                    held = self._held.get(out.request_id, 0)
+                    waiting = self._waiting.get(out.request_id)
+                    held = 0 if waiting is None else waiting.held
                     self._recomputed_tokens += max(held - out.num_cached_tokens, 0)
                     first = FirstToken(
                         out.new_token_ids[0],
@@ -184,10 +191,9 @@ class PrefillWorker:
         return 0.001 if pending else 0.05
 
     def _settle(self, request_id: RequestId, result: FirstToken | None) -> None:
-        done = self._waiting.pop(request_id, None)
-        self._held.pop(request_id, None)
-        if done is not None:
-            settle(done, result)
+        waiting = self._waiting.pop(request_id, None)
+        if waiting is not None:
+            settle(waiting.done, result)
 
 
 spawn = partial(role_worker.spawn, PrefillWorker, PrefillHandle)

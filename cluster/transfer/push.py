@@ -90,7 +90,7 @@ class WriteDone:
 
 
 @dataclass(frozen=True)
-class FirstToken:
+class PromptSampled:
     """The prompt is done and its first token sampled."""
 
     token: int
@@ -103,7 +103,7 @@ class Tick:
     """Time passed: renew, or stop if this side stalled past the lease."""
 
 
-Event = Acked | Revoked | Abort | Unreachable | Planned | Ready | WriteDone | FirstToken | Tick
+Event = Acked | Revoked | Abort | Unreachable | Planned | Ready | WriteDone | PromptSampled | Tick
 
 
 # --- actions ---------------------------------------------------------------------------------
@@ -160,7 +160,7 @@ class Push:
     planned: int = 0
     in_flight: int = 0
     num_writes: int = 0  # posted
-    first: FirstToken | None = None
+    first: PromptSampled | None = None
     done_sent: bool = False
 
 
@@ -202,7 +202,7 @@ def on_event(p: Push, e: Event, now: float) -> tuple[Push, tuple[Action, ...]]:
             p = dataclasses.replace(p, in_flight=p.in_flight - 1)
             if not ok and not stopping:
                 return _stop(p, StopCause.TRANSPORT)
-        case FirstToken() if not stopping:
+        case PromptSampled() if not stopping:
             p = dataclasses.replace(p, first=e)
         case Tick() if not stopping:
             if _lapsed(p, now):

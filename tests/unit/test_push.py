@@ -23,7 +23,7 @@ class Lapse:
 
 
 STEP = 0.001
-FIRST = m.FirstToken(7, -0.5)
+FIRST = m.PromptSampled(7, -0.5)
 
 
 @dataclass

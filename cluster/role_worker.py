@@ -64,7 +64,8 @@ def endpoint(name: str, engine: LLMEngine, transfer: TransferConfig) -> KVEndpoi
     """The KV endpoint named `name` over the engine's cache; peers whose engine differs in
     model, dtype, page size or quantization are refused (compat_hash). With tensor
     parallelism it is rank 0's, and each other rank opens its own (`name`-rank1, ...),
-    which writes and takes its heads' KV."""
+    through which its heads' KV is written (a prefill worker's) or written into (a
+    decode worker's)."""
     compat = compat_hash(engine.spec, engine.dtype, engine.pool.page_size, engine.quantization)
     devices, transports = transfer.ucx_devices, transfer.ucx_transports
     ep = KVEndpoint(
@@ -77,6 +78,8 @@ def endpoint(name: str, engine: LLMEngine, transfer: TransferConfig) -> KVEndpoi
             for r, a in enumerate(actors, 1)
         ]
         ep.followers = [RankKV(a, m) for a, m in zip(actors, ray.get(opened), strict=True)]
+        for a in actors:
+            a.progress_kv.remote()  # returns once the rank stops following
     return ep
 
 

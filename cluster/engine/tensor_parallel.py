@@ -25,6 +25,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
     from cluster.transfer.wire import RankPages
 
 log = logging.getLogger(__name__)
+PROGRESS_NAP_S = 0.002  # between two UCX polls of a rank whose pages peers WRITE into
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)  # a rank that stops answering fails its step
 IDLE_TIMEOUT = timedelta(days=7)  # gloo's: a follower waits this long for the next step
 T = TypeVar("T")
@@ -370,9 +372,14 @@ class TensorRank:
     def __init__(self, build: Build, config: EngineConfig, rank: Rank) -> None:
         self.engine = build(config, rank=rank)
         self.kv: KVEndpoint | None = None
+        self.kv_lock = threading.Lock()  # `progress_kv` and `write_kv` share the endpoint
+        self.following = True
 
     def follow(self) -> None:
-        self.engine.follow()
+        try:
+            self.engine.follow()
+        finally:
+            self.following = False
 
     def open_kv(self, name: str, compat: bytes, devices: str, transports: str) -> RankPages:
         """Open this rank's KV transfer endpoint `name` over its cache: peers write its heads
@@ -380,8 +387,18 @@ class TensorRank:
         from cluster.transfer.endpoint import KVEndpoint
 
         heads = self.engine.kv_heads
-        self.kv = KVEndpoint(name, self.engine.cache, compat, devices, transports, True, heads)
+        self.kv = KVEndpoint(name, self.engine.cache, compat, devices, transports, False, heads)
         return self.kv.memory()
+
+    def progress_kv(self) -> None:
+        """Keep UCX moving for this rank's endpoint while the rank follows (a peer's first
+        WRITE into it, or its own connection to a peer, waits for this side to answer):
+        polls with a nap between, where NIXL's own progress thread spins a core."""
+        assert self.kv is not None, "open_kv first"
+        while self.following:
+            with self.kv_lock:
+                self.kv.progress()
+            time.sleep(PROGRESS_NAP_S)
 
     def write_kv(
         self, handshake: bytes, layers: range, src: list[PageId], dst: list[PageId]
@@ -392,12 +409,15 @@ class TensorRank:
 
         assert self.kv is not None, "open_kv first"
         try:
-            write = self.kv.write(self.kv.connect(handshake), layers, src, dst, None)
-            while not self.kv.finished(write):
+            with self.kv_lock:
+                write = self.kv.write(self.kv.connect(handshake), layers, src, dst, None)
+            while True:
+                with self.kv_lock:
+                    if self.kv.finished(write):
+                        return ""
                 time.sleep(0.0002)
         except (TransferError, ConnectionError, ValueError) as e:
             return str(e)
-        return ""
 
 
 class Ranks:
@@ -440,8 +460,9 @@ class Ranks:
                     "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False),
                 }
             rank = Rank(r, size, self.dir.store)
-            # Two threads: `follow` holds one for the rank's life; a health probe gets the other.
-            options["max_concurrency"] = 2
+            # `follow` holds a thread for the rank's life, `progress_kv` another; `write_kv`
+            # (a prefill worker's) and probes get the third.
+            options["max_concurrency"] = 3
             self.actors.append(actor.options(**options).remote(build, config, rank))
         self._following: list[Any] = []
 

@@ -100,9 +100,8 @@ def _receive_ranks(conn: Any, splits: list[range]) -> None:
     pages joined along the heads."""
     caches = [_cache(heads, 40) for heads in splits]
     names = ["receiver", *(f"receiver-rank{r}" for r in range(1, len(splits)))]
-    # Ranks > 0 read no notices: UCX moves for them on their own progress thread.
     eps = [
-        KVEndpoint(name, cache, COMPAT3, "lo", progress_thread=name != "receiver", heads=heads)
+        KVEndpoint(name, cache, COMPAT3, "lo", heads=heads)
         for name, cache, heads in zip(names, caches, splits, strict=True)
     ]
     conn.send(Handshake(COMPAT3, SPEC3.num_layers, tuple(ep.memory() for ep in eps)).encode())
@@ -110,6 +109,8 @@ def _receive_ranks(conn: Any, splits: list[range]) -> None:
     deadline = time.monotonic() + 30
     while len(notices) < 2 and time.monotonic() < deadline:
         notices += eps[0].notices()
+        for rank in eps[1:]:  # as a worker's other ranks do (TensorRank.progress_kv)
+            rank.progress()
         time.sleep(0.001)
     k = torch.cat([c.k for c in caches], dim=3)
     v = torch.cat([c.v for c in caches], dim=3)

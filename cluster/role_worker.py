@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any, TypeVar, cast
 
 import ray
@@ -74,10 +75,10 @@ def endpoint(name: str, engine: LLMEngine, transfer: TransferConfig) -> KVEndpoi
     if engine.ranks is not None:
         actors = engine.ranks.actors
         opened = [
-            a.open_kv.remote(f"{name}-rank{r}", compat, devices, transports)
+            a.open_kv.remote(f"{name}-rank{r}", compat, devices, transports).future()
             for r, a in enumerate(actors, 1)
-        ]
-        ep.followers = [RankKV(a, m) for a, m in zip(actors, ray.get(opened), strict=True)]
+        ]  # futures: waited on here, off the actor's event loop, without ray.get's warning
+        ep.followers = [RankKV(a, f.result()) for a, f in zip(actors, opened, strict=True)]
         for a in actors:
             a.progress_kv.remote()  # returns once the rank stops following
     return ep
@@ -94,19 +95,19 @@ class RankKV:
     def post(
         self, handshake: bytes, layers: range, src: Sequence[PageId], dst: Sequence[PageId]
     ) -> Pending:
-        return _Posted(self.actor.write_kv.remote(handshake, layers, list(src), list(dst)))
+        ref = self.actor.write_kv.remote(handshake, layers, list(src), list(dst))
+        return _Posted(ref.future())
 
 
 class _Posted:
-    def __init__(self, ref: Any) -> None:
-        self.ref = ref
+    def __init__(self, future: Future[str]) -> None:
+        self.future = future
 
     def done(self) -> bool:
-        ready, _ = ray.wait([self.ref], timeout=0)
-        if not ready:
+        if not self.future.done():
             return False
         try:
-            why = ray.get(self.ref)
+            why = self.future.result()
         except Exception as e:  # the rank died: its WRITEs went with it
             raise TransferError(f"a rank's WRITE: {e}") from e
         if why:

@@ -215,7 +215,7 @@ class KVEndpoint:
         for rank, heads in parts:
             try:
                 handle, nbytes = self._post(
-                    peer, rank, heads, layers, src, dst, notice if rides else None
+                    rank, heads, layers, src, dst, notice if rides else None
                 )
             except TransferError as e:
                 if not write.handles:
@@ -232,7 +232,6 @@ class KVEndpoint:
 
     def _post(
         self,
-        peer: Peer,
         rank: RankPages,
         heads: range,
         layers: range,

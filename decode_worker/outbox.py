@@ -1,9 +1,10 @@
 """Outboxes: each reader's deltas, numbered, until the reader acknowledges them.
 
-A reader (one Dispatcher: one router process) claims each request it submits; the
-engine thread publishes deltas into the claiming reader's box, and the reader long-polls
-its own box from the actor's event loop. Readers never see, or drop, each other's
-deltas. A box whose reader stopped asking and that holds no live request is removed.
+A reader (one Dispatcher: one router process) submits requests; the decode worker knows
+whose each request is, and its engine thread publishes each delta into that reader's
+box; the reader long-polls its own box from the actor's event loop. Readers never see,
+or drop, each other's deltas. A box whose reader stopped asking and that has no live
+request (claimed, and not yet finished or forgotten) is removed.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cluster.types import RequestId, TokenDelta
+from cluster.types import TokenDelta
 
 
 @dataclass
@@ -32,36 +33,28 @@ class Outboxes:
         self.idle_s = idle_s  # on `clock`, seconds
         self._clock = clock
         self._boxes: dict[str, _Box] = {}
-        self._owner: dict[RequestId, str] = {}
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    def claim(self, request_id: RequestId, reader: str) -> None:
-        """`reader` gets every delta of `request_id`, until one that finishes it."""
+    def claim(self, reader: str) -> None:
+        """`reader` submitted a request: its box stays until the request's last delta."""
         with self._lock:
-            self._owner[request_id] = reader
             self._box(reader).live += 1
 
-    def forget(self, request_id: RequestId) -> None:
-        """Drop a claim that will get no delta (its request was refused)."""
+    def forget(self, reader: str) -> None:
+        """A claim that will get no delta (its request was refused)."""
         with self._lock:
-            reader = self._owner.pop(request_id, None)
-            if reader is not None:
-                self._boxes[reader].live -= 1
+            self._boxes[reader].live -= 1
 
-    def publish(self, deltas: list[TokenDelta]) -> None:
-        """From any thread: file each delta with its request's reader and wake it."""
+    def publish(self, deltas: list[tuple[str, TokenDelta]]) -> None:
+        """From any thread: file each delta with its reader (one that claimed its request;
+        a finishing delta ends the claim) and wake the reader."""
         woken: list[_Box] = []
         with self._lock:
-            for delta in deltas:
-                rid = delta.request_id
-                reader = self._owner.get(rid)
-                if reader is None:
-                    continue  # its reader is gone, or the request already finished
+            for reader, delta in deltas:
                 box = self._boxes[reader]
                 box.deltas.append(delta)
                 if delta.finish_reason is not None:
-                    del self._owner[rid]
                     box.live -= 1
                 woken.append(box)
         if self._loop is not None:

@@ -53,6 +53,14 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class _Stream:
+    """A request here from its submit to its last delta."""
+
+    reader: str  # whose outbox its deltas go to
+    emitted: int  # output tokens sent so far
+
+
+@dataclass
 class _Admitting:
     request_id: RequestId
     prompt_ids: list[int]
@@ -77,7 +85,7 @@ class DecodeWorker:
         )
         self.receiver = KVReceiver(self.endpoint, terms, self.engine.spec.num_layers)
         self._admitting: deque[_Admitting] = deque()
-        self._emitted: dict[RequestId, int] = {}  # output tokens sent so far, per request
+        self._streams: dict[RequestId, _Stream] = {}
         self._transfer_failures = 0
         self._outboxes = Outboxes()
         self._loop.start(self._tick)
@@ -104,9 +112,9 @@ class DecodeWorker:
         done: asyncio.Future[KVTarget | None] = asyncio.get_running_loop().create_future()
 
         def admit() -> None:
-            refuse_in_flight(request_id, self._emitted)
-            self._emitted[request_id] = resumed
-            self._outboxes.claim(request_id, reader)
+            refuse_in_flight(request_id, self._streams)
+            self._streams[request_id] = _Stream(reader, resumed)
+            self._outboxes.claim(reader)
             try:
                 uncached = len(prompt_ids) - self.engine.cached_prefix_tokens(prompt_ids)
                 if not remote or uncached <= self.transfer.local_prefill_tokens:
@@ -117,8 +125,7 @@ class DecodeWorker:
                 self._admitting.append(admitting)
                 self._admit()
             except Exception:
-                del self._emitted[request_id]
-                self._outboxes.forget(request_id)
+                self._forget(request_id)
                 raise
 
         await self._loop.call(admit)
@@ -139,7 +146,7 @@ class DecodeWorker:
         many there were."""
 
         def run() -> int:
-            rids = list(self._emitted)
+            rids = list(self._streams)
             for rid in rids:
                 self._abort(rid, why, evicted=True)
             return len(rids)
@@ -195,7 +202,7 @@ class DecodeWorker:
             outputs = self.engine.step()
         except Exception as e:
             log.exception("decode step failed; failing its requests")
-            for rid in list(self._emitted):
+            for rid in list(self._streams):
                 if rid not in self.receiver and self.engine.abort_request(rid, FinishReason.ERROR):
                     self._publish(self._final(rid, FinishReason.ERROR, f"engine step failed: {e}"))
             return 0.0
@@ -210,8 +217,7 @@ class DecodeWorker:
                 reservation = self.engine.reserve(a.prompt_ids, a.sampling, a.request_id, a.resumed)
             except Exception as e:
                 self._admitting.popleft()
-                del self._emitted[a.request_id]
-                self._outboxes.forget(a.request_id)
+                self._forget(a.request_id)
                 fail(a.done, e)
                 continue
             if reservation is None:
@@ -256,14 +262,19 @@ class DecodeWorker:
         self._publish(self._final(rid, FinishReason.ABORT, why, evicted))
         return status
 
-    def _delta(self, out: RequestOutput) -> TokenDelta:
+    def _forget(self, rid: RequestId) -> None:
+        """A submit refused: no delta will come."""
+        self._outboxes.forget(self._streams.pop(rid).reader)
+
+    def _delta(self, out: RequestOutput) -> tuple[str, TokenDelta]:
         rid = out.request_id
-        index = self._emitted[rid]
+        stream = self._streams[rid]
+        index = stream.emitted
         if out.finished:
-            del self._emitted[rid]
+            del self._streams[rid]
         else:
-            self._emitted[rid] = index + len(out.new_token_ids)
-        return TokenDelta(
+            stream.emitted += len(out.new_token_ids)
+        return stream.reader, TokenDelta(
             rid,
             index,
             tuple(out.new_token_ids),
@@ -278,11 +289,12 @@ class DecodeWorker:
 
     def _final(
         self, rid: RequestId, reason: FinishReason, error: str | None, evicted: bool = False
-    ) -> TokenDelta:
-        index = self._emitted.pop(rid, 0)
-        return TokenDelta(rid, index, (), "", (), reason, error, evicted=evicted)
+    ) -> tuple[str, TokenDelta]:
+        stream = self._streams.pop(rid)
+        delta = TokenDelta(rid, stream.emitted, (), "", (), reason, error, evicted=evicted)
+        return stream.reader, delta
 
-    def _publish(self, *deltas: TokenDelta) -> None:
+    def _publish(self, *deltas: tuple[str, TokenDelta]) -> None:
         self._outboxes.publish(list(deltas))
 
 

@@ -393,11 +393,14 @@ class TensorRank:
     def progress_kv(self) -> None:
         """Keep UCX moving for this rank's endpoint while the rank follows (a peer's first
         WRITE into it, or its own connection to a peer, waits for this side to answer):
-        polls with a nap between, where NIXL's own progress thread spins a core."""
+        polls with a nap between, where NIXL's own progress thread spins a core. Notices
+        go to rank 0: one that comes here is dropped, not kept."""
         assert self.kv is not None, "open_kv first"
         while self.following:
             with self.kv_lock:
-                self.kv.progress()
+                stray = self.kv.notices()
+            for notice in stray:
+                log.warning("%s: a %s notice for a rank > 0: dropped", self.kv.name, notice.kind)
             time.sleep(PROGRESS_NAP_S)
 
     def write_kv(

@@ -139,11 +139,13 @@ def _receiver(
     for r, heads in enumerate(splits or (range(layout.num_kv_heads),)):
         cache = KVCache(replace(layout, num_kv_heads=len(heads)), num_pages, torch.device(device))
         name = "bench-receiver" if r == 0 else f"bench-receiver-rank{r}"
-        ranks.append(KVEndpoint(name, cache, compat, "lo", "", r > 0, heads))
+        ranks.append(KVEndpoint(name, cache, compat, "lo", heads=heads))
     ep = ranks[0]
     conn.send(Handshake(compat, layout.num_layers, tuple(e.memory() for e in ranks)).encode())
     in_round, landed, expected = False, 0, None
     while True:
+        for rank in ranks[1:]:  # as a worker's other ranks do (TensorRank.progress_kv)
+            rank.progress()
         for n in ep.notices():
             if n.kind is NoticeKind.STARTED:  # a KVSender's claim: answer as a decode worker
                 ep.notify(ep.connect(n.handshake), Notice(NoticeKind.ACK, n.request_id))

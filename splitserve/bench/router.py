@@ -46,6 +46,14 @@ reply (the session's Redis PUT).
    logprobs 0 to count each message's tokens). Per request: TPOT as bench serve takes it
    (end - first token) / (tokens - 1), the end being the engine's last step or the stream's
    end; median over the requests. Ratio: served / engine (target <= 1.15, issue 22).
+5. First token of a disaggregated request: what the path adds to the prefill's own compute.
+   One prefill and one decode worker (EngineConfig(kv_cache_gb=0.2, threads=1) each), a
+   Dispatcher, sequential greedy requests of `--first-reps` prompts of ~200 tokens, each
+   unique from its first token (no cache helps), max_tokens 2. TTFT: from
+   Dispatcher.generate's call to its first delta. Compute: the same prompts prefilled by an
+   LLMEngine on the same config in this process, from add_request to the step that samples
+   the token. Overhead: median TTFT - median compute; set beside a Ray round trip (median
+   of a no-op actor call, the decode worker's `info`).
 """
 
 from __future__ import annotations
@@ -392,6 +400,78 @@ async def affinity(tok: Tokenizer, redis_url: str, conversations: int) -> dict[s
     return {"conversations": runs, "medians": medians, "ttft_ratio": ratio}
 
 
+# --- 5. first token of a disaggregated request ---------------------------------------------
+
+FIRST_TOKENS = 200  # prompt tokens: well past local_prefill_tokens, so a prefill worker runs it
+
+
+def first_prompts(tok: Tokenizer, n: int) -> list[list[int]]:
+    """`n` prompts of FIRST_TOKENS tokens, each unique from its first token."""
+    text = " ".join(f"Line {i}: the tide rose {i % 7} feet." for i in range(FIRST_TOKENS))
+    body = tok.encode(text)
+    return [[*tok.encode(f"Request {k} {uuid.uuid4().hex[:8]}."), *body][:FIRST_TOKENS]
+            for k in range(n)]  # fmt: skip
+
+
+def prefill_compute(config: EngineConfig, prompts: list[list[int]]) -> list[float]:
+    """Seconds from add_request to the step that samples each prompt's first token."""
+    engine = LLMEngine(config)
+    took = []
+    for i, ids in enumerate(prompts):
+        started = time.perf_counter()
+        engine.add_request(ids, SamplingParams(max_tokens=1), RequestId(f"compute-{i}"))
+        while engine.has_unfinished():
+            engine.step()
+        took.append(time.perf_counter() - started)
+    return took
+
+
+async def first_token(tok: Tokenizer, reps: int, warmup: int) -> dict[str, Any]:
+    config, transfer = EngineConfig(kv_cache_gb=0.2, threads=1), TransferConfig()
+    prefill = spawn_prefill("bench-first-prefill", config, transfer, num_cpus=0)
+    decode = spawn_decode("bench-first-decode", config, transfer, num_cpus=0)
+    await asyncio.gather(prefill.info.remote(), decode.info.remote())
+    dispatcher = Dispatcher()
+    prompts = first_prompts(tok, warmup + reps)
+    ttft = []
+    try:
+        for ids in prompts:
+            started = time.perf_counter()
+            stream = dispatcher.generate(ids, SamplingParams(max_tokens=2), decode, prefill)
+            async for _ in stream:
+                ttft.append(time.perf_counter() - started)
+                break
+            await _drain(stream)
+        rtt = await _median_ms(decode.info.remote, reps)
+    finally:
+        await dispatcher.close()
+        for worker in (prefill, decode):
+            ray.kill(cast(ActorHandle, worker))
+    with ThreadPoolExecutor(1) as thread:
+        compute = await asyncio.get_running_loop().run_in_executor(
+            thread, prefill_compute, config, prompts
+        )
+    ttft_ms, compute_ms = (1e3 * statistics.median(xs[warmup:]) for xs in (ttft, compute))
+    return {
+        "prompt_tokens": FIRST_TOKENS,
+        "reps": reps,
+        "ttft_median_ms": ttft_ms,
+        "compute_median_ms": compute_ms,
+        "overhead_ms": ttft_ms - compute_ms,
+        "ray_round_trip_ms": rtt,
+    }
+
+
+def report_first_token(f: dict[str, Any]) -> list[str]:
+    return [
+        f"5. First token, disaggregated (1 prefill + 1 decode worker, {f['prompt_tokens']}-token "
+        f"unique prompts, {f['reps']} sequential requests, medians)",
+        f"TTFT {f['ttft_median_ms']:.1f} ms, the prefill's own compute "
+        f"{f['compute_median_ms']:.1f} ms: the path adds {f['overhead_ms']:.1f} ms; a Ray round "
+        f"trip {f['ray_round_trip_ms']:.2f} ms",
+    ]
+
+
 # --- report ----------------------------------------------------------------------------------
 
 
@@ -509,7 +589,8 @@ def report(r: dict[str, Any]) -> str:
             f"{m['prompt_tokens']:>7.0f} {m['cached_prompt_tokens']:>7.0f}"
         )
     lines.append(_target("TTFT cache_aware / round_robin", a["ttft_ratio"], 0.5))
-    return "\n".join([*lines, "", *report_token_path(r["token_path"])])
+    tail = [*report_token_path(r["token_path"]), "", *report_first_token(r["first_token"])]
+    return "\n".join([*lines, "", *tail])
 
 
 def report_token_path(t: dict[str, Any]) -> list[str]:
@@ -531,15 +612,18 @@ def report_token_path(t: dict[str, Any]) -> list[str]:
 async def _run(args: argparse.Namespace, redis_url: str) -> dict[str, Any]:
     if args.token_path_only:
         return {"token_path": await token_path(args.streams, args.path_tokens)}
+    tok = await asyncio.to_thread(Tokenizer.load, bundled_model_path())
+    if args.first_token_only:
+        return {"first_token": await first_token(tok, args.first_reps, args.warmup)}
     results: dict[str, Any] = {k: getattr(args, k) for k in ("reps", "warmup", "conversations")}
     results["route_rates"] = route_rates()
     results["prefix_lookups"] = prefix_lookup_rate()
     dispatcher = Dispatcher()  # the direct path's
     results["router_cost"] = await router_cost(dispatcher, 20 * args.reps)
-    tok = await asyncio.to_thread(Tokenizer.load, bundled_model_path())
     results["overhead"] = await overhead(tok, dispatcher, redis_url, args.reps, args.warmup)
     results["affinity"] = await affinity(tok, redis_url, args.conversations)
     results["token_path"] = await token_path(args.streams, args.path_tokens)
+    results["first_token"] = await first_token(tok, args.first_reps, args.warmup)
     return results
 
 
@@ -551,6 +635,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", type=int, default=16, help="token path: the many-stream row")
     parser.add_argument("--path-tokens", type=int, default=64, help="token path: tokens a reply")
     parser.add_argument("--token-path-only", action="store_true", help="section 4 alone")
+    parser.add_argument("--first-reps", type=int, default=30, help="first token: requests")
+    parser.add_argument("--first-token-only", action="store_true", help="section 5 alone")
     parser.add_argument("--out", type=Path, default=RESULTS / "router.json")
     args = parser.parse_args(argv)
     redis = EmbeddedRedis()
@@ -563,6 +649,8 @@ def main(argv: list[str] | None = None) -> int:
         redis.stop()
     if args.token_path_only:
         print("\n".join(report_token_path(results["token_path"])))
+    elif args.first_token_only:
+        print("\n".join(report_first_token(results["first_token"])))
     else:
         print(report(results))
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -48,12 +48,13 @@ reply (the session's Redis PUT).
    end; median over the requests. Ratio: served / engine (target <= 1.15, issue 22).
 5. First token of a disaggregated request: what the path adds to the prefill's own compute.
    One prefill and one decode worker (EngineConfig(kv_cache_gb=0.2, threads=1) each), a
-   Dispatcher, sequential greedy requests of `--first-reps` prompts of ~200 tokens, each
-   unique from its first token (no cache helps), max_tokens 2. TTFT: from
-   Dispatcher.generate's call to its first delta. Compute: the same prompts prefilled by an
-   LLMEngine on the same config in this process, from add_request to the step that samples
-   the token. Overhead: median TTFT - median compute; set beside a Ray round trip (median
-   of a no-op actor call, the decode worker's `info`).
+   Dispatcher, `--first-reps` sequential greedy requests (after `--warmup`) of 64-token
+   prompts (past local_prefill_tokens, so the prefill worker computes them), each unique
+   in its first page (no prefix cache helps), max_tokens 2. TTFT: from Dispatcher.generate's
+   call to its first delta. Compute: right after each request, another prompt of the same
+   length prefilled by an LLMEngine on the same config in this process, from add_request
+   to the step that samples the token. Overhead: median of the paired differences, TTFT -
+   compute; set beside a Ray round trip (median of a no-op actor call, `info`).
 """
 
 from __future__ import annotations
@@ -402,28 +403,24 @@ async def affinity(tok: Tokenizer, redis_url: str, conversations: int) -> dict[s
 
 # --- 5. first token of a disaggregated request ---------------------------------------------
 
-FIRST_TOKENS = 200  # prompt tokens: well past local_prefill_tokens, so a prefill worker runs it
+FIRST_TOKENS = 64  # prompt tokens: past local_prefill_tokens, so a prefill worker runs it
 
 
 def first_prompts(tok: Tokenizer, n: int) -> list[list[int]]:
-    """`n` prompts of FIRST_TOKENS tokens, each unique from its first token."""
+    """`n` prompts of FIRST_TOKENS tokens, each unique in its first page of 16 tokens."""
     text = " ".join(f"Line {i}: the tide rose {i % 7} feet." for i in range(FIRST_TOKENS))
     body = tok.encode(text)
     return [[*tok.encode(f"Request {k} {uuid.uuid4().hex[:8]}."), *body][:FIRST_TOKENS]
             for k in range(n)]  # fmt: skip
 
 
-def prefill_compute(config: EngineConfig, prompts: list[list[int]]) -> list[float]:
-    """Seconds from add_request to the step that samples each prompt's first token."""
-    engine = LLMEngine(config)
-    took = []
-    for i, ids in enumerate(prompts):
-        started = time.perf_counter()
-        engine.add_request(ids, SamplingParams(max_tokens=1), RequestId(f"compute-{i}"))
-        while engine.has_unfinished():
-            engine.step()
-        took.append(time.perf_counter() - started)
-    return took
+def prefill_compute(engine: LLMEngine, ids: list[int]) -> float:
+    """Seconds from add_request to the step that samples the prompt's first token."""
+    started = time.perf_counter()
+    engine.add_request(ids, SamplingParams(max_tokens=1), RequestId(uuid.uuid4().hex))
+    while engine.has_unfinished():
+        engine.step()
+    return time.perf_counter() - started
 
 
 async def first_token(tok: Tokenizer, reps: int, warmup: int) -> dict[str, Any]:
@@ -431,33 +428,32 @@ async def first_token(tok: Tokenizer, reps: int, warmup: int) -> dict[str, Any]:
     prefill = spawn_prefill("bench-first-prefill", config, transfer, num_cpus=0)
     decode = spawn_decode("bench-first-decode", config, transfer, num_cpus=0)
     await asyncio.gather(prefill.info.remote(), decode.info.remote())
-    dispatcher = Dispatcher()
-    prompts = first_prompts(tok, warmup + reps)
-    ttft = []
-    try:
-        for ids in prompts:
-            started = time.perf_counter()
-            stream = dispatcher.generate(ids, SamplingParams(max_tokens=2), decode, prefill)
-            async for _ in stream:
-                ttft.append(time.perf_counter() - started)
-                break
-            await _drain(stream)
-        rtt = await _median_ms(decode.info.remote, reps)
-    finally:
-        await dispatcher.close()
-        for worker in (prefill, decode):
-            ray.kill(cast(ActorHandle, worker))
+    dispatcher, run = Dispatcher(), asyncio.get_running_loop().run_in_executor
+    prompts = first_prompts(tok, 2 * (warmup + reps))
+    ttft, compute = [], []
     with ThreadPoolExecutor(1) as thread:
-        compute = await asyncio.get_running_loop().run_in_executor(
-            thread, prefill_compute, config, prompts
-        )
-    ttft_ms, compute_ms = (1e3 * statistics.median(xs[warmup:]) for xs in (ttft, compute))
+        engine = await run(thread, LLMEngine, config)
+        try:
+            for ids, alone in zip(prompts[::2], prompts[1::2], strict=True):
+                started = time.perf_counter()
+                stream = dispatcher.generate(ids, SamplingParams(max_tokens=2), decode, prefill)
+                async for _ in stream:
+                    ttft.append(time.perf_counter() - started)
+                    break
+                await _drain(stream)
+                compute.append(await run(thread, prefill_compute, engine, alone))
+            rtt = await _median_ms(decode.info.remote, reps)
+        finally:
+            await dispatcher.close()
+            for worker in (prefill, decode):
+                ray.kill(cast(ActorHandle, worker))
+    ttft, compute = ttft[warmup:], compute[warmup:]
     return {
         "prompt_tokens": FIRST_TOKENS,
         "reps": reps,
-        "ttft_median_ms": ttft_ms,
-        "compute_median_ms": compute_ms,
-        "overhead_ms": ttft_ms - compute_ms,
+        "ttft_median_ms": 1e3 * statistics.median(ttft),
+        "compute_median_ms": 1e3 * statistics.median(compute),
+        "overhead_ms": 1e3 * statistics.median(a - b for a, b in zip(ttft, compute, strict=True)),
         "ray_round_trip_ms": rtt,
     }
 
@@ -467,8 +463,8 @@ def report_first_token(f: dict[str, Any]) -> list[str]:
         f"5. First token, disaggregated (1 prefill + 1 decode worker, {f['prompt_tokens']}-token "
         f"unique prompts, {f['reps']} sequential requests, medians)",
         f"TTFT {f['ttft_median_ms']:.1f} ms, the prefill's own compute "
-        f"{f['compute_median_ms']:.1f} ms: the path adds {f['overhead_ms']:.1f} ms; a Ray round "
-        f"trip {f['ray_round_trip_ms']:.2f} ms",
+        f"{f['compute_median_ms']:.1f} ms: the path adds {f['overhead_ms']:.1f} ms (median of "
+        f"paired differences); a Ray round trip {f['ray_round_trip_ms']:.2f} ms",
     ]
 
 

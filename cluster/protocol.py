@@ -165,7 +165,7 @@ class DecodeHandle(Protocol):
     ) -> KVTarget | None: ...
 
     @remote
-    async def transfer_failed(self, request_id: RequestId, why: str) -> None: ...
+    async def transfer_failed(self, request_id: RequestId, why: str) -> bool: ...
 
     @remote
     async def abort(self, request_id: RequestId) -> RequestStatus | None: ...
@@ -197,7 +197,8 @@ class PrefillHandle(Protocol):
         request_id: RequestId,
         prompt_ids: list[int],
         sampling: SamplingParams,
-        target: KVTarget,
+        decode: DecodeHandle,
+        reader: str,
         resumed: int = 0,
     ) -> FirstToken | None: ...
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Container
 
-from cluster.types import InvalidRequestError, RequestId
+from cluster.types import InFlightError, InvalidRequestError, RequestId
 
 
 def refuse_in_flight(request_id: RequestId, in_flight: Container[RequestId]) -> None:
     """Refuse a request whose id is one of `in_flight`: an id names one request at a time."""
     if request_id in in_flight:
-        raise InvalidRequestError(f"request_id: {request_id!r} is already in flight")
+        raise InFlightError(f"request_id: {request_id!r} is already in flight")
 
 
 def refuse_past_context(field: str, prompt_tokens: int, max_tokens: int, context: int) -> None:

@@ -32,6 +32,10 @@ class InvalidRequestError(ValueError):
     """A request field a caller sent is wrong; the message names the field."""
 
 
+class InFlightError(InvalidRequestError):
+    """A request's id names a request already in flight where it was sent."""
+
+
 class RequestStatus(enum.Enum):
     """Every request is in exactly one of these states."""
 
@@ -210,6 +214,7 @@ class FirstToken:
     num_cached_tokens: int = 0  # prompt tokens the prefill found in its prefix cache
     text_offset: int = 0  # characters of the request's output text before `text`
     top_logprobs: TopLogprobs = ()  # when asked for
+    waited_s: float = 0.0  # for the decode worker's reservation, before any compute
 
 
 @dataclass(frozen=True)

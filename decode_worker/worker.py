@@ -1,7 +1,8 @@
 """DecodeWorker: a Ray actor that owns an engine in the decode role.
 
 Life of a request here (the transfer's own states are cluster/transfer/inbound.py's):
-1. `submit` with a prefill worker chosen: unless the part of the prompt missing from
+1. `submit` from the prefill worker the router paired with this one (the router submits
+   itself only when no prefill worker takes part): unless the part of the prompt missing from
    this worker's prefix cache is at most `local_prefill_tokens` (then it prefills
    here, as colocated requests do), pages for the whole prompt are reserved before
    any prefill compute is spent, and the caller gets a KVTarget with the lease's
@@ -10,7 +11,8 @@ Life of a request here (the transfer's own states are cluster/transfer/inbound.p
    with ACK: only then may it WRITE); the lease runs from there on this worker's own
    clock, renewed by every notice of progress (RENEW while it waits or computes, each
    WRITE's LAYERS). DONE brings the first token and the WRITE count. Once all have
-   landed the request joins the running batch. RUNNING.
+   landed the request joins the running batch. RUNNING. Its deltas start after the first
+   token, which the router has from the prefill worker (their first carries its text).
 3. If the lease ends (or nobody claims the pages within `lease_s`), the sender cancels,
    or the caller reports the sender gone, the request is prefilled here (`recompute`)
    or fails (`fail`), per `on_timeout`; it never decodes from incomplete pages.
@@ -131,10 +133,17 @@ class DecodeWorker:
         await self._loop.call(admit)
         return await done
 
-    async def transfer_failed(self, request_id: RequestId, why: str) -> None:
+    async def transfer_failed(self, request_id: RequestId, why: str) -> bool:
         """The caller knows no WRITE for this request can land any more (its sender died
-        or refused): recompute or fail it now, per policy."""
-        await self._loop.call(lambda: self._release(self.receiver.sender_gone(request_id, why)))
+        or refused): recompute or fail it now, per policy. False: the request is not
+        here (never submitted, or finished)."""
+
+        def run() -> bool:
+            here = request_id in self._streams
+            self._release(self.receiver.sender_gone(request_id, why))
+            return here
+
+        return await self._loop.call(run)
 
     async def abort(self, request_id: RequestId) -> RequestStatus | None:
         """Abort in any state; returns the state it was in (None: not here)."""
@@ -233,7 +242,7 @@ class DecodeWorker:
             match release:
                 case inbound.StartDecode(token, logprob, top):
                     out = self.engine.start_decode(rid, token, logprob, top)
-                    self._publish(self._delta(out))
+                    self._publish(self._delta(out, sent=1))
                 case inbound.Recompute(why):
                     self._transfer_failures += 1
                     log.warning("request %s: %s; recomputing its prefill here", rid, why)
@@ -266,10 +275,13 @@ class DecodeWorker:
         """A submit refused: no delta will come."""
         self._outboxes.forget(self._streams.pop(rid).reader)
 
-    def _delta(self, out: RequestOutput) -> tuple[str, TokenDelta]:
+    def _delta(self, out: RequestOutput, sent: int = 0) -> tuple[str, TokenDelta]:
+        """The output as its reader's delta, less its first `sent` tokens (the router has
+        them already: a remote prefill's first token); its text is all there, and the
+        router keeps the characters it has not had."""
         rid = out.request_id
         stream = self._streams[rid]
-        index = stream.emitted
+        index = stream.emitted + sent
         if out.finished:
             del self._streams[rid]
         else:
@@ -277,13 +289,13 @@ class DecodeWorker:
         return stream.reader, TokenDelta(
             rid,
             index,
-            tuple(out.new_token_ids),
+            tuple(out.new_token_ids[sent:]),
             out.new_text,
-            tuple(out.new_logprobs),
+            tuple(out.new_logprobs[sent:]),
             out.finish_reason,
             num_cached_tokens=out.num_cached_tokens,
             text_offset=out.text_offset,
-            top_logprobs=tuple(out.new_top_logprobs),
+            top_logprobs=tuple(out.new_top_logprobs[sent:]),
             prompt_logprobs=None if out.prompt_logprobs is None else tuple(out.prompt_logprobs),
         )
 

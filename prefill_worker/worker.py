@@ -1,18 +1,23 @@
 """PrefillWorker: a Ray actor that owns an engine in the prefill role.
 
 Life of a request here (the push's own states are cluster/transfer/push.py's):
-1. `prefill` arrives with a KVTarget (pages a decode worker reserved, and its lease as
-   a duration); the worker connects to that decode worker, refusing an incompatible
-   one, claims the pages with STARTED, which starts the lease there, and queues the
-   prompt in its engine with max_tokens 1. WAITING; RENEW notices keep the lease while
-   the request waits.
+1. `prefill` arrives naming the decode worker the router paired with this one: the
+   worker submits the request there itself, which reserves pages for the whole prompt
+   before any compute is spent here (or keeps a short uncached prompt to prefill itself:
+   then nothing more happens here). With the KVTarget back (the reserved pages, and the
+   lease as a duration) it connects to that decode worker, claims the pages with STARTED,
+   which starts the lease there, and queues the prompt in its engine with max_tokens 1.
+   WAITING; RENEW notices keep the lease while the request waits. A decode worker this
+   worker cannot serve (incompatible, unreachable over UCX) hears so at once and
+   recomputes or fails the request, per its policy.
 2. The engine batches prompts under its token budget, long ones in chunks, reusing
    cached prefix pages. PREFILLING. The sender is the engine's KV sink: once the decode
    worker's ACK is in, after each layer it WRITEs the layer's new pages into the
    reserved pages (all layers at once when streaming is off); each WRITE renews the
    lease.
-3. The last chunk samples the first token: `prefill` returns it at once, and a DONE
-   notice tells the decode worker how many WRITEs to expect. TRANSFERRING.
+3. The last chunk samples the first token: `prefill` returns it to the router at once
+   (the one copy of it the router gets), and a DONE notice tells the decode worker how
+   many WRITEs to expect. TRANSFERRING.
 4. Each WRITE holds its source pages in the engine until it completes; then they stay
    in the prefix cache. An abort, the decode worker's REVOKE (its lease ended there), or
    a stall of this worker for a whole lease stops the push: nothing more is posted, and
@@ -22,19 +27,22 @@ Life of a request here (the push's own states are cluster/transfer/push.py's):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
+import time
 import uuid
 from functools import partial
+
+from ray.exceptions import RayActorError
 
 from cluster import role_worker, worker_metrics
 from cluster.config import EngineConfig, TransferConfig
 from cluster.engine.engine import LLMEngine
-from cluster.protocol import KVEvents, PrefillHandle, PrefillStats
+from cluster.protocol import DecodeHandle, KVEvents, PrefillHandle, PrefillStats
 from cluster.request_checks import refuse_in_flight
 from cluster.types import (
     FirstToken,
-    KVTarget,
     ModelInfo,
     RequestId,
     RequestStatus,
@@ -52,6 +60,7 @@ class _Waiting:
 
     done: asyncio.Future[FirstToken | None]
     held: int  # prompt tokens the target already holds
+    waited_s: float  # for the decode worker's reservation
 
 
 class PrefillWorker:
@@ -71,7 +80,8 @@ class PrefillWorker:
             self.engine.spec.num_layers,
             transfer.stream_layers,
         )
-        self._waiting: dict[RequestId, _Waiting] = {}  # until the first token
+        self._reserving: set[RequestId] = set()  # on the actor's event loop, until the target
+        self._waiting: dict[RequestId, _Waiting] = {}  # from the target to the first token
         self._recomputed_tokens = 0
         self._loop.start(self._tick)
         self.metrics_url: str | None = None  # a fixed port may be scraped before serve returns
@@ -83,13 +93,38 @@ class PrefillWorker:
         request_id: RequestId,
         prompt_ids: list[int],
         sampling: SamplingParams,
-        target: KVTarget,
+        decode: DecodeHandle,
+        reader: str,
         resumed: int = 0,
     ) -> FirstToken | None:
-        """Prefill the prompt into the target's pages; the first token, or None if aborted.
-        `resumed`: the prompt ends with that many tokens of the request's own output (a
-        migrated request, see LLMEngine.add_request)."""
+        """Submit the request to `decode` (its deltas go to `reader`'s outbox there, see
+        DecodeWorker.submit), then prefill the prompt into the pages reserved there. The
+        first token; None if the decode worker prefills the request itself (a short
+        uncached part, or this worker could not serve it), is gone (its reader ends the
+        request's stream), or the request was aborted. A request the decode worker refuses
+        raises its error here. `resumed`: the prompt ends with that many tokens of the
+        request's own output (a migrated request, see LLMEngine.add_request)."""
+        refuse_in_flight(request_id, self._reserving)
+        self._reserving.add(request_id)
+        asked = time.monotonic()
+        try:
+            target = await decode.submit.remote(
+                request_id, prompt_ids, sampling, True, reader, resumed
+            )
+        except RayActorError as e:
+            log.warning("request %s: decode worker gone: %s", request_id, e)
+            return None
+        finally:
+            aborted = request_id not in self._reserving
+            self._reserving.discard(request_id)
+        if aborted:  # while it was being submitted: it ends there too
+            with contextlib.suppress(RayActorError):
+                await decode.abort.remote(request_id)
+            return None
+        if target is None:
+            return None
         done: asyncio.Future[FirstToken | None] = asyncio.get_running_loop().create_future()
+        waiting = _Waiting(done, target.num_cached_tokens, time.monotonic() - asked)
 
         def admit() -> None:
             refuse_in_flight(request_id, self._waiting)
@@ -101,12 +136,21 @@ class PrefillWorker:
             except Exception:
                 self.sender.stop(request_id)
                 raise
-            self._waiting[request_id] = _Waiting(done, target.num_cached_tokens)
+            self._waiting[request_id] = waiting
 
-        await self._loop.call(admit)
+        try:
+            await self._loop.call(admit)
+        except Exception as e:  # no WRITE will come: the decode worker's policy decides now
+            log.warning("request %s: refused the decode worker's target: %s", request_id, e)
+            with contextlib.suppress(RayActorError):
+                await decode.transfer_failed.remote(request_id, f"prefill worker refused: {e}")
+            return None
         return await done
 
     async def abort(self, request_id: RequestId) -> None:
+        """Stop the request in any state; one still waiting for its reservation has it
+        aborted on the decode worker once it comes back."""
+        self._reserving.discard(request_id)
         await self._loop.call(lambda: self._abort(request_id))
 
     async def abort_all(self) -> int:
@@ -119,7 +163,9 @@ class PrefillWorker:
                 self._abort(rid)
             return len(rids)
 
-        return await self._loop.call(run)
+        reserving = len(self._reserving)
+        self._reserving.clear()  # each is aborted there once its reservation comes back
+        return reserving + await self._loop.call(run)
 
     def _abort(self, request_id: RequestId) -> None:
         self.engine.abort_request(request_id)
@@ -174,7 +220,7 @@ class PrefillWorker:
             for out in outputs:
                 if out.finished:
                     waiting = self._waiting.get(out.request_id)
-                    held = 0 if waiting is None else waiting.held
+                    held, waited = (0, 0.0) if waiting is None else (waiting.held, waiting.waited_s)
                     self._recomputed_tokens += max(held - out.num_cached_tokens, 0)
                     first = FirstToken(
                         out.new_token_ids[0],
@@ -183,6 +229,7 @@ class PrefillWorker:
                         out.num_cached_tokens,
                         out.text_offset,
                         out.new_top_logprobs[0] if out.new_top_logprobs else (),
+                        waited,
                     )
                     self._settle(out.request_id, first)
         pending = self.sender.poll()

@@ -1,15 +1,21 @@
 """The Python API the router and the benchmarks call: run a request on the workers chosen
 for it, stream its tokens back, abort it.
 
-1. `generate` submits to the decode worker, which reserves pages (or keeps the request
-   to prefill itself: colocated, or a short uncached prompt).
-2. With a KVTarget back, the prefill worker is asked to prefill into it; its first
-   token is streamed the moment it is sampled, before the KV has landed.
-3. The decode worker's per-step batches carry the rest (and the first token again,
-   which is dropped here). One task per decode worker long-polls those batches and
-   hands them out DELIVER_SLICE streams per turn of the event loop.
-4. A failed prefill worker (dead, incompatible, transport error) is reported to the
-   decode worker, which recomputes or fails the request per its policy.
+1. `generate` makes one call per request: with a prefill worker chosen, to it, naming
+   the decode worker; the prefill worker submits the request there itself (the decode
+   worker reserves pages, or keeps a short uncached prompt to prefill itself) and
+   prefills into the reserved pages; its first token comes back as the call's result
+   and is streamed at once, before the KV has landed. Without one, to the decode worker
+   (colocated).
+2. The decode worker's per-step batches carry the rest. One task per decode worker
+   long-polls those batches and hands them out DELIVER_SLICE streams per turn of the
+   event loop.
+3. A request the decode worker refuses (a field, the context) fails with its error,
+   through either call.
+4. A prefill worker that dies or cannot be reached: if the request never reached the
+   decode worker, it is submitted there to prefill itself; if it did, the decode worker
+   hears that no WRITE can land (a dead worker; an unreachable one is left to its lease)
+   and recomputes or fails the request per its policy.
 5. The stream ends with a delta that has a finish reason; leaving the stream early
    aborts the request on both workers. If the decode worker dies or gives the request
    up (drained), the stream raises WorkerLost instead: the caller may continue the
@@ -40,7 +46,7 @@ from cluster.protocol import DecodeHandle, PrefillHandle
 from cluster.request_checks import refuse_in_flight
 from cluster.types import (
     FirstToken,
-    KVTarget,
+    InFlightError,
     RequestId,
     SamplingParams,
     TokenDelta,
@@ -93,12 +99,16 @@ class WorkerLost(Exception):
 
 @dataclass
 class _Stream:
-    queue: asyncio.Queue[TokenDelta | str]  # a str: the decode worker is gone, and why
+    # A str: the decode worker is gone, and why. An error: the request was refused.
+    queue: asyncio.Queue[TokenDelta | str | Exception]
     decode: DecodeHandle
     prefill: PrefillHandle | None
     trace: Trace
-    stops: bool  # the request has stop strings
     delivered: Delivered
+    # What the workers are asked to run (the prompt ends with `resumed` tokens delivered).
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    resumed: int
 
 
 @dataclass(frozen=True)
@@ -157,31 +167,30 @@ class Dispatcher:
             if resumed:
                 sampling = dataclasses.replace(sampling, prompt_logprobs=None)
         trace = trace or Trace()
-        stream = _Stream(asyncio.Queue(), decode, prefill, trace, sampling.stop != (), done)
+        stream = _Stream(asyncio.Queue(), decode, prefill, trace, done, prompt, sampling, resumed)
         self._streams[rid], self._in_flight[caller] = stream, rid
         self._poll(decode)
         finished = False  # or refused: then there is nothing to abort
         try:
-            try:
-                target = await decode.submit.remote(
-                    rid, prompt, sampling, prefill is not None, self.reader, resumed
-                )
-            except RayActorError as e:
-                finished = True
-                raise WorkerLost(f"decode worker failed: {e}", dead=True) from None
-            except Exception:
-                finished = True
-                raise
-            if trace.admitted_at is None:
-                trace.admitted_at = time.monotonic()
-                trace.remote_prefill = target is not None
-            if target is not None:
-                assert prefill is not None
-                self._spawn(self._prefill(rid, prompt, sampling, target, resumed, stream))
+            if prefill is None:
+                try:
+                    await decode.submit.remote(rid, prompt, sampling, False, self.reader, resumed)
+                except RayActorError as e:
+                    finished = True
+                    raise WorkerLost(f"decode worker failed: {e}", dead=True) from None
+                except Exception:
+                    finished = True
+                    raise
+                trace.admitted_at = trace.admitted_at or time.monotonic()
+            else:
+                self._spawn(self._prefill(rid, stream))
             while not finished:
                 got = await stream.queue.get()
                 if isinstance(got, str):
                     raise WorkerLost(got, dead=True)
+                if isinstance(got, Exception):
+                    finished = True
+                    raise got
                 if got.evicted:
                     finished = True  # the worker has let it go: nothing to abort
                     raise WorkerLost(got.error or "evicted", dead=False)
@@ -253,38 +262,56 @@ class Dispatcher:
                 except RayActorError as e:
                     log.debug("request %s: abort on a dead worker: %s", rid, e)
 
-    async def _prefill(
-        self,
-        rid: RequestId,
-        prompt_ids: list[int],
-        sampling: SamplingParams,
-        target: KVTarget,
-        resumed: int,
-        stream: _Stream,
-    ) -> None:
+    async def _prefill(self, rid: RequestId, stream: _Stream) -> None:
+        """The request's one call: its prefill worker submits it to its decode worker and
+        prefills it; the first token goes on the stream."""
         assert stream.prefill is not None
+        asked, trace, resumed = time.monotonic(), stream.trace, stream.resumed
         try:
             first: FirstToken | None = await stream.prefill.prefill.remote(
-                rid, prompt_ids, sampling, target, resumed
+                rid, stream.prompt_ids, stream.sampling, stream.decode, self.reader, resumed
             )
-        except ActorUnavailableError as e:  # unreachable, maybe alive: its lease decides
-            log.warning("request %s: prefill worker unreachable: %s", rid, e)
+        except RayActorError as e:
+            await self._prefill_lost(rid, stream, e)
             return
-        except Exception as e:  # dead, or refused the request: no WRITE can land any more
-            log.warning("request %s: prefill failed: %s", rid, e)
-            await self._transfer_failed(rid, stream.decode, f"prefill worker failed: {e}")
+        except Exception as e:  # refused by the decode worker
+            stream.queue.put_nowait(e)
             return
+        if trace.admitted_at is None:
+            trace.admitted_at = time.monotonic() if first is None else asked + first.waited_s
+            trace.remote_prefill = first is not None
         if first is not None:
             if not resumed:
-                stream.trace.num_cached_tokens = first.num_cached_tokens
+                trace.num_cached_tokens = first.num_cached_tokens
             lps = () if first.logprob is None else (first.logprob,)
             # With stop strings the prefill worker's text could end in a stop string's
             # start, which it cannot hold back (its part ends here): the decode worker's
             # deltas carry the text instead.
-            text = "" if stream.stops else first.text
+            text = "" if stream.sampling.stop else first.text
             tops = (first.top_logprobs,) if first.top_logprobs else ()
             delta = TokenDelta(rid, resumed, (first.token_id,), text, lps, top_logprobs=tops)
             stream.queue.put_nowait(dataclasses.replace(delta, text_offset=first.text_offset))
+
+    async def _prefill_lost(self, rid: RequestId, stream: _Stream, error: RayActorError) -> None:
+        """The prefill worker died or cannot be reached: the decode worker prefills the
+        request itself if it never got it; if it did, it hears that no WRITE can land (a
+        dead prefill worker; an unreachable one, maybe alive, is left to the lease)."""
+        why = f"prefill worker failed: {error}"
+        log.warning("request %s: %s", rid, why)
+        try:
+            await stream.decode.submit.remote(
+                rid, stream.prompt_ids, stream.sampling, False, self.reader, stream.resumed
+            )
+            return
+        except RayActorError:  # gone too: its reader ends the stream
+            return
+        except InFlightError:  # the prefill worker's submit reached it
+            pass
+        except Exception as e:
+            stream.queue.put_nowait(e)
+            return
+        if not isinstance(error, ActorUnavailableError):
+            await self._transfer_failed(rid, stream.decode, why)
 
     def _poll(self, decode: DecodeHandle) -> None:
         # Ray's handles to one actor are equal (and hash alike): one reader per worker.
@@ -310,7 +337,7 @@ class Dispatcher:
                 to = self._streams.get(delta.request_id)
                 if to is None:
                     continue
-                if to.trace.kv_ready_at is None and delta.token_ids:
+                if to.trace.kv_ready_at is None:  # its first delta: decoding began
                     to.trace.kv_ready_at = time.monotonic()
                     if not to.trace.remote_prefill:
                         to.trace.num_cached_tokens = delta.num_cached_tokens

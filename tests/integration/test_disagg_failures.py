@@ -17,7 +17,7 @@ from cluster.engine.checkpoint import read_spec
 from cluster.engine.kv_cache import KVCache, KVLayout
 from cluster.engine.model_files import bundled_model_path
 from cluster.transfer.endpoint import KVEndpoint
-from cluster.transfer.wire import IncompatiblePeerError, Notice, NoticeKind, compat_hash
+from cluster.transfer.wire import Notice, NoticeKind, compat_hash
 from cluster.types import (
     FinishReason,
     InvalidRequestError,
@@ -209,24 +209,74 @@ def test_a_prefill_worker_that_dies_before_pushing_costs_a_recompute_not_the_req
     assert ray.get(d.stats.remote()).transfer_failures == failures + 2
 
 
-def test_abort_while_waiting_for_decode_pages(workers: Any, prompts: list[list[int]]) -> None:
+@pytest.mark.parametrize("where", ["decode", "prefill"])
+def test_abort_while_waiting_for_decode_pages(
+    workers: Any, prompts: list[list[int]], where: str
+) -> None:
+    """The abort reaches the decode worker, where the submit waits for pages, or only the
+    prefill worker, whose submit waits there: then, once the pages are reserved, the
+    prefill worker aborts it on the decode worker."""
     p = workers.prefill("prefill")
     d = workers.decode("decode-small", engine={"kv_cache_gb": 0.01}, local_prefill_tokens=0)
     pages = ray.get(d.stats.remote()).num_pages
-    first = long_prompt(prompts[7], (pages - 2) * 16)
+    # Each run's prompts uncached on these workers: the big one's prefill takes a while.
+    big, small = {
+        "decode": (prompts[7], prompts[7]),
+        "prefill": (prompts[6] + prompts[3], prompts[9]),
+    }[where]
+    first = long_prompt(big, (pages - 2) * 16)
 
     async def go() -> None:
         disp = Dispatcher()
         a = asyncio.create_task(collect(disp, first, SamplingParams(max_tokens=8), d, p, "big"))
         await until(lambda: _stat(d, "transferring", 1), "big reserved")
-        b = asyncio.create_task(collect(disp, prompts[7], GREEDY, d, p, "starved"))
+        b = asyncio.create_task(collect(disp, small, GREEDY, d, p, "starved"))
         await until(lambda: _stat(d, "admitting", 1), "starved waiting")
         starved = disp.worker_id(RequestId("starved"))
-        assert await d.abort.remote(starved) is RequestStatus.WAITING
+        if where == "decode":
+            assert await d.abort.remote(starved) is RequestStatus.WAITING
+        else:
+            await p.abort.remote(starved)
         assert (await b).finish is FinishReason.ABORT
         assert (await a).finish is FinishReason.LENGTH
+        assert await d.abort.remote(starved) is None  # not there any more
 
     run(go())
+
+
+def test_a_prefill_worker_dead_before_the_request_reaches_the_decode_worker(
+    workers: Any, prompts: list[list[int]]
+) -> None:
+    """The request never got to the decode worker: the router submits it there to prefill
+    itself, and it ends with the tokens it would have had."""
+    dead = workers.prefill("prefill-doomed")
+    d = workers.decode("decode", local_prefill_tokens=0)
+    c = workers.decode("colocated")
+    ray.get(dead.stats.remote())
+    ray.kill(dead)
+    del workers.handles["prefill-doomed"]
+
+    async def go() -> None:
+        disp = Dispatcher()
+        split = await collect(disp, prompts[2], GREEDY, d, dead)
+        assert split.tokens == (await collect(disp, prompts[2], GREEDY, c)).tokens
+
+    run(go())
+
+
+def test_a_request_the_decode_worker_refuses_fails_through_the_prefill_worker(
+    workers: Any, prompts: list[list[int]]
+) -> None:
+    p = workers.prefill("prefill")
+    d = workers.decode("decode", local_prefill_tokens=0)
+
+    async def go() -> None:
+        too_long = SamplingParams(max_tokens=10**6)
+        with pytest.raises(InvalidRequestError, match="max_tokens"):
+            await collect(Dispatcher(), prompts[2], too_long, d, p)
+
+    run(go())
+    assert ray.get(p.stats.remote()).queued_requests == 0
 
 
 async def _stat(worker: Any, name: str, value: int) -> bool:
@@ -273,17 +323,18 @@ def test_mismatched_peers_are_refused_at_the_handshake(
     }[peer]
     bad = workers.prefill(f"prefill-{peer}", engine=engine)
     d = workers.decode("decode", local_prefill_tokens=0)
+    strict = workers.decode("decode-short-lease-fail", on_timeout="fail", **SHORT_LEASE)
     c = workers.decode("colocated")
     ray.get(bad.stats.remote())  # started
     rid = RequestId(f"mismatch-{peer}")
 
     async def go() -> None:
-        target = await d.submit.remote(rid, prompts[0], GREEDY, True, READER)
-        # Refused by the handshake's hash check, not by a lease or a timeout.
-        with pytest.raises(IncompatiblePeerError, match="compatibility hash"):
-            await bad.prefill.remote(rid, prompts[0], GREEDY, target)
-        await d.transfer_failed.remote(rid, "refused")
-        assert await d.abort.remote(rid) is not None  # it was being recomputed here
+        # Refused by the handshake's hash check, not by a lease or a timeout: the decode
+        # worker hears it at once, and with policy fail ends the request saying so.
+        assert await bad.prefill.remote(rid, prompts[0], GREEDY, strict, READER) is None
+        deltas = await _outputs(strict, rid)
+        assert deltas[-1].finish_reason is FinishReason.ERROR
+        assert deltas[-1].error is not None and "compatibility hash" in deltas[-1].error
         # Through the dispatcher the decode worker's policy (recompute) serves it anyway.
         disp = Dispatcher()
         split = await collect(disp, prompts[0], GREEDY, d, bad)
@@ -303,23 +354,18 @@ def test_a_duplicate_request_id_is_refused_and_the_first_request_is_untouched(
     ids = long_prompt(prompts[8] + prompts[1], 400)  # uncached
 
     async def go() -> None:
-        target = await d.submit.remote(rid, ids, GREEDY, True, READER)
-        with pytest.raises(InvalidRequestError, match="already in flight"):
-            await d.submit.remote(rid, prompts[0], GREEDY, False, READER)
-        first = asyncio.ensure_future(p.prefill.remote(rid, ids, GREEDY, target))
+        first = asyncio.ensure_future(p.prefill.remote(rid, ids, GREEDY, d, READER))
         # An async actor may start calls out of order: wait until the first one is in.
         await until(lambda: _in(p, rid), "the first prefill to be admitted")
         with pytest.raises(InvalidRequestError, match="already in flight"):
-            await p.prefill.remote(rid, prompts[0], GREEDY, target)
+            await d.submit.remote(rid, prompts[0], GREEDY, False, READER)
+        with pytest.raises(InvalidRequestError, match="already in flight"):
+            await p.prefill.remote(rid, prompts[0], GREEDY, d, READER)
         token = await first
-        cursor, tokens, finished = 0, [], False
-        while not finished:
-            cursor, deltas = await d.outputs.remote(READER, cursor, 1.0)
-            for x in deltas:
-                if x.request_id == rid:
-                    tokens += x.token_ids
-                    finished = finished or x.finish_reason is not None
-        assert tokens[0] == token.token_id
+        # The decode worker's deltas start after the first token, which it never repeats.
+        deltas = await _outputs(d, rid)
+        assert deltas[0].index == 1
+        tokens = [token.token_id] + [t for x in deltas for t in x.token_ids]
         assert tokens == (await collect(Dispatcher(), ids, GREEDY, c)).tokens
 
     run(go())

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from cluster.types import RequestId, TokenDelta
+from cluster.types import RequestId, SamplingParams, TokenDelta
 from router.dispatch import DELIVER_SLICE, Delivered, Dispatcher, Trace, _Stream
 
 STREAMS = 10 * DELIVER_SLICE
@@ -39,7 +39,7 @@ def test_a_step_is_handed_out_a_slice_at_a_time_with_the_loop_in_between() -> No
         dispatcher = Dispatcher()
         rids = [RequestId(f"r{i}") for i in range(STREAMS)]
         step = [TokenDelta(rid, 0, (7,), "x") for rid in rids]
-        queues: list[asyncio.Queue[TokenDelta | str]] = []
+        queues: list[asyncio.Queue[TokenDelta | str | Exception]] = []
         seen: list[int] = []
 
         def arrived() -> None:  # what else the loop had to do when the step came
@@ -48,7 +48,8 @@ def test_a_step_is_handed_out_a_slice_at_a_time_with_the_loop_in_between() -> No
         decode: Any = _Decode(step, arrived)
         for rid in rids:
             queues.append(asyncio.Queue())
-            stream = _Stream(queues[-1], decode, None, Trace(), False, Delivered())
+            request = ([1], SamplingParams(), 0)  # prompt, sampling, tokens resumed
+            stream = _Stream(queues[-1], decode, None, Trace(), Delivered(), *request)
             dispatcher._streams[rid] = stream
         dispatcher._poll(decode)
         while sum(q.qsize() for q in queues) < STREAMS:

@@ -9,7 +9,10 @@ for it, stream its tokens back, abort it.
    (colocated).
 2. The decode worker's per-step batches carry the rest. One task per decode worker
    long-polls those batches and hands them out DELIVER_SLICE streams per turn of the
-   event loop.
+   event loop. Its deltas start after the first token: one that arrives before the
+   prefill worker's reply waits for it, and if the call ends without one (the prefill
+   worker died after sending its KV), the stream is lost (WorkerLost, the worker not
+   dead) and the router moves the request.
 3. A request the decode worker refuses (a field, the context) fails with its error,
    through either call.
 4. A prefill worker that dies or cannot be reached: if the request never reached the
@@ -99,8 +102,9 @@ class WorkerLost(Exception):
 
 @dataclass
 class _Stream:
-    # A str: the decode worker is gone, and why. An error: the request was refused.
-    queue: asyncio.Queue[TokenDelta | str | Exception]
+    # A str: the decode worker is gone, and why. An error: the request was refused. None:
+    # the prefill worker's call has ended.
+    queue: asyncio.Queue[TokenDelta | str | Exception | None]
     decode: DecodeHandle
     prefill: PrefillHandle | None
     trace: Trace
@@ -109,6 +113,7 @@ class _Stream:
     prompt_ids: list[int]
     sampling: SamplingParams
     resumed: int
+    prefilling: bool = False  # the prefill worker's call is out: its reply has the first token
 
 
 @dataclass(frozen=True)
@@ -183,9 +188,18 @@ class Dispatcher:
                     raise
                 trace.admitted_at = trace.admitted_at or time.monotonic()
             else:
+                stream.prefilling = True
                 self._spawn(self._prefill(rid, stream))
+            held: list[TokenDelta] = []  # the decode worker's, ahead of the first token
             while not finished:
-                got = await stream.queue.get()
+                if held and held[0].index <= len(done.token_ids):
+                    got: TokenDelta | str | Exception | None = held.pop(0)
+                else:
+                    got = await stream.queue.get()
+                if got is None:  # the prefill worker's call ended
+                    if held:  # it never brought the first token the decode worker skips
+                        raise WorkerLost("the prefill worker lost the first token", dead=False)
+                    continue
                 if isinstance(got, str):
                     raise WorkerLost(got, dead=True)
                 if isinstance(got, Exception):
@@ -194,6 +208,11 @@ class Dispatcher:
                 if got.evicted:
                     finished = True  # the worker has let it go: nothing to abort
                     raise WorkerLost(got.error or "evicted", dead=False)
+                if got.index > len(done.token_ids):  # the prefill worker's reply is not in yet
+                    if not stream.prefilling:
+                        raise WorkerLost("the prefill worker lost the first token", dead=False)
+                    held.append(got)
+                    continue
                 delta = _unseen(got, caller, done)
                 if delta is None:
                     continue
@@ -264,7 +283,14 @@ class Dispatcher:
 
     async def _prefill(self, rid: RequestId, stream: _Stream) -> None:
         """The request's one call: its prefill worker submits it to its decode worker and
-        prefills it; the first token goes on the stream."""
+        prefills it; the first token goes on the stream, then None (the call has ended)."""
+        try:
+            await self._first_token(rid, stream)
+        finally:
+            stream.prefilling = False
+            stream.queue.put_nowait(None)
+
+    async def _first_token(self, rid: RequestId, stream: _Stream) -> None:
         assert stream.prefill is not None
         asked, trace, resumed = time.monotonic(), stream.trace, stream.resumed
         try:

@@ -1,14 +1,19 @@
 """The Dispatcher hands a decode step's deltas out DELIVER_SLICE streams per turn of the
 event loop: whatever else is ready (a new request's admission or refusal) runs after the
-first slice, not after the whole step."""
+first slice, not after the whole step. A decode worker's deltas that come before the
+prefill worker's first token wait for it; without it, the stream is lost."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from cluster.types import RequestId, SamplingParams, TokenDelta
-from router.dispatch import DELIVER_SLICE, Delivered, Dispatcher, Trace, _Stream
+import pytest
+from ray.exceptions import ActorDiedError
+
+from cluster.types import FinishReason, FirstToken, RequestId, SamplingParams, TokenDelta
+from router.dispatch import DELIVER_SLICE, Delivered, Dispatcher, Trace, WorkerLost, _Stream
 
 STREAMS = 10 * DELIVER_SLICE
 
@@ -60,3 +65,100 @@ def test_a_step_is_handed_out_a_slice_at_a_time_with_the_loop_in_between() -> No
     before_other_work, delivered = asyncio.run(go())
     assert before_other_work <= DELIVER_SLICE
     assert delivered == STREAMS
+
+
+class _Remote:
+    """An actor method: `remote(...)` gives an awaitable of `call(...)`."""
+
+    def __init__(self, call: Callable[..., Awaitable[Any]]) -> None:
+        self.remote = call
+
+
+class _Pair:
+    """A prefill worker whose first token comes back only when the test says (or never:
+    it dies), paired with a decode worker that has the rest of the request's tokens out
+    already: (8, "b"), then (9, "c") ending it."""
+
+    def __init__(self) -> None:
+        self.rid = asyncio.get_running_loop().create_future()
+        self.reply = asyncio.get_running_loop().create_future()
+        self.prefill = type("Prefill", (), {"prefill": _Remote(self._prefill)})()
+        self.decode = type("Decode", (), {"outputs": _Remote(self._outputs)})()
+
+    async def _prefill(self, rid: RequestId, *request: Any) -> FirstToken:
+        self.rid.set_result(rid)
+        return await self.reply
+
+    async def _outputs(self, reader: str, cursor: int, wait_s: float) -> Any:
+        if cursor:
+            await asyncio.Event().wait()
+        rid = await self.rid
+        ahead = [
+            TokenDelta(rid, 1, (8,), "b", text_offset=1),
+            TokenDelta(rid, 2, (9,), "c", finish_reason=FinishReason.LENGTH, text_offset=2),
+        ]
+        return 1, ahead
+
+
+def test_decode_deltas_ahead_of_the_prefill_workers_first_token_wait_for_it() -> None:
+    async def go() -> list[TokenDelta]:
+        pair, dispatcher = _Pair(), Dispatcher()
+        stream = dispatcher.generate(
+            [1, 2], SamplingParams(max_tokens=3), pair.decode, pair.prefill
+        )
+        got = asyncio.ensure_future(_all(stream))
+        await pair.rid
+        for _ in range(20):  # the decode worker's deltas are in; the stream holds them
+            await asyncio.sleep(0)
+        assert not got.done()
+        pair.reply.set_result(FirstToken(7, None, "a"))
+        deltas = await got
+        await dispatcher.close()
+        return deltas
+
+    deltas = asyncio.run(go())
+    assert [(d.index, d.token_ids, d.text) for d in deltas] == [
+        (0, (7,), "a"),
+        (1, (8,), "b"),
+        (2, (9,), "c"),
+    ]
+    assert deltas[-1].finish_reason is FinishReason.LENGTH
+
+
+def test_a_prefill_worker_that_dies_with_the_first_token_loses_the_stream() -> None:
+    """Its KV reached the decode worker, which decodes on, but its reply never comes: the
+    stream ends with WorkerLost, the decode worker not dead, so the router moves it."""
+
+    async def go() -> WorkerLost:
+        pair, dispatcher = _Pair(), Dispatcher()
+        stream = dispatcher.generate(
+            [1, 2], SamplingParams(max_tokens=3), pair.decode, pair.prefill
+        )
+        got = asyncio.ensure_future(_all(stream))
+        await pair.rid
+        for _ in range(20):
+            await asyncio.sleep(0)
+        pair.decode.submit = _Remote(_in_flight)  # the router asks it to prefill: it has it
+        pair.decode.transfer_failed = _Remote(_here)
+        pair.reply.set_exception(ActorDiedError())
+        with pytest.raises(WorkerLost) as lost:
+            await got
+        await dispatcher.close()
+        return lost.value
+
+    lost = asyncio.run(go())
+    assert not lost.dead and "first token" in str(lost)
+
+
+async def _all(stream: Any) -> list[TokenDelta]:
+    return [d async for d in stream]
+
+
+async def _in_flight(rid: RequestId, *request: Any) -> None:
+    from cluster.types import InFlightError
+
+    raise InFlightError(f"request_id: {rid!r} is already in flight")
+
+
+async def _here(rid: RequestId, why: str) -> bool:
+    return True

@@ -21,7 +21,7 @@ from cluster.engine.page_pool import PagePool
 from cluster.transfer.endpoint import KVEndpoint
 from cluster.transfer.wire import Notice, NoticeKind
 from cluster.types import KVTarget, PageId, RequestId
-from prefill_worker.sender import KVSender
+from prefill_worker.sender import WRITES_PER_STEP, KVSender
 
 LAYERS, PAGE = 3, 16
 RID = RequestId("r")
@@ -86,11 +86,11 @@ class Prefill:
     """One 40-token prompt (3 pages of a real pool) pushed to pages 7, 8, 9; the test
     plays the engine, reporting each layer as the engine's KV sink seam does."""
 
-    def __init__(self, acked: bool = True, stream: bool = True) -> None:
+    def __init__(self, acked: bool = True, stream: bool = True, layers: int = LAYERS) -> None:
         self.pool = PagePool(8, PAGE)
         self.holds = PageHolds(self.pool)
         self.endpoint = FakeEndpoint()
-        self.sender = KVSender(self.endpoint, self.holds, PAGE, LAYERS, stream)  # type: ignore[arg-type]
+        self.sender = KVSender(self.endpoint, self.holds, PAGE, layers, stream)  # type: ignore[arg-type]
         self.pages = tuple(self.pool.allocate(3) or [])
         self.marks: list[FakeMark] = []
         target = KVTarget(b"hs", tuple(PageId(p) for p in (7, 8, 9)), 0, 60.0)
@@ -150,6 +150,30 @@ def test_each_chunk_writes_only_its_new_pages() -> None:
             p.layer(layer, n, passed=True)
     srcs = [w.src for w in p.endpoint.writes if w.layers == range(0, 1)]
     assert srcs == [list(p.pages[:1]), list(p.pages[1:2]), list(p.pages[2:3])]
+
+
+def test_a_deep_models_step_goes_in_a_few_writes_each_a_run_of_layers() -> None:
+    """Twice WRITES_PER_STEP layers: each step's new pages go in runs of two layers, a run's
+    WRITE posted once its last layer is computed (a WRITE per layer cost ~0.6 ms each)."""
+    layers = 2 * WRITES_PER_STEP
+    p = Prefill(layers=layers)
+    p.layer(0, 16, passed=True)
+    assert p.endpoint.writes == []  # its run is not done
+    for layer in range(1, layers):
+        p.layer(layer, 16, passed=True)
+    for layer in range(layers):
+        p.layer(layer, 40, passed=True)
+    p.done()
+    runs = [range(i, i + 2) for i in range(0, layers, 2)]
+    first, rest = list(p.pages[:1]), list(p.pages[1:])
+    want = [(r, first) for r in runs] + [(r, rest) for r in runs]
+    assert [(w.layers, w.src) for w in p.endpoint.writes] == want
+    assert p.endpoint.posted[-1].num_writes == 2 * WRITES_PER_STEP
+    p.finish()
+    for w in p.endpoint.writes:
+        w.done = True
+    p.sender.poll()
+    p.assert_clean()
 
 
 def test_unstreamed_one_write_carries_every_layer_once_the_prompt_is_computed() -> None:

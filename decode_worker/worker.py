@@ -2,11 +2,12 @@
 
 Life of a request here (the transfer's own states are cluster/transfer/inbound.py's):
 1. `submit` from the prefill worker the router paired with this one (the router submits
-   itself only when no prefill worker takes part): unless the part of the prompt missing from
-   this worker's prefix cache is at most `local_prefill_tokens` (then it prefills
-   here, as colocated requests do), pages for the whole prompt are reserved before
-   any prefill compute is spent, and the caller gets a KVTarget with the lease's
-   duration, `lease_s`. No pages: the submit waits its turn. TRANSFERRING.
+   itself when no prefill worker takes part, or when the one it chose was lost before
+   its submit landed here): unless the part of the prompt missing from this worker's
+   prefix cache is at most `local_prefill_tokens` (then it prefills here, as colocated
+   requests do), pages for the whole prompt are reserved before any prefill compute is
+   spent, and the caller gets a KVTarget with the lease's duration, `lease_s`. No pages:
+   the submit waits its turn. TRANSFERRING.
 2. The prefill worker claims the pages when it admits the request (STARTED, answered
    with ACK: only then may it WRITE); the lease runs from there on this worker's own
    clock, renewed by every notice of progress (RENEW while it waits or computes, each

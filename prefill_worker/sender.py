@@ -103,17 +103,18 @@ class KVSender:
 
     def stored(self, events: Sequence[KVStored]) -> None:
         """A layer of an engine step is queued: plan the WRITEs of the pushed requests' new
-        pages (holding them), post those whose mark has passed."""
-        if any(p.state.status is PushStatus.CLAIMING for p in self._pushes.values()):
-            self._read_notices()  # an ACK that comes mid-step lets this step's WRITEs go
-        self._tick()  # renewed mid-step too: a long step is no stall
+        pages (holding them); where a run of layers ends, post those whose mark has passed."""
         for event in events:
             push = self._pushes.get(event.request_id)
             if push is not None and push.state.status in _OPEN:
                 self._plan(push, event)
-                run_ends = event.layers.stop % self.layers_per_write == 0
-                if run_ends or event.layers.stop == self.num_layers:
-                    self._post_ready(event.request_id)
+        stop = events[0].layers.stop if events else 0
+        if stop % self.layers_per_write == 0 or stop == self.num_layers:
+            if any(p.state.status is PushStatus.CLAIMING for p in self._pushes.values()):
+                self._read_notices()  # an ACK that comes mid-step lets this step's WRITEs go
+            self._tick()  # renewed mid-step too: a long step is no stall
+            for event in events:
+                self._post_ready(event.request_id)
 
     def _plan(self, push: _Push, event: KVStored) -> None:
         last_layer = event.layers.stop == self.num_layers

@@ -78,7 +78,9 @@ class Trace:
     @property
     def stage(self) -> str:
         """Where the request is: admitting (no decode worker has taken it yet), prefilling
-        (taken, no token yet: its prompt is computed, or its KV moved) or decoding."""
+        (taken, no token yet: its prompt is computed, or its KV moved) or decoding. With a
+        prefill worker the router hears of the reservation with the first token: until
+        then it reads admitting."""
         if self.first_token_at is not None:
             return "decoding"
         return "admitting" if self.admitted_at is None else "prefilling"
@@ -113,7 +115,6 @@ class _Stream:
     prompt_ids: list[int]
     sampling: SamplingParams
     resumed: int
-    prefilling: bool = False  # the prefill worker's call is out: its reply has the first token
 
 
 @dataclass(frozen=True)
@@ -188,15 +189,16 @@ class Dispatcher:
                     raise
                 trace.admitted_at = trace.admitted_at or time.monotonic()
             else:
-                stream.prefilling = True
                 self._spawn(self._prefill(rid, stream))
             held: list[TokenDelta] = []  # the decode worker's, ahead of the first token
+            prefilled = prefill is None  # no call to the prefill worker out
             while not finished:
                 if held and held[0].index <= len(done.token_ids):
                     got: TokenDelta | str | Exception | None = held.pop(0)
                 else:
                     got = await stream.queue.get()
-                if got is None:  # the prefill worker's call ended
+                if got is None:  # the prefill worker's call ended, its first token queued
+                    prefilled = True
                     if held:  # it never brought the first token the decode worker skips
                         raise WorkerLost("the prefill worker lost the first token", dead=False)
                     continue
@@ -208,8 +210,8 @@ class Dispatcher:
                 if got.evicted:
                     finished = True  # the worker has let it go: nothing to abort
                     raise WorkerLost(got.error or "evicted", dead=False)
-                if got.index > len(done.token_ids):  # the prefill worker's reply is not in yet
-                    if not stream.prefilling:
+                if got.index > len(done.token_ids):  # ahead of the prefill worker's reply
+                    if prefilled:
                         raise WorkerLost("the prefill worker lost the first token", dead=False)
                     held.append(got)
                     continue
@@ -287,7 +289,6 @@ class Dispatcher:
         try:
             await self._first_token(rid, stream)
         finally:
-            stream.prefilling = False
             stream.queue.put_nowait(None)
 
     async def _first_token(self, rid: RequestId, stream: _Stream) -> None:

@@ -125,6 +125,29 @@ def test_decode_deltas_ahead_of_the_prefill_workers_first_token_wait_for_it() ->
     assert deltas[-1].finish_reason is FinishReason.LENGTH
 
 
+def test_a_first_token_queued_right_behind_the_decode_workers_deltas_goes_first() -> None:
+    """The prefill worker's reply lands in the same turn of the loop as the decode worker's
+    deltas, after them, and its call has ended before the stream reads any of it."""
+
+    async def go() -> list[TokenDelta]:
+        pair, dispatcher = _Pair(), Dispatcher()
+
+        async def prefill(rid: RequestId, *request: Any) -> FirstToken:
+            pair.rid.set_result(rid)
+            await asyncio.sleep(0)  # the decode worker's deltas are queued meanwhile
+            return FirstToken(7, None, "a")
+
+        pair.prefill.prefill = _Remote(prefill)
+        stream = dispatcher.generate(
+            [1, 2], SamplingParams(max_tokens=3), pair.decode, pair.prefill
+        )
+        deltas = await _all(stream)
+        await dispatcher.close()
+        return deltas
+
+    assert [d.token_ids for d in asyncio.run(go())] == [(7,), (8,), (9,)]
+
+
 def test_a_prefill_worker_that_dies_with_the_first_token_loses_the_stream() -> None:
     """Its KV reached the decode worker, which decodes on, but its reply never comes: the
     stream ends with WorkerLost, the decode worker not dead, so the router moves it."""

@@ -1,6 +1,6 @@
 """Shared test helpers: the leak check every engine test ends with, the one way tests
-wait (polling an observable predicate until a deadline, never a sleep then an assert), and
-the mark for tests whose subject is bfloat16 compute."""
+wait (polling an observable predicate until a deadline, never a sleep then an assert),
+the mark for tests whose subject is bfloat16 compute, and scattered page tables."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import time
 from collections.abc import Awaitable, Callable
 
 import pytest
+import torch
 
 from cluster.engine.cpu_isa import cpu, native_bf16
 from cluster.engine.engine import LLMEngine
+from cluster.engine.page_pool import pages_for
 
 POLL_S = 0.02
 
@@ -47,3 +49,16 @@ async def until(probe: Callable[[], Awaitable[bool]], what: str, timeout_s: floa
     while not await probe():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         await asyncio.sleep(POLL_S)
+
+
+def scattered_pages(lens: list[int], page_size: int, num_pages: int, seed: int) -> torch.Tensor:
+    """A page table [seqs, width] (int64, 0-padded): each sequence's pages drawn without
+    repeats from a shuffled pool of `num_pages`, so with holes and in any order."""
+    order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed))
+    table = torch.zeros(len(lens), max(pages_for(n, page_size) for n in lens), dtype=torch.int64)
+    used = 0
+    for i, n in enumerate(lens):
+        count = pages_for(n, page_size)
+        table[i, :count] = order[used : used + count]
+        used += count
+    return table

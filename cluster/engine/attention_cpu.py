@@ -1,21 +1,26 @@
-"""The CPU attention backend: write new K/V into their page slots, attend through SDPA.
+"""The CPU attention backend: write new K/V into their page slots, then attend.
 
 A batch holds decode rows first (one query token each), then prefill chunks (many
-query tokens each, possibly after cached context). Decodes attend together: their
-pages are gathered (index_select: measured ~2x faster than advanced indexing) into a
-padded [batch, max_context] copy with a length mask.
+query tokens each, possibly after cached context). Decodes are attended by our C kernel
+reading their pages in place through the page table (paged_attention.c: no gather copy,
+no mask), where it builds; else their pages are gathered (index_select: measured ~2x
+faster than advanced indexing) into a padded [batch, max_context] copy with a length mask.
 A prefill chunk with no earlier context attends to its own fresh K/V without reading
 the cache; one with context (prefix-cache hit, later chunk) gathers its pages. Both go
-through SDPA's fused kernel (4-D inputs; see `heads_first`).
+through SDPA's fused kernel (4-D inputs; see `heads_first`): a row at a time, our kernel
+measured 3x slower than it on a 512-token prefill.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from cluster.engine import native
 from cluster.engine.kv_cache import KVCache, KVLayout
 from cluster.engine.page_pool import pages_for
 from cluster.engine.step_batch import StepBatch
@@ -34,45 +39,65 @@ class CpuMetadata:
     slot_mapping: torch.Tensor  # [N] flat slot (page * page_size + offset) for each new token
     num_decodes: int  # rows [0, num_decodes) are decodes
     decode_pages: torch.Tensor | None  # [num_decodes, max_pages] page ids, padded with 0
+    decode_lens: torch.Tensor | None  # [num_decodes] int64 contexts, for the kernel
+    # Where the pages are gathered instead (no kernel): their length mask, and a workspace
+    # reused by every layer for the copies (a fresh ~100 MB tensor per layer costs more in
+    # page faults than the copy itself at large batch x context).
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_pages * page_size] bool
-    # Reused by every layer for the gathered decode K and V: a fresh ~100 MB tensor per
-    # layer costs more in page faults than the copy itself at large batch x context.
     decode_workspace: torch.Tensor | None  # [2, num_decodes * max_pages, page_size, ...]
     prefills: tuple[PrefillChunk, ...]
+
+
+@functools.cache
+def _kernel() -> ctypes.CDLL | None:
+    lib = native.library("paged_attention.c")
+    if lib is None:
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.paged_attention.restype = ctypes.c_int
+    lib.paged_attention.argtypes = [
+        ptr, ptr, i64, i64, i64, ptr, ptr, ctypes.c_int, i64, ptr, i64, ptr, i64, ctypes.c_float,
+    ]  # fmt: skip
+    return lib
 
 
 class CpuBackend:
     name = "cpu"
     fuses_rope = False
 
-    def __init__(self, layout: KVLayout, device: torch.device) -> None:
+    def __init__(self, layout: KVLayout, device: torch.device, in_place: bool = True) -> None:
+        """`in_place`: decodes read their pages through our kernel where it builds (else
+        the pages are gathered)."""
         self.layout = layout
         self.device = device
+        self.kernel = _kernel() if in_place and layout.dtype in IN_PLACE_DTYPES else None
 
     def prepare(self, batch: StepBatch) -> CpuMetadata:
         ps, nd = self.layout.page_size, batch.num_decodes
-        decode_pages = decode_mask = workspace = None
+        decode_pages = decode_lens = decode_mask = workspace = None
         if nd:
             lens = torch.tensor(batch.context_lens[:nd])
             width = pages_for(max(batch.context_lens[:nd]), ps)
-            mask = torch.arange(width * ps)[None, :] < lens[:, None]
-            decode_pages = batch.page_table[:nd, :width].to(self.device)
-            decode_mask = mask[:, None, None, :].to(self.device)
-            lay = self.layout
-            workspace = torch.empty(
-                (2, nd * width, ps, lay.num_kv_heads, lay.head_dim),
-                dtype=lay.dtype,
-                device=self.device,
-            )
+            decode_pages = batch.page_table[:nd, :width].contiguous()
+            if self.kernel is not None:
+                decode_lens = lens
+            else:
+                mask = torch.arange(width * ps)[None, :] < lens[:, None]
+                decode_mask = mask[:, None, None, :]
+                lay = self.layout
+                workspace = torch.empty(
+                    (2, nd * width, ps, lay.num_kv_heads, lay.head_dim), dtype=lay.dtype
+                )
         chunks = []
         for i in range(nd, batch.num_seqs):
             start, context = batch.query_start[i], batch.context_lens[i]
-            pages = batch.page_table[i, : pages_for(context, ps)].to(self.device)
+            pages = batch.page_table[i, : pages_for(context, ps)]
             chunks.append(PrefillChunk(start, batch.query_start[i + 1] - start, context, pages))
         return CpuMetadata(
-            batch.slot_mapping.to(self.device),
+            batch.slot_mapping,
             nd,
             decode_pages,
+            decode_lens,
             decode_mask,
             workspace,
             tuple(chunks),
@@ -87,7 +112,7 @@ class CpuBackend:
         cache: KVCache,
         metadata: CpuMetadata,
     ) -> torch.Tensor:
-        return paged_attention(q, k, v, cache.k[layer], cache.v[layer], metadata)
+        return paged_attention(q, k, v, cache.k[layer], cache.v[layer], metadata, self.kernel)
 
 
 def paged_attention(
@@ -97,13 +122,16 @@ def paged_attention(
     k_cache: torch.Tensor,  # [pages, page_size, kv_heads, head_dim] of this layer
     v_cache: torch.Tensor,
     batch: CpuMetadata,
+    kernel: ctypes.CDLL | None = None,  # paged_attention.c, where the decodes read in place
 ) -> torch.Tensor:
     kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, batch.slot_mapping, k)
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, batch.slot_mapping, v)
+    _store(k, v, k_cache, v_cache, batch.slot_mapping)
     outs: list[torch.Tensor] = []
     nd = batch.num_decodes
-    if nd:
+    if nd and batch.decode_lens is not None:
+        assert kernel is not None and batch.decode_pages is not None
+        outs.append(_decode_in_place(kernel, q[:nd], k_cache, v_cache, batch))
+    elif nd:
         assert batch.decode_pages is not None and batch.decode_mask is not None
         assert batch.decode_workspace is not None
         flat = batch.decode_pages.flatten()
@@ -130,6 +158,39 @@ def paged_attention(
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
+def _store(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:  # fmt: skip
+    """The step's new K and V into their page slots."""
+    kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, k)
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
+
+
+def _decode_in_place(
+    kernel: ctypes.CDLL,
+    q: torch.Tensor,  # [decodes, heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: CpuMetadata,
+) -> torch.Tensor:
+    """The decodes' attention by paged_attention.c, reading their pages in place."""
+    pages, lens = batch.decode_pages, batch.decode_lens
+    assert pages is not None and lens is not None
+    qf = q.float().contiguous()
+    out = torch.empty_like(qf)
+    (rows, heads, dim), (_, page_size, kv_heads, _) = q.shape, k_cache.shape
+    failed = kernel.paged_attention(
+        qf.data_ptr(), out.data_ptr(), heads, kv_heads, dim, k_cache.data_ptr(),
+        v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16), page_size, pages.data_ptr(),
+        pages.shape[1], lens.data_ptr(), rows, dim**-0.5,
+    )  # fmt: skip
+    if failed:
+        raise MemoryError("paged_attention: no scratch memory for its scores")
+    return out.to(q.dtype)
+
+
 def heads_first(x: torch.Tensor) -> torch.Tensor:
     """[tokens, heads, head_dim] -> [1, heads, tokens, head_dim], a view.
 
@@ -139,6 +200,7 @@ def heads_first(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1).unsqueeze(0)
 
 
+IN_PLACE_DTYPES = (torch.float32, torch.bfloat16)  # what paged_attention.c reads
 FUSED_BF16_DECODE_BATCH = 4
 
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from cluster.config import ConfigError, EngineConfig
+from cluster.engine import qmatmul
 from cluster.engine.attention import resolve_backend
 from cluster.engine.checkpoint import (
     ModelSpec,
@@ -169,6 +170,8 @@ def describe_modes(config: EngineConfig, dtype: str, quantization: str, device: 
         parts.append(f"quantization auto: {quantization} ({why})")
     else:
         parts.append(f"quantization {quantization}")
+    if quantization != "none":
+        parts[-1] += f" on {qmatmul.describe()}"
     return ", ".join(parts)
 
 

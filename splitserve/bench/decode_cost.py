@@ -1,4 +1,4 @@
-"""What a decode step costs against what it must cost: the memory wall, and the page gather.
+"""What a decode step costs against what it must cost: the memory wall, and reading pages.
 
 A decode step at batch 1 must read every weight once (the tied embedding once, as the
 lm_head; the embedding lookup reads one row) and the KV of its context. At the machine's
@@ -100,59 +100,53 @@ def batch1_decode(
 
 @dataclass(frozen=True)
 class GatherCost:
+    """One decode step's whole forward with its pages gathered into a copy, against the
+    same step with our kernel reading them in place (None where it cannot be built)."""
+
     batch: int
     context_len: int
-    gather_s: float  # K and V pages of every layer into one reused workspace, as the engine does
-    forward_s: float  # the whole model forward of that decode step
+    gathered_s: float
+    in_place_s: float | None
 
     @property
-    def share(self) -> float:
-        return self.gather_s / self.forward_s
+    def speedup(self) -> float | None:
+        return None if self.in_place_s is None else self.gathered_s / self.in_place_s
 
 
 def gather_cost(engine: LLMEngine, batch: int, context_len: int, repeats: int) -> GatherCost:
-    """One decode step of `batch` sequences of `context_len` tokens, on a scratch cache.
+    """One decode step of `batch` sequences of `context_len` tokens, on a scratch cache,
+    both ways.
 
     Page tables are random pages (with repeats when the cache is too small for the batch),
-    so the gather reads memory as scattered as a long-running server's.
+    so the pages are read as scattered as a long-running server's.
     """
     layout, ps = engine.layout, engine.layout.page_size
     cache = KVCache(layout, engine.cache.num_pages, engine.device)
     width = pages_for(context_len, ps)
     pages = torch.randint(0, cache.num_pages, (batch, width), device=engine.device)
     last = context_len - 1
-    backend = CpuBackend(layout, engine.device)
     positions = torch.full((batch,), last, device=engine.device)
-    attn = backend.prepare(
-        StepBatch(
-            num_decodes=batch,
-            query_start=list(range(batch + 1)),
-            context_lens=[context_len] * batch,
-            page_table=pages,
-            slot_mapping=pages[:, last // ps] * ps + last % ps,
-            positions=positions,
-        )
+    step = StepBatch(
+        num_decodes=batch,
+        query_start=list(range(batch + 1)),
+        context_lens=[context_len] * batch,
+        page_table=pages,
+        slot_mapping=pages[:, last // ps] * ps + last % ps,
+        positions=positions,
     )
     ids = torch.randint(0, engine.spec.vocab_size, (batch,), device=engine.device)
     rows = torch.arange(batch, device=engine.device)
 
-    def forward() -> None:
-        engine.model.forward(ids, positions, backend, attn, cache, rows)
+    def best(backend: CpuBackend) -> float:
+        attn = backend.prepare(step)
+        forward = lambda: engine.model.forward(ids, positions, backend, attn, cache, rows)
+        forward()
+        return min(timed(forward) for _ in range(repeats))
 
-    flat = pages.flatten()
-
-    ws_k, ws_v = attn.decode_workspace if attn.decode_workspace is not None else (None, None)
-
-    @torch.inference_mode()
-    def gather() -> None:
-        for layer in range(layout.num_layers):
-            torch.index_select(cache.k[layer], 0, flat, out=ws_k)
-            torch.index_select(cache.v[layer], 0, flat, out=ws_v)
-
-    forward()
-    forward_s = min(timed(forward) for _ in range(repeats))
-    gather_s = min(timed(gather) for _ in range(repeats))
-    return GatherCost(batch, context_len, gather_s, forward_s)
+    in_place = CpuBackend(layout, engine.device)
+    gathered_s = best(CpuBackend(layout, engine.device, in_place=False))
+    in_place_s = best(in_place) if in_place.kernel is not None else None
+    return GatherCost(batch, context_len, gathered_s, in_place_s)
 
 
 def timed(fn: Callable[[], object]) -> float:

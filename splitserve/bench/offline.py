@@ -8,7 +8,7 @@ length (ignore_eos):
 4. llama.cpp on the same GGUF, if installed: one at a time (the --hf-requests subset)
    and batched through its C API (all requests).
 Then: batch-1 decode against the memory wall, KV waste paged versus contiguous, the
-page gather's share of a decode step, and every engine mode side by side (splitserve/bench/modes.py:
+decode step with its pages gathered against read in place, and every engine mode side by side (splitserve/bench/modes.py:
 dtype x quantization, batch-1 decode against its own memory wall, 1,024-token prefill,
 llama.cpp and transformers as peers). Prints tables and the targets, writes JSON.
 """
@@ -170,7 +170,7 @@ def costs(
         max_model_len=engine.max_model_len,
         budget_tokens=budget,
     )
-    say("page gather cost")
+    say("decode step: pages gathered or read in place")
     gathers = [
         decode_cost.gather_cost(engine, b, c, repeats=2)
         for c in args.gather_contexts

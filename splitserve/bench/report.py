@@ -109,13 +109,15 @@ def print_report(res: Results) -> None:
         print(f"  {w.layout:<46} waste {w.waste:6.1%}  fits {w.fits:>5}")
 
     print(
-        "\npage gather of K and V, all layers, as the engine does it (index_select into one "
-        "reused workspace), against the whole forward of that decode step"
+        "\na decode step's forward with its K and V pages gathered into a copy (index_select "
+        "into one reused workspace), and read in place by paged_attention.c"
     )
     for g in res.gathers:
+        in_place = "no kernel" if g.in_place_s is None else f"{g.in_place_s * 1e3:7.1f} ms"
+        faster = "" if g.speedup is None else f" ({g.speedup:.2f}x)"
         print(
-            f"  batch {g.batch:>3} x context {g.context_len:>5}: {g.gather_s * 1e3:7.1f} ms of "
-            f"{g.forward_s * 1e3:7.1f} ms ({g.share:4.0%})"
+            f"  batch {g.batch:>3} x context {g.context_len:>5}: gathered "
+            f"{g.gathered_s * 1e3:7.1f} ms, in place {in_place}{faster}"
         )
 
     print("\ntargets:")
@@ -143,6 +145,6 @@ def to_json(res: Results) -> dict[str, Any]:
         },
         "kv_waste": [{**asdict(w), "waste": w.waste} for w in res.waste],
         "kv_budget_tokens": res.kv_budget_tokens,
-        "gather": [{**asdict(g), "share": g.share} for g in res.gathers],
+        "gather": [{**asdict(g), "speedup": g.speedup} for g in res.gathers],
         "targets": [{**asdict(t), "met": t.met} for t in res.targets],
     }

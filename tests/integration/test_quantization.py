@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from cluster.config import ConfigError, EngineConfig
+from cluster.engine import qmatmul
 from cluster.engine.attention_cpu import CpuBackend
 from cluster.engine.engine import LLMEngine
 from cluster.engine.kv_cache import KVCache
 from cluster.engine.page_pool import pages_for
-from cluster.engine.quantization import DenseLinear, GroupQuant, Int4Linear
+from cluster.engine.quantization import BlockLinear, DenseLinear, GroupQuant, Int4Linear
 from cluster.engine.step_batch import StepBatch
 from cluster.types import SamplingParams
 from tests.integration.conftest import TINY, _save_tiny
@@ -81,11 +82,15 @@ def reference(float32: LLMEngine) -> tuple[list[int], torch.Tensor]:
 
 
 # (min top-1 agreement, max perplexity ratio). The targets: perplexity within +1%
-# for int8 and +5% for int4 and gguf, int8 top-1 >= 97%. The kernel computes in bfloat16,
-# and the unquantized model in bfloat16 agrees with float32 on 96.9% of this text's tokens
-# (README), so no mode can reach 97% here: the agreement floor is 95%. The bundled file is
-# itself Q4_1: its float32 model is those blocks dequantized, which gguf mode keeps.
-BOUNDS = {"int8": (0.95, 1.01), "int4": (0.95, 1.05), "gguf": (0.95, 1.05)}
+# for int8 and +5% for int4 and gguf, int8 top-1 >= 97%. Our kernel (qmatmul.c) keeps ~15
+# bits of each input and measured 98.7% for int8 and int4, 100% for gguf (whose float32
+# model is the bundled Q4_1 file's blocks dequantized, which gguf mode keeps). Torch's
+# kernel, where ours cannot run, computes in bfloat16, and the unquantized model in
+# bfloat16 agrees with float32 on 96.9% of this text's tokens (README): its floor is 95%.
+if qmatmul.available():
+    BOUNDS = {"int8": (0.98, 1.01), "int4": (0.98, 1.05), "gguf": (0.995, 1.05)}
+else:
+    BOUNDS = {"int8": (0.95, 1.01), "int4": (0.95, 1.05), "gguf": (0.95, 1.05)}
 
 
 @pytest.mark.parametrize("mode", list(BOUNDS))
@@ -107,10 +112,11 @@ def test_accuracy_against_the_float32_model(
 def test_quantized_model_keeps_no_float_copy(mode: str, float32: LLMEngine) -> None:
     quantized = _engine(mode)
     model = quantized.model
+    kernel = BlockLinear if qmatmul.available() else Int4Linear
     for layer in model.layers:
         for mat in (layer.qkv, layer.o, layer.gate_up, layer.down):
-            assert isinstance(mat, Int4Linear)
-    assert isinstance(model.lm_head, Int4Linear)
+            assert isinstance(mat, kernel)
+    assert isinstance(model.lm_head, kernel)
     assert isinstance(model.embed.table, GroupQuant)  # rows dequantized per lookup
     hidden = model.spec.hidden_size
     floats = [t for t in model.tensors if t.is_floating_point() and t.dim() == 2]
@@ -135,7 +141,7 @@ def test_hf_checkpoint_quantized_at_load(tiny_llama_dir: Path) -> None:
     dense = _engine("none", model=str(tiny_llama_dir))
     int8 = _engine("int8", model=str(tiny_llama_dir))
     assert isinstance(dense.model.layers[0].qkv, DenseLinear)
-    assert isinstance(int8.model.layers[0].qkv, Int4Linear)
+    assert isinstance(int8.model.layers[0].qkv, (BlockLinear, Int4Linear))
     ids = dense.tokenizer.encode(TEXT)[:64]
     ref, ours = _text_logits(dense, ids), _text_logits(int8, ids)
     assert (ours.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9

@@ -13,14 +13,19 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
 from cluster.config import ConfigError
+from cluster.engine import attention_cpu
 from cluster.engine.attention import resolve_backend
 from cluster.engine.attention_cpu import (
+    CpuBackend,
     CpuMetadata,
     PrefillChunk,
     _decode_attention,
     paged_attention,
 )
+from cluster.engine.kv_cache import KVCache, KVLayout
 from cluster.engine.page_pool import pages_for
+from cluster.engine.step_batch import StepBatch
+from tests.helpers import scattered_pages
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 
@@ -68,6 +73,7 @@ def _prefill_batch(num_tokens: int, context_len: int, page_size: int) -> CpuMeta
         slot_mapping=pages[pos // page_size] * page_size + pos % page_size,
         num_decodes=0,
         decode_pages=None,
+        decode_lens=None,
         decode_mask=None,
         decode_workspace=None,
         prefills=(PrefillChunk(0, num_tokens, context_len, pages),),
@@ -111,3 +117,38 @@ def test_prefill_runs_the_fused_kernel_and_matches_reference(
     ref = torch.einsum("hqk,khd->qhd", weights, values)
     assert out.shape == (n, heads, dim)
     assert (out.float() - ref).abs().max().item() < (1e-4 if dtype == torch.float32 else 0.05)
+
+
+def _mixed_batch(page_size: int, g: torch.Generator) -> StepBatch:
+    """Decodes of 1, 17 and 40 tokens, a 5-token chunk after 27 cached ones and a fresh
+    6-token prompt, on pages scattered through a 24-page cache."""
+    lens, news = [1, 17, 40, 32, 6], [1, 1, 1, 5, 6]
+    table = scattered_pages(lens, page_size, 24, seed=3)
+    positions = torch.cat([torch.arange(n - new, n) for n, new in zip(lens, news, strict=True)])
+    owner = torch.cat([torch.full((new,), i) for i, new in enumerate(news)])
+    slots = table[owner, positions // page_size] * page_size + positions % page_size
+    starts = [0, *torch.tensor(news).cumsum(0).tolist()]
+    return StepBatch(3, starts, lens, table, slots, positions)
+
+
+@pytest.mark.skipif(attention_cpu._kernel() is None, reason="no C compiler here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pages_read_in_place_attend_as_the_gathered_copy(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(3)
+    layout = KVLayout(1, 3, 64, 16, dtype)
+    cache = KVCache(layout, 24, CPU)
+    for t in (cache.k[0], cache.v[0]):
+        t.copy_(torch.randn(t.shape, generator=g).to(dtype))
+    batch = _mixed_batch(16, g)
+    n = batch.query_start[-1]
+    q, k, v = (torch.randn(n, h, 64, generator=g).to(dtype) for h in (9, 3, 3))
+    in_place = CpuBackend(layout, CPU)
+    assert in_place.kernel is not None
+    gathered = CpuBackend(layout, CPU, in_place=False)
+    meta = in_place.prepare(batch)
+    assert meta.decode_lens is not None and meta.decode_workspace is None  # nothing gathered
+    ours = in_place.forward(0, q, k, v, cache, meta)
+    ref = gathered.forward(0, q, k, v, cache, gathered.prepare(batch))
+    assert ours.dtype == dtype and ours.shape == (n, 9, 64)
+    tolerance = 1e-5 if dtype == torch.float32 else 0.02
+    torch.testing.assert_close(ours.float(), ref.float(), rtol=0, atol=tolerance)

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from cluster.engine.page_pool import pages_for
+from tests.helpers import scattered_pages
 
 paged_kernels = pytest.importorskip("cluster.engine.paged_kernels")
 
@@ -27,16 +27,7 @@ def _cache(
 
 
 def _tables(lens: list[int], seed: int, device: torch.device) -> torch.Tensor:
-    """Each sequence's pages drawn without repeats from a shuffled pool: holes, any order."""
-    order = torch.randperm(NUM_PAGES, generator=torch.Generator().manual_seed(seed))
-    width = max(pages_for(n, PAGE) for n in lens)
-    table = torch.zeros(len(lens), width, dtype=torch.int32)
-    used = 0
-    for i, n in enumerate(lens):
-        k = pages_for(n, PAGE)
-        table[i, :k] = order[used : used + k]
-        used += k
-    return table.to(device)
+    return scattered_pages(lens, PAGE, NUM_PAGES, seed).to(device, torch.int32)
 
 
 def _reference(

@@ -71,8 +71,7 @@ def test_int4_kernel_multiplies_like_the_dequantized_matrix(mode: str, rows: int
     w = _matrix(96, 4 * GROUP)
     q = quantize(w, mode)
     bias = torch.randn(96)
-    layer = linear(q, bias, torch.float32)
-    assert isinstance(layer, Int4Linear)
+    layer = Int4Linear(q, bias)  # where our kernel (test_qmatmul.py) cannot run
     assert len(layer.parts) == (2 if mode == "int8" else 1)  # 8-bit: hi and lo nibbles
     x = torch.randn(rows, 4 * GROUP, generator=torch.Generator().manual_seed(2))
     ref = x @ q.dequantize().t() + bias

@@ -25,7 +25,7 @@ from cluster.engine.cpu_isa import cpu
 
 log = logging.getLogger(__name__)
 
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 
 
 def _cache_dir() -> Path:
@@ -33,10 +33,11 @@ def _cache_dir() -> Path:
     return Path(base) / "splitserve" / "kernels"
 
 
-def _build(compiler: str, source: Path) -> Path:
+def _build(compiler: str, source: Path, arch: str) -> Path:
+    flags = (f"-march={arch}", *FLAGS)
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True)
     key = "\n".join(
-        [source.read_text(), version.stdout, " ".join(FLAGS), " ".join(sorted(cpu()[1]))]
+        [source.read_text(), version.stdout, " ".join(flags), " ".join(sorted(cpu()[1]))]
     )
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     target = _cache_dir() / f"{source.stem}-{digest}.so"
@@ -47,7 +48,7 @@ def _build(compiler: str, source: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
         done = subprocess.run(
-            [compiler, *FLAGS, str(source), "-o", str(built), "-lm"],
+            [compiler, *flags, str(source), "-o", str(built), "-lm"],
             capture_output=True,
             text=True,
         )
@@ -58,14 +59,15 @@ def _build(compiler: str, source: Path) -> Path:
 
 
 @functools.cache
-def library(name: str) -> ctypes.CDLL | None:
-    """cluster/engine/`name` (a C file) built and loaded, or None (the reason logged once)."""
+def library(name: str, arch: str = "native") -> ctypes.CDLL | None:
+    """cluster/engine/`name` (a C file) built for `arch` (gcc's -march: this CPU, or an
+    older one's instructions, as tests ask) and loaded, or None (the reason logged once)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         log.warning("%s: no C compiler (cc, gcc) here; PyTorch's kernels run instead", name)
         return None
     try:
-        return ctypes.CDLL(str(_build(compiler, Path(__file__).with_name(name))))
+        return ctypes.CDLL(str(_build(compiler, Path(__file__).with_name(name), arch)))
     except (OSError, subprocess.CalledProcessError) as e:
         log.warning("%s could not be built (%s); PyTorch's kernels run instead", name, e)
         return None

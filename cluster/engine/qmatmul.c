@@ -1,20 +1,25 @@
-// y = x @ w.T for a matrix of 4-bit or 8-bit weight groups on AVX-512 VNNI's integer dot
-// products: 16 output rows at once, one per 32-bit lane (llama.cpp's repacked layouts do
-// the same). Built on the host that runs it (-march=native) by cluster/engine/qmatmul.py;
-// where the CPU has no AVX-512 VNNI, qmatmul_isa() says 0 and torch's kernel is used.
+// y = x @ w.T for a matrix of 4-bit or 8-bit weight groups on the CPU's byte dot products:
+// 16 output rows at once, one per 32-bit lane (llama.cpp's repacked layouts do the same).
+// AVX-512 VNNI (vpdpbusd over a band at once), else AVX2 (vpmaddubsw + vpmaddwd over each
+// half of a band); built on the host that runs it (-march=native) by
+// cluster/engine/native.py. Where the CPU has neither, qmatmul_isa() says 0 and torch's
+// kernel is used.
 //
-// Weights: groups of 32 inputs, w = q * d + m, stored in
-// bands of 16 output rows; a band holds, for each group in turn:
+// Weights: groups of 32 inputs, w = q * d + m, stored in bands of 16 output rows; a band
+// holds, for each group in turn:
 //   float16 d[16], float16 m[16]   (the band's rows' scales, then offsets)
 //   4-bit: 4 x 64 bytes; in part k, lane r's 4 bytes hold row r's inputs 4k..4k+3 in their
 //          low nibbles and 16+4k..16+4k+3 in their high nibbles (q unsigned, 0..15)
 //   8-bit: int32 qsum[16] (each row's sum of q over the group), then 8 x 64 bytes; in part
 //          k, lane r's 4 bytes are row r's inputs 4k..4k+3 (q signed, -128..127)
-// Inputs: each row quantized per group, x ~ xq * dx with xq int8 in -127..127 and
-// dx = max|x| / 127, the group's exact float sum kept for the offsets:
-//   y = sum over groups of d * dx * (q . xq) + m * sum(x)
-// VNNI multiplies unsigned by signed bytes: 4-bit weights are the unsigned side; with 8-bit
-// ones the inputs are, as xq + 128, and q . xq = q . (xq + 128) - 128 qsum.
+// Inputs: each row's groups in steps of dx = max|x| / 127 (int8, -127..127, as llama.cpp
+// rounds them) plus the remainder in 1/FINE of a step (int8 too: ~15 bits in all), and
+// the group's exact float sum for the offsets:
+//   y = sum over groups of d * dx * (q . (steps + remainders / FINE)) + m * sum(x)
+// Both instructions multiply unsigned by signed bytes. 4-bit weights are the unsigned
+// side. With 8-bit ones, VNNI takes the inputs as the unsigned side, shifted by 128, and
+// q . xq = q . (xq + 128) - 128 qsum; AVX2 (whose pairs of products must fit int16) takes
+// |q| and the inputs with q's sign.
 // An output row depends only on its own input row: a batch rounds as each row alone.
 
 #include <math.h>
@@ -28,9 +33,9 @@
 #define FINE 254 // an input's remainder is counted in 1/FINE of its group's step
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define ISA 2
+#define SHIFT8 128  // 8-bit weights: the inputs' shift (qsum takes it back)
 #include <immintrin.h>
-
-int qmatmul_isa(void) { return 1; }
 
 // 16 inputs in units of their group's step: the step count and the remainder in 254ths
 // of a step (|remainder| <= 1/2 step, so both fit -127..127), plus `shift`, into out[0..15]
@@ -120,6 +125,109 @@ static inline __attribute__((always_inline)) void band(const uint8_t *b, int64_t
   for (int t = 0; t < tile; t++) _mm512_mask_storeu_ps(y + (m0 + t) * ldy + n0, keep, acc[t]);
 }
 
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define ISA 1
+#define SHIFT8 0
+#include <immintrin.h>
+
+static void quantize_rows(const float *x, int64_t rows, int64_t k, int shift, int8_t *xq,
+                          float *dx, float *sums) {
+  (void)shift;
+  for (int64_t i = 0; i < rows * (k / GROUP); i++) {
+    const float *g = x + i * GROUP;
+    float amax = 0.f, sum = 0.f;
+    for (int j = 0; j < GROUP; j++) amax = fmaxf(amax, fabsf(g[j])), sum += g[j];
+    float inv = amax > 0.f ? 127.f / amax : 0.f;
+    for (int j = 0; j < GROUP; j++) {
+      float v = g[j] * inv, whole = rintf(v);
+      xq[2 * i * GROUP + j] = (int8_t)whole;
+      xq[2 * i * GROUP + GROUP + j] = (int8_t)rintf((v - whole) * FINE);
+    }
+    dx[i] = amax / 127.f;
+    sums[i] = sum;
+  }
+}
+
+static inline __m256i bcast(const int8_t *p) {
+  int32_t v;
+  memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+static inline __m256i pairs(__m256i u, __m256i s) {  // vpdpbusd's sums, from int16 pairs
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+// Half h (8 lanes) of one band against input rows [m0, m0 + tile).
+static inline __attribute__((always_inline)) void half(const uint8_t *b, int h,
+                                                       int64_t groups, int bits,
+                                                       const int8_t *xq, const float *dx,
+                                                       const float *sums, int64_t m0,
+                                                       int tile, float *y, int64_t ldy,
+                                                       int64_t n0, int64_t n) {
+  const int parts = bits == 4 ? 4 : 8;
+  const __m256i nib = _mm256_set1_epi8(0x0f);
+  __m256 acc[TILE];
+  for (int t = 0; t < TILE; t++) acc[t] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; g++) {
+    __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16 * h)));
+    __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 32 + 16 * h)));
+    const uint8_t *q = b + (bits == 4 ? 64 : 128);
+    __m256i dot[TILE], fine[TILE];
+    for (int t = 0; t < TILE; t++) dot[t] = fine[t] = _mm256_setzero_si256();
+    for (int p = 0; p < parts; p++) {
+      __m256i w = _mm256_loadu_si256((const __m256i *)(q + 64 * p + 32 * h));
+      for (int t = 0; t < tile; t++) {
+        const int8_t *xg = xq + 2 * ((m0 + t) * groups + g) * GROUP;
+        if (bits == 4) {  // two products of <= 15 * 127 a pair: int16 holds their sum
+          __m256i lo = _mm256_and_si256(w, nib);
+          __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), nib);
+          __m256i one = _mm256_set1_epi16(1);
+          dot[t] = _mm256_add_epi32(dot[t], _mm256_madd_epi16(
+              _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast(xg + 4 * p)),
+                               _mm256_maddubs_epi16(hi, bcast(xg + 16 + 4 * p))), one));
+          fine[t] = _mm256_add_epi32(fine[t], _mm256_madd_epi16(
+              _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast(xg + GROUP + 4 * p)),
+                               _mm256_maddubs_epi16(hi, bcast(xg + GROUP + 16 + 4 * p))), one));
+        } else {
+          __m256i wa = _mm256_abs_epi8(w);
+          dot[t] = _mm256_add_epi32(dot[t], pairs(wa, _mm256_sign_epi8(bcast(xg + 4 * p), w)));
+          fine[t] = _mm256_add_epi32(
+              fine[t], pairs(wa, _mm256_sign_epi8(bcast(xg + GROUP + 4 * p), w)));
+        }
+      }
+    }
+    for (int t = 0; t < tile; t++) {
+      int64_t i = (m0 + t) * groups + g;
+      __m256i sum = _mm256_add_epi32(_mm256_mullo_epi32(dot[t], _mm256_set1_epi32(FINE)), fine[t]);
+      __m256 scaled = _mm256_mul_ps(d, _mm256_set1_ps(dx[i] / FINE));
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scaled, acc[t]);
+      acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(sums[i]), acc[t]);
+    }
+    b = q + 64 * parts;
+  }
+  int64_t first = n0 + 8 * h;
+  __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - first)), lane);
+  for (int t = 0; t < tile; t++) _mm256_maskstore_ps(y + (m0 + t) * ldy + first, keep, acc[t]);
+}
+
+static inline __attribute__((always_inline)) void band(const uint8_t *b, int64_t groups,
+                                                       int bits, const int8_t *xq,
+                                                       const float *dx, const float *sums,
+                                                       int64_t m0, int tile, float *y,
+                                                       int64_t ldy, int64_t n0, int64_t n) {
+  half(b, 0, groups, bits, xq, dx, sums, m0, tile, y, ldy, n0, n);
+  if (n - n0 > 8) half(b, 1, groups, bits, xq, dx, sums, m0, tile, y, ldy, n0, n);
+}
+
+#else
+#define ISA 0
+#endif
+
+int qmatmul_isa(void) { return ISA; }
+
+#if ISA
 // y [rows, n] = x [rows, k] @ w.T, w in bands as above with `bits` 4 or 8; k a multiple of
 // GROUP. Returns 0, or -1 when scratch memory cannot be had.
 int qmatmul(const float *x, int64_t rows, int64_t k, const uint8_t *w, int64_t n, int bits,
@@ -135,7 +243,7 @@ int qmatmul(const float *x, int64_t rows, int64_t k, const uint8_t *w, int64_t n
     free(sums);
     return -1;
   }
-  quantize_rows(x, rows, k, bits == 8 ? 128 : 0, xq, dx, sums);
+  quantize_rows(x, rows, k, bits == 8 ? SHIFT8 : 0, xq, dx, sums);
   // Threads split the bands (torch's OpenMP runtime and thread count: there is one
   // libgomp.so.1 in the process).
 #pragma omp parallel for schedule(static)
@@ -161,8 +269,6 @@ int qmatmul(const float *x, int64_t rows, int64_t k, const uint8_t *w, int64_t n
 }
 
 #else
-
-int qmatmul_isa(void) { return 0; }
 
 int qmatmul(const float *x, int64_t rows, int64_t k, const uint8_t *w, int64_t n, int bits,
             float *y) {

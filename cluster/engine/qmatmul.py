@@ -1,7 +1,7 @@
-"""y = x @ w.T for 4-bit and 8-bit weight groups on the CPU's integer dot products
+"""y = x @ w.T for 4-bit and 8-bit weight groups on the CPU's byte dot products
 (qmatmul.c, built by native.py): the groups packed in its bands of 16 rows, the inputs
-rounded per group as it does. It needs AVX-512 VNNI; elsewhere `available()` is False and
-quantization.Int4Linear multiplies with torch's int4 kernel.
+rounded per group as it does. It needs AVX-512 VNNI or AVX2; elsewhere `available()` is
+False and quantization.Int4Linear multiplies with torch's int4 kernel.
 """
 
 from __future__ import annotations
@@ -16,14 +16,11 @@ from cluster.engine import native
 
 GROUP = 32
 BAND = 16  # output rows a band interleaves (qmatmul.c)
+ISA = {2: "AVX-512 VNNI", 1: "AVX2"}  # qmatmul_isa()'s answers, 0: none
 
 
-@functools.cache
-def kernel() -> ctypes.CDLL | None:
-    """The built qmatmul.c with its signatures, or None."""
-    lib = native.library("qmatmul.c")
-    if lib is None:
-        return None
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """A built qmatmul.c with its signatures."""
     lib.qmatmul.restype = ctypes.c_int
     lib.qmatmul.argtypes = [
         ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
@@ -33,15 +30,21 @@ def kernel() -> ctypes.CDLL | None:
     return lib
 
 
+@functools.cache
+def kernel() -> ctypes.CDLL | None:
+    """qmatmul.c built for this CPU, where it has an instruction set for it; else None."""
+    lib = native.library("qmatmul.c")
+    return None if lib is None or not bind(lib).qmatmul_isa() else lib
+
+
 def available() -> bool:
-    """Whether our kernel multiplies quantized weights here (it needs AVX-512 VNNI)."""
-    lib = kernel()
-    return lib is not None and bool(lib.qmatmul_isa())
+    return kernel() is not None
 
 
 def describe() -> str:
     """What multiplies quantized weights on this host, for the start-up line."""
-    return "our AVX-512 VNNI kernel" if available() else "torch's int4 kernel"
+    lib = kernel()
+    return "torch's int4 kernel" if lib is None else f"our {ISA[lib.qmatmul_isa()]} kernel"
 
 
 def pack(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int) -> torch.Tensor:
@@ -69,9 +72,12 @@ def pack(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int) 
     return torch.cat([*header, body], -1).reshape(bands, -1).contiguous()
 
 
-def matmul(x: torch.Tensor, packed: torch.Tensor, rows: int, bits: int) -> torch.Tensor:
-    """x [n, cols] @ w.T of `pack`'s bands of a matrix of `rows` rows: float32 [n, rows]."""
-    lib = kernel()
+def matmul(
+    x: torch.Tensor, packed: torch.Tensor, rows: int, bits: int, lib: ctypes.CDLL | None = None
+) -> torch.Tensor:
+    """x [n, cols] @ w.T of `pack`'s bands of a matrix of `rows` rows: float32 [n, rows], on
+    `lib` (a build of qmatmul.c; this CPU's by default)."""
+    lib = lib or kernel()
     assert lib is not None
     x = x.float().contiguous()
     n, cols = x.shape

@@ -9,12 +9,13 @@
 - `gguf`: the GGUF file's own Q4_0 / Q4_1 / Q8_0 blocks as stored; its float tensors stay
   float. The served model is the file's, not a float copy of it.
 
-Where the CPU has AVX-512 VNNI, our integer kernel multiplies every quantized matrix
-(cluster/engine/qmatmul.c, `BlockLinear`): each input row is rounded to int8 per group of 32
-(as llama.cpp does), and the groups' dot products are VNNI's; measured 1.3-4x faster than
-torch's int4 kernel on the bundled model's shapes at 1, 16 and 256 rows (README). Elsewhere
-PyTorch's `_weight_int4pack_mm_for_cpu` (chosen by measurement over `_weight_int8pack_mm`,
-fbgemm dynamic int8 and bfloat16 on the model's shapes; docs in README) does
+Where the CPU has AVX-512 VNNI or AVX2, our integer kernel multiplies every quantized
+matrix (cluster/engine/qmatmul.c, `BlockLinear`): each input row is rounded per group of
+32 to int8 steps (as llama.cpp does) plus int8 remainders, and the groups' dot products are
+the CPU's byte dot products; measured 1.3-4x faster than torch's int4 kernel on the bundled
+model's shapes at 1, 16 and 256 rows (README). Elsewhere (or with no C compiler) PyTorch's
+`_weight_int4pack_mm_for_cpu` (chosen by measurement over `_weight_int8pack_mm`, fbgemm
+dynamic int8 and bfloat16 on the model's shapes; docs in README) does
 (`Int4Linear`), where each group of 32 weights reads w = (q4 - 8) * s + z.
 A 4-bit group is one such matrix. An 8-bit group is exactly two: q = 16 * hi + lo with
 hi = q >> 4 in -8..7 and lo = q & 15, so w = 16 s hi + s lo: the same bytes as int8, and

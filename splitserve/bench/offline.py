@@ -7,10 +7,11 @@ length (ignore_eos):
 3. splitserve's engine, continuous batching (all requests);
 4. llama.cpp on the same GGUF, if installed: one at a time (the --hf-requests subset)
    and batched through its C API (all requests).
-Then: batch-1 decode against the memory wall, KV waste paged versus contiguous, the
-decode step with its pages gathered against read in place, and every engine mode side by side (splitserve/bench/modes.py:
-dtype x quantization, batch-1 decode against its own memory wall, 1,024-token prefill,
-llama.cpp and transformers as peers). Prints tables and the targets, writes JSON.
+Then: batch-1 decode against the memory wall, KV waste paged versus contiguous, a decode
+step with its pages gathered against read in place, and every engine mode side by side
+(splitserve/bench/modes.py: dtype x quantization, batch-1 decode against its own memory
+wall, 1,024-token prefill, llama.cpp and transformers as peers). Prints tables and the
+targets, writes JSON.
 """
 
 from __future__ import annotations

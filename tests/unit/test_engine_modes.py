@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cluster.config import EngineConfig
-from cluster.engine import quantization
+from cluster.engine import qmatmul, quantization
 from cluster.engine.cpu_isa import cpu, fast_dtype, native_bf16
 from cluster.engine.engine import describe_modes, pick_dtype, pick_quantization
 from cluster.engine.model_files import bundled_model_path
@@ -49,7 +49,8 @@ def test_the_start_up_line_says_what_auto_chose_and_why() -> None:
     auto = describe_modes(EngineConfig(), fast_dtype("cpu"), "gguf", "cpu")
     why = "native bf16: " if native_bf16(cpu()[1]) else "bf16 would be emulated: "
     assert auto.startswith(f"dtype auto: {fast_dtype('cpu')} ({why}")
-    assert auto.endswith(", quantization auto: gguf (the GGUF's blocks as stored)")
+    kernel = qmatmul.describe()  # which multiplies the blocks here: ours, or torch's
+    assert auto.endswith(f", quantization auto: gguf (the GGUF's blocks as stored) on {kernel}")
     gpu = describe_modes(EngineConfig(device="cuda"), "bfloat16", "none", "cuda")
     assert gpu == "dtype auto: bfloat16 (a GPU), quantization auto: none (float weights)"
     named = EngineConfig(dtype="float32", quantization="none")

@@ -1,9 +1,11 @@
 """Our integer kernel for quantized weights (cluster/engine/qmatmul.c): what it computes,
-held to a numpy model of its rounding; rows independent of their batch; and the fallback to
-torch's kernel where it cannot be built."""
+held to a numpy model of its rounding, in both its builds (AVX-512 VNNI and AVX2, each
+where this CPU runs it); rows independent of their batch; and the fallback to torch's
+kernel where it cannot be built."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from collections.abc import Iterator
 
@@ -12,11 +14,25 @@ import pytest
 import torch
 
 from cluster.engine import native, qmatmul
+from cluster.engine.cpu_isa import cpu
 from cluster.engine.quantization import GROUP, BlockLinear, GroupQuant, Int4Linear, linear, quantize
 
 needs_kernel = pytest.mark.skipif(
-    not qmatmul.available(), reason="the kernel needs AVX-512 VNNI (torch's kernel is used)"
+    not qmatmul.available(), reason="the kernel needs AVX2 or AVX-512 VNNI (torch's is used)"
 )
+
+
+@pytest.fixture(params=["native", "haswell"], ids=["this-cpu", "avx2"])
+def build(request: pytest.FixtureRequest) -> ctypes.CDLL:
+    """qmatmul.c built for this CPU, and for AVX2 alone (gcc's haswell: AVX2, FMA, F16C)."""
+    if request.param == "haswell" and not {"avx2", "fma", "f16c"} <= cpu()[1]:
+        pytest.skip("this CPU cannot run an AVX2 build")
+    lib = native.library("qmatmul.c", request.param)
+    if lib is None or not qmatmul.bind(lib).qmatmul_isa():
+        pytest.skip(f"no {request.param} build of qmatmul.c here")
+    if request.param == "haswell":
+        assert lib.qmatmul_isa() == 1  # the AVX2 path
+    return lib
 
 
 def _model(x: torch.Tensor, w: GroupQuant) -> np.ndarray:
@@ -37,17 +53,17 @@ def _model(x: torch.Tensor, w: GroupQuant) -> np.ndarray:
     return scaled + np.einsum("ng,rg->rn", m, x32.astype(np.float64).sum(-1))
 
 
-@needs_kernel
 @pytest.mark.parametrize("mode", ["int4", "int8"])
 @pytest.mark.parametrize(("rows", "outputs"), [(1, 96), (3, 100), (7, 16), (9, 33)])
-def test_kernel_computes_what_its_rounding_says(mode: str, rows: int, outputs: int) -> None:
+def test_kernel_computes_what_its_rounding_says(
+    build: ctypes.CDLL, mode: str, rows: int, outputs: int
+) -> None:
     g = torch.Generator().manual_seed(rows * outputs)
     w = quantize(torch.randn(outputs, 6 * GROUP, generator=g), mode)
     x = torch.randn(rows, 6 * GROUP, generator=g)
     x[0, :GROUP] = 0  # a group of zeros has no step
     x[-1, 5] = 40.0  # an outlier sets its group's step
-    layer = BlockLinear(w, None)
-    y = layer(x)
+    y = qmatmul.matmul(x, qmatmul.pack(w.q, w.scale, w.offset, w.bits), outputs, w.bits, build)
     assert y.shape == (rows, outputs) and y.dtype == torch.float32
     np.testing.assert_allclose(y.numpy(), _model(x, w), rtol=1e-5, atol=1e-4)
     # and close to the dequantized matrix itself: the remainders keep ~15 bits of each input

@@ -4,7 +4,8 @@ The numerics follow transformers' LlamaModel step for step (RMSNorm in float32,
 rotate-half RoPE, SDPA), so greedy output is token-identical in float32. On CUDA the
 residual add with the RMSNorm after it, RoPE of q and k, and silu(gate) * up run as one
 fused Triton kernel each (cluster/engine/layer_kernels.py); the Triton attention backend
-rotates q and k itself, in its KV store.
+rotates q and k itself, in its KV store. On the CPU the first two are one C call each
+(layer_kernels_cpu.py), where the C file builds.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from cluster.engine import layer_kernels_cpu
 from cluster.engine.attention import AttentionBackend
 from cluster.engine.checkpoint import ModelSpec, Weights
 from cluster.engine.kv_cache import KVCache
@@ -74,7 +76,9 @@ class LlamaModel:
         `spec` is then the rank's shape (Shard.local) and `weights` its ShardedWeights."""
         self.spec = spec
         self.group = group
-        self.kernels: ModuleType | None = None  # layer_kernels, on CUDA (its torch has triton)
+        # Fused elementwise steps: layer_kernels (Triton) on CUDA, layer_kernels_cpu (C)
+        # on the CPU where it builds; else PyTorch's ops.
+        self.kernels: ModuleType | None = layer_kernels_cpu.module(dtype)
         if device.type == "cuda":
             from cluster.engine import layer_kernels
 

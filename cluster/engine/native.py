@@ -25,7 +25,7 @@ from cluster.engine.cpu_isa import cpu
 
 log = logging.getLogger(__name__)
 
-FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")  # arithmetic as written
 
 
 def _cache_dir() -> Path:

@@ -227,52 +227,77 @@ static inline __attribute__((always_inline)) void band(const uint8_t *b, int64_t
 
 int qmatmul_isa(void) { return ISA; }
 
+// bfloat16 <-> float32, as torch converts (to nearest even; a NaN stays a NaN).
+static void widen(const uint16_t *from, float *to, int64_t count) {
+#pragma omp simd
+  for (int64_t i = 0; i < count; i++) {
+    uint32_t u = (uint32_t)from[i] << 16;
+    memcpy(to + i, &u, 4);
+  }
+}
+
+static void narrow(const float *from, uint16_t *to, int64_t count) {
+#pragma omp simd
+  for (int64_t i = 0; i < count; i++) {
+    uint32_t u;
+    memcpy(&u, from + i, 4);
+    uint16_t rounded = (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+    to[i] = (u & 0x7fffffff) > 0x7f800000 ? (uint16_t)((u >> 16) | 0x40) : rounded;
+  }
+}
+
 #if ISA
 // y [rows, n] = x [rows, k] @ w.T, w in bands as above with `bits` 4 or 8; k a multiple of
-// GROUP. Returns 0, or -1 when scratch memory cannot be had.
-int qmatmul(const float *x, int64_t rows, int64_t k, const uint8_t *w, int64_t n, int bits,
-            float *y) {
+// GROUP; x and y float32, or bfloat16 where x_bf16 / y_bf16 say so. Returns 0, or -1 when
+// scratch memory cannot be had.
+int qmatmul(const void *x, int x_bf16, int64_t rows, int64_t k, const uint8_t *w, int64_t n,
+            int bits, void *y, int y_bf16) {
   int64_t groups = k / GROUP, bands = (n + BAND - 1) / BAND;
   int64_t band_bytes = groups * (bits == 4 ? 64 + 4 * 64 : 128 + 8 * 64);
   int8_t *xq = malloc((size_t)(2 * rows * k));
   float *dx = malloc((size_t)(rows * groups) * sizeof(float));
   float *sums = malloc((size_t)(rows * groups) * sizeof(float));
-  if (!xq || !dx || !sums) {
-    free(xq);
-    free(dx);
-    free(sums);
-    return -1;
-  }
-  quantize_rows(x, rows, k, bits == 8 ? SHIFT8 : 0, xq, dx, sums);
-  // Threads split the bands (torch's OpenMP runtime and thread count: there is one
-  // libgomp.so.1 in the process).
+  float *xf = x_bf16 ? malloc((size_t)(rows * k) * sizeof(float)) : NULL;
+  float *yf = y_bf16 ? malloc((size_t)(rows * n) * sizeof(float)) : NULL;
+  int failed = !xq || !dx || !sums || (x_bf16 && !xf) || (y_bf16 && !yf);
+  if (!failed) {
+    if (x_bf16) widen(x, xf, rows * k);
+    quantize_rows(x_bf16 ? xf : x, rows, k, bits == 8 ? SHIFT8 : 0, xq, dx, sums);
+    float *out = y_bf16 ? yf : y;
+    // Threads split the bands (torch's OpenMP runtime and thread count: there is one
+    // libgomp.so.1 in the process).
 #pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < bands; r++) {
-    const uint8_t *b = w + r * band_bytes;
-    for (int64_t m0 = 0; m0 < rows; m0 += TILE) {
-      int64_t left = rows - m0;
-#define BAND_CALL(BITS, T) band(b, groups, BITS, xq, dx, sums, m0, T, y, n, r * BAND, n)
-      if (bits == 4) {
-        if (left >= 4) BAND_CALL(4, 4); else if (left == 3) BAND_CALL(4, 3);
-        else if (left == 2) BAND_CALL(4, 2); else BAND_CALL(4, 1);
-      } else {
-        if (left >= 4) BAND_CALL(8, 4); else if (left == 3) BAND_CALL(8, 3);
-        else if (left == 2) BAND_CALL(8, 2); else BAND_CALL(8, 1);
-      }
+    for (int64_t r = 0; r < bands; r++) {
+      const uint8_t *b = w + r * band_bytes;
+      for (int64_t m0 = 0; m0 < rows; m0 += TILE) {
+        int64_t left = rows - m0;
+#define BAND_CALL(BITS, T) band(b, groups, BITS, xq, dx, sums, m0, T, out, n, r * BAND, n)
+        if (bits == 4) {
+          if (left >= 4) BAND_CALL(4, 4); else if (left == 3) BAND_CALL(4, 3);
+          else if (left == 2) BAND_CALL(4, 2); else BAND_CALL(4, 1);
+        } else {
+          if (left >= 4) BAND_CALL(8, 4); else if (left == 3) BAND_CALL(8, 3);
+          else if (left == 2) BAND_CALL(8, 2); else BAND_CALL(8, 1);
+        }
 #undef BAND_CALL
+      }
     }
+    if (y_bf16) narrow(yf, y, rows * n);
   }
   free(xq);
   free(dx);
   free(sums);
-  return 0;
+  free(xf);
+  free(yf);
+  return failed ? -1 : 0;
 }
 
 #else
 
-int qmatmul(const float *x, int64_t rows, int64_t k, const uint8_t *w, int64_t n, int bits,
-            float *y) {
-  (void)x, (void)rows, (void)k, (void)w, (void)n, (void)bits, (void)y;
+int qmatmul(const void *x, int x_bf16, int64_t rows, int64_t k, const uint8_t *w, int64_t n,
+            int bits, void *y, int y_bf16) {
+  (void)x, (void)x_bf16, (void)rows, (void)k, (void)w, (void)n, (void)bits, (void)y,
+      (void)y_bf16;
   return -1;
 }
 

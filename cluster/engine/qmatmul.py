@@ -22,10 +22,8 @@ ISA = {2: "AVX-512 VNNI", 1: "AVX2"}  # qmatmul_isa()'s answers, 0: none
 def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     """A built qmatmul.c with its signatures."""
     lib.qmatmul.restype = ctypes.c_int
-    lib.qmatmul.argtypes = [
-        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
-    ]  # fmt: skip
+    i64, ptr, flag = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.qmatmul.argtypes = [ptr, flag, i64, i64, ptr, i64, flag, ptr, flag]
     lib.qmatmul_isa.restype = ctypes.c_int
     return lib
 
@@ -75,13 +73,16 @@ def pack(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int) 
 def matmul(
     x: torch.Tensor, packed: torch.Tensor, rows: int, bits: int, lib: ctypes.CDLL | None = None
 ) -> torch.Tensor:
-    """x [n, cols] @ w.T of `pack`'s bands of a matrix of `rows` rows: float32 [n, rows], on
+    """x [n, cols] @ w.T of `pack`'s bands of a matrix of `rows` rows: [n, rows] in x's dtype
+    (float32 or bfloat16, converted in the kernel; another is computed as float32), on
     `lib` (a build of qmatmul.c; this CPU's by default)."""
     lib = lib or kernel()
     assert lib is not None
-    x = x.float().contiguous()
+    dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
+    x = x.to(dtype).contiguous()
     n, cols = x.shape
-    y = torch.empty(n, rows, dtype=torch.float32)
-    if lib.qmatmul(x.data_ptr(), n, cols, packed.data_ptr(), rows, bits, y.data_ptr()):
+    y = torch.empty(n, rows, dtype=dtype)
+    bf16 = int(dtype == torch.bfloat16)
+    if lib.qmatmul(x.data_ptr(), bf16, n, cols, packed.data_ptr(), rows, bits, y.data_ptr(), bf16):
         raise MemoryError(f"qmatmul: no scratch memory for {n} x {cols} inputs")
     return y

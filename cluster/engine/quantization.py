@@ -205,7 +205,7 @@ class BlockLinear:
         self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = qmatmul.matmul(x, self.packed, self.rows, self.bits).to(x.dtype)
+        y = qmatmul.matmul(x, self.packed, self.rows, self.bits).to(x.dtype)  # bf16: a no-op
         return y if self.bias is None else y + self.bias
 
     @property

@@ -1,11 +1,16 @@
-"""The fused layer kernels against the PyTorch ops they replace, float32 and bfloat16 (on
-the GPU when there is one, else under Triton's interpreter)."""
+"""The fused layer kernels against the PyTorch ops they replace, float32 and bfloat16: the
+Triton ones (on the GPU when there is one, else under Triton's interpreter) and their C
+twins for the CPU (layer_ops.c)."""
 
 from __future__ import annotations
+
+from types import ModuleType
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+from cluster.engine import layer_kernels_cpu
 
 layer_kernels = pytest.importorskip("cluster.engine.layer_kernels")
 
@@ -29,16 +34,30 @@ def test_silu_mul_is_silu_of_the_gate_half_times_the_up_half(
     torch.testing.assert_close(got.float(), F.silu(gate) * up, **TOLERANCE[dtype])
 
 
+@pytest.fixture(params=["triton", "c"])
+def fused(
+    request: pytest.FixtureRequest, kernel_device: torch.device
+) -> tuple[ModuleType, torch.device]:
+    """Which kernels, and where their tensors live."""
+    if request.param == "triton":
+        return layer_kernels, kernel_device
+    ops = layer_kernels_cpu.module(torch.float32)
+    if ops is None:
+        pytest.skip("layer_ops.c cannot be built here (no C compiler)")
+    return ops, torch.device("cpu")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_add_rms_norm_adds_in_place_and_norms_the_sum(
-    dtype: torch.dtype, kernel_device: torch.device
+    dtype: torch.dtype, fused: tuple[ModuleType, torch.device]
 ) -> None:
+    kernels, kernel_device = fused
     g = torch.Generator().manual_seed(1)
     x, delta = (torch.randn(4, 96, generator=g).to(kernel_device, dtype) for _ in range(2))
     weight = (torch.rand(96, generator=g) + 0.5).to(kernel_device, dtype)
     total = x + delta  # as the residual add rounds it
     want = F.rms_norm(total.float(), (96,), weight.float(), 1e-5)
-    h = layer_kernels.add_rms_norm(x, delta, weight, 1e-5)
+    h = kernels.add_rms_norm(x, delta, weight, 1e-5)
     # Equal in float32; in bfloat16 within its rounding (the interpreter's casts truncate).
     torch.testing.assert_close(x.float(), total.float(), **TOLERANCE[dtype])
     assert h.dtype == dtype
@@ -47,9 +66,10 @@ def test_add_rms_norm_adds_in_place_and_norms_the_sum(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_rotates_q_and_k_in_place_as_the_model_does(
-    dtype: torch.dtype, kernel_device: torch.device
+    dtype: torch.dtype, fused: tuple[ModuleType, torch.device]
 ) -> None:
     """q (3 heads) and k (1 head) side by side in a fused qkv row, as the model has them."""
+    kernels, kernel_device = fused
     from cluster.engine.model import rotate
 
     g = torch.Generator().manual_seed(2)
@@ -61,6 +81,6 @@ def test_rope_rotates_q_and_k_in_place_as_the_model_does(
     qk = qkv[:, : 4 * dim].view(3, 4, dim)
     want = rotate(qk.float(), cos[positions].float()[:, None], sin[positions].float()[:, None])
     v = qkv[:, 4 * dim :].clone()
-    layer_kernels.rope_(qk, positions, cos, sin)
+    kernels.rope_(qk, positions, cos, sin)
     torch.testing.assert_close(qk.float(), want, **TOLERANCE[dtype])
     assert torch.equal(qkv[:, 4 * dim :], v)  # v untouched

@@ -113,3 +113,14 @@ def test_without_a_compiler_torch_kernel_multiplies(
     warnings = [r.getMessage() for r in caplog.records if r.name == "cluster.engine.native"]
     assert len(warnings) == 1 and "/nonexistent/cc" in warnings[0], warnings
     assert qmatmul.describe() == "torch's int4 kernel"
+
+
+def test_bfloat16_rows_convert_in_the_kernel_as_torch_would(build: ctypes.CDLL) -> None:
+    g = torch.Generator().manual_seed(4)
+    w = quantize(torch.randn(40, 3 * GROUP, generator=g), "int4")
+    packed = qmatmul.pack(w.q, w.scale, w.offset, w.bits)
+    x = torch.randn(5, 3 * GROUP, generator=g).bfloat16()
+    y = qmatmul.matmul(x, packed, 40, w.bits, build)
+    assert y.dtype == torch.bfloat16
+    wide = qmatmul.matmul(x.float(), packed, 40, w.bits, build)  # the same inputs, widened
+    assert torch.equal(y, wide.bfloat16())

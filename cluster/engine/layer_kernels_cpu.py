@@ -1,0 +1,78 @@
+"""The CPU twin of layer_kernels.py: the residual add with the RMSNorm after it, and RoPE
+of q and k, one C call each (layer_ops.c, built by native.py) where PyTorch takes several
+ops of a few microseconds' dispatch each; silu(gate) * up stays PyTorch's (its vectorized
+exp). The model uses them on the CPU where layer_ops.c builds (`module()`), with the same
+signatures as the Triton kernels."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import sys
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from cluster.engine import native
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+@functools.cache
+def _ops() -> ctypes.CDLL | None:
+    lib = native.library("layer_ops.c")
+    if lib is None:
+        return None
+    i64, ptr, flag = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.add_rms_norm.restype = lib.rope.restype = None
+    lib.add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, flag]
+    lib.rope.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, flag]
+    return lib
+
+
+def module(dtype: torch.dtype) -> ModuleType | None:
+    """This module, where layer_ops.c is built and takes `dtype`; else None."""
+    return sys.modules[__name__] if dtype in DTYPES and _ops() is not None else None
+
+
+def add_rms_norm(
+    x: torch.Tensor,  # [N, hidden], the residual stream: x += delta, in place
+    delta: torch.Tensor,  # [N, hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+) -> torch.Tensor:
+    """RMSNorm(x + delta) * weight, [N, hidden] in x's dtype; x holds x + delta after."""
+    ops = _ops()
+    assert ops is not None and x.stride(1) == delta.stride(1) == 1 and weight.is_contiguous()
+    delta = delta.to(x.dtype)
+    h = torch.empty_like(x)
+    ops.add_rms_norm(
+        x.data_ptr(), delta.data_ptr(), weight.data_ptr(), h.data_ptr(), x.shape[0], x.shape[1],
+        x.stride(0), delta.stride(0), h.stride(0), eps, int(x.dtype == torch.bfloat16),
+    )  # fmt: skip
+    return h
+
+
+def rope_(
+    x: torch.Tensor,  # [N, heads, head_dim], heads and dims contiguous (rows may be strided)
+    positions: torch.Tensor,  # [N] int64
+    cos: torch.Tensor,  # [max_position, head_dim], contiguous
+    signed_sin: torch.Tensor,  # [max_position, head_dim]: cat(-sin, sin)
+) -> None:
+    """x * cos + roll(x, head_dim / 2) * signed_sin (model.rotate), in place."""
+    ops = _ops()
+    assert ops is not None and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+    assert cos.is_contiguous() and signed_sin.is_contiguous() and cos.dtype == x.dtype
+    positions = positions.to(torch.int64).contiguous()
+    tokens, heads, dim = x.shape
+    ops.rope(
+        x.data_ptr(), positions.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), tokens, heads,
+        dim, x.stride(0), x.stride(1), cos.stride(0), int(x.dtype == torch.bfloat16),
+    )  # fmt: skip
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of gate_up [N, 2 * inner] (gate first): [N, inner]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

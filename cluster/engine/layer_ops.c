@@ -1,0 +1,100 @@
+// A decoder layer's elementwise steps on the CPU, one call each where PyTorch takes
+// several ops (and a few microseconds of dispatch per op): the residual add with the
+// RMSNorm after it, and rotate-half RoPE of q and k together, in place. The CPU twin of
+// layer_kernels.py's Triton kernels, with the same arithmetic: float32 inside, the
+// residual rounded to its dtype before it is normed. Tensors are float32 or bfloat16
+// (`bf16`); rows may be strided, a row's elements are contiguous. Built on the host by
+// cluster/engine/native.py; loops left to the compiler to vectorize.
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float get(const void *p, int64_t i, int bf16) {
+  if (!bf16) return ((const float *)p)[i];
+  uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+static inline void put(void *p, int64_t i, float f, int bf16) {  // to nearest even
+  if (!bf16) {
+    ((float *)p)[i] = f;
+    return;
+  }
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  uint16_t rounded = (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+  ((uint16_t *)p)[i] = (u & 0x7fffffff) > 0x7f800000 ? (uint16_t)((u >> 16) | 0x40) : rounded;
+}
+
+static inline float rounded(float f, int bf16) {  // f as its dtype holds it
+  uint16_t h;
+  if (!bf16) return f;
+  put(&h, 0, f, 1);
+  return get(&h, 0, 1);
+}
+
+static inline __attribute__((always_inline)) void add_rms_norm_rows(
+    void *x, const void *delta, const void *weight, void *h, int64_t rows, int64_t hidden,
+    int64_t stride_x, int64_t stride_d, int64_t stride_h, float eps, int bf16) {
+#pragma omp parallel for schedule(static) if (rows > 16)
+  for (int64_t r = 0; r < rows; r++) {
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < hidden; i++) {
+      float v = rounded(get(x, r * stride_x + i, bf16) + get(delta, r * stride_d + i, bf16), bf16);
+      put(x, r * stride_x + i, v, bf16);
+      sum += v * v;
+    }
+    float inv = 1.f / sqrtf(sum / (float)hidden + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < hidden; i++)
+      put(h, r * stride_h + i, get(x, r * stride_x + i, bf16) * inv * get(weight, i, bf16), bf16);
+  }
+}
+
+// x += delta (rounded to x's dtype), h = RMSNorm(x) * weight; x, delta, h [rows, hidden].
+void add_rms_norm(void *x, const void *delta, const void *weight, void *h, int64_t rows,
+                  int64_t hidden, int64_t stride_x, int64_t stride_d, int64_t stride_h,
+                  float eps, int bf16) {
+  if (bf16)
+    add_rms_norm_rows(x, delta, weight, h, rows, hidden, stride_x, stride_d, stride_h, eps, 1);
+  else
+    add_rms_norm_rows(x, delta, weight, h, rows, hidden, stride_x, stride_d, stride_h, eps, 0);
+}
+
+static inline __attribute__((always_inline)) void rope_rows(
+    void *x, const int64_t *positions, const void *cos, const void *signed_sin, int64_t tokens,
+    int64_t heads, int64_t dim, int64_t stride_t, int64_t stride_h, int64_t stride_c,
+    int bf16) {
+  int64_t half = dim / 2;
+#pragma omp parallel for schedule(static) if (tokens > 16)
+  for (int64_t t = 0; t < tokens; t++) {
+    int64_t table = positions[t] * stride_c;
+    for (int64_t hd = 0; hd < heads; hd++) {
+      int64_t row = t * stride_t + hd * stride_h;
+#pragma omp simd
+      for (int64_t i = 0; i < half; i++) {
+        float x1 = get(x, row + i, bf16), x2 = get(x, row + half + i, bf16);
+        float y1 = x1 * get(cos, table + i, bf16) + x2 * get(signed_sin, table + i, bf16);
+        float y2 = x2 * get(cos, table + half + i, bf16) +
+                   x1 * get(signed_sin, table + half + i, bf16);
+        put(x, row + i, y1, bf16);
+        put(x, row + half + i, y2, bf16);
+      }
+    }
+  }
+}
+
+// x [tokens, heads, dim] rotated in place by the cos and signed-sin (cat(-sin, sin)) table
+// rows of each token's position: x * cos + roll(x, dim / 2) * signed_sin.
+void rope(void *x, const int64_t *positions, const void *cos, const void *signed_sin,
+          int64_t tokens, int64_t heads, int64_t dim, int64_t stride_t, int64_t stride_h,
+          int64_t stride_c, int bf16) {
+  if (bf16)
+    rope_rows(x, positions, cos, signed_sin, tokens, heads, dim, stride_t, stride_h, stride_c, 1);
+  else
+    rope_rows(x, positions, cos, signed_sin, tokens, heads, dim, stride_t, stride_h, stride_c, 0);
+}

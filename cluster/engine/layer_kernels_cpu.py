@@ -37,12 +37,9 @@ def module(dtype: torch.dtype) -> ModuleType | None:
 
 
 def add_rms_norm(
-    x: torch.Tensor,  # [N, hidden], the residual stream: x += delta, in place
-    delta: torch.Tensor,  # [N, hidden]
-    weight: torch.Tensor,  # [hidden]
-    eps: float,
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
-    """RMSNorm(x + delta) * weight, [N, hidden] in x's dtype; x holds x + delta after."""
+    """layer_kernels.add_rms_norm on the CPU: x += delta in place, RMSNorm(x) * weight out."""
     ops = _ops()
     assert ops is not None and x.stride(1) == delta.stride(1) == 1 and weight.is_contiguous()
     delta = delta.to(x.dtype)
@@ -55,12 +52,9 @@ def add_rms_norm(
 
 
 def rope_(
-    x: torch.Tensor,  # [N, heads, head_dim], heads and dims contiguous (rows may be strided)
-    positions: torch.Tensor,  # [N] int64
-    cos: torch.Tensor,  # [max_position, head_dim], contiguous
-    signed_sin: torch.Tensor,  # [max_position, head_dim]: cat(-sin, sin)
+    x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
 ) -> None:
-    """x * cos + roll(x, head_dim / 2) * signed_sin (model.rotate), in place."""
+    """layer_kernels.rope_ on the CPU: x [N, heads, head_dim] rotated in place."""
     ops = _ops()
     assert ops is not None and x.stride(2) == 1 and x.stride(1) == x.shape[2]
     assert cos.is_contiguous() and signed_sin.is_contiguous() and cos.dtype == x.dtype

@@ -125,7 +125,8 @@ def paged_attention(
     kernel: ctypes.CDLL | None = None,  # paged_attention.c, where the decodes read in place
 ) -> torch.Tensor:
     kv_heads, head_dim = k.shape[1], k.shape[2]
-    _store(k, v, k_cache, v_cache, batch.slot_mapping)
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, batch.slot_mapping, k)
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, batch.slot_mapping, v)
     outs: list[torch.Tensor] = []
     nd = batch.num_decodes
     if nd and batch.decode_lens is not None:
@@ -156,16 +157,6 @@ def paged_attention(
             out = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, enable_gqa=True)
         outs.append(out[0].transpose(0, 1))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
-
-
-def _store(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    slots: torch.Tensor,
-) -> None:  # fmt: skip
-    """The step's new K and V into their page slots."""
-    kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, k)
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
 
 
 def _decode_in_place(

@@ -42,7 +42,7 @@ def add_rms_norm(
     """layer_kernels.add_rms_norm on the CPU: x += delta in place, RMSNorm(x) * weight out."""
     ops = _ops()
     assert ops is not None and x.stride(1) == delta.stride(1) == 1 and weight.is_contiguous()
-    delta = delta.to(x.dtype)
+    assert delta.dtype == weight.dtype == x.dtype
     h = torch.empty_like(x)
     ops.add_rms_norm(
         x.data_ptr(), delta.data_ptr(), weight.data_ptr(), h.data_ptr(), x.shape[0], x.shape[1],

@@ -78,11 +78,13 @@ class LlamaModel:
         self.group = group
         # Fused elementwise steps: layer_kernels (Triton) on CUDA, layer_kernels_cpu (C)
         # on the CPU where it builds; else PyTorch's ops.
-        self.kernels: ModuleType | None = layer_kernels_cpu.module(dtype)
+        self.kernels: ModuleType | None = None
         if device.type == "cuda":
             from cluster.engine import layer_kernels
 
             self.kernels = layer_kernels
+        else:  # built only here: a GPU host compiles nothing for it
+            self.kernels = layer_kernels_cpu.module(dtype)
 
         def take(name: str) -> torch.Tensor | GroupQuant:
             if name not in weights:

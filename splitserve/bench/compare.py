@@ -115,7 +115,9 @@ VLLM = "vllm"
 BY_COST = "disaggregated-by-cost"
 PLANS = {
     "long-prompt": Plan((0.04, 0.08, 0.16), 8, 30.0, 0.15, (*SERVED, VLLM)),
-    "chat": Plan((2.0, 4.0, 8.0, 16.0), 16, 2.0, 0.1, (*SERVED, BY_COST, VLLM, "transformers")),
+    "chat": Plan(
+        (2.0, 4.0, 8.0, 16.0, 32.0, 64.0), 16, 2.0, 0.1, (*SERVED, BY_COST, VLLM, "transformers")
+    ),
     # rates: conversations/s
     "multi-turn": Plan((0.125, 0.25, 0.5, 1.0), 16, 2.0, 0.1, (*SERVED, BY_COST, VLLM)),
     # TTFT: a cold 2k-token system prompt takes ~3 s on one core

@@ -47,7 +47,13 @@ from typing import Any
 import grpc
 
 from splitserve.bench.chaos_faults import Victim, kill_valkey, kill_worker, pages, workers
-from splitserve.bench.chaos_pressure import flood, overload, pressure_doc, pressure_table
+from splitserve.bench.chaos_pressure import (
+    flood,
+    overload,
+    pressure_doc,
+    pressure_table,
+    token_checked_weights,
+)
 from splitserve.bench.chaos_report import (
     Fault,
     Outcome,
@@ -71,11 +77,8 @@ def make_mix(args: argparse.Namespace) -> list[Request]:
 
 
 def serve_doc(args: argparse.Namespace) -> dict[str, Any]:
-    # Float weights: every stream's tokens are checked against the same request served
-    # alone, and only float weights keep a request's tokens whatever its batch (gguf's
-    # kernel rounds differently with the batch's rows).
-    engine = {"dtype": args.dtype, "quantization": "none", "kv_cache_gb": args.kv_cache_gb or 0.25,
-              "threads": 1}  # fmt: skip
+    engine = {"dtype": args.dtype, "quantization": token_checked_weights(),
+              "kv_cache_gb": args.kv_cache_gb or 0.25, "threads": 1}  # fmt: skip
     return {
         "engine": engine,
         "prefill": {"replicas": args.prefill},

@@ -49,6 +49,17 @@ from splitserve.serve_metrics import OK, percentile
 from splitserve.serve_workload import VOCAB_SIZE
 
 
+def token_checked_weights() -> str:
+    """The weights of a server whose every stream is checked against the same request served
+    alone: the GGUF's own blocks on our kernel (cluster/engine/qmatmul.c), whose every
+    row's result depends on that row alone, so a request's tokens are the same whatever its
+    batch (and it decodes ~4x faster than on float weights); float weights where that kernel
+    does not build, as torch's int4 kernel rounds differently with the batch's rows."""
+    from cluster.engine import qmatmul
+
+    return "gguf" if qmatmul.available() else "none"
+
+
 def pressure_doc(args: argparse.Namespace) -> dict[str, Any]:
     """The server for a pressure scenario: every accepted stream fits the decode batch."""
     seqs = args.max_pending if args.scenario == "overload" else 64
@@ -56,7 +67,7 @@ def pressure_doc(args: argparse.Namespace) -> dict[str, Any]:
     if args.max_pending_per_client is not None:
         router["max_pending_per_client"] = args.max_pending_per_client
     return {
-        "engine": {"dtype": args.dtype, "quantization": "none",  # token checks: chaos.py
+        "engine": {"dtype": args.dtype, "quantization": token_checked_weights(),
                    "kv_cache_gb": args.kv_cache_gb or 1.5, "threads": 1, "max_num_seqs": seqs},
         "prefill": {"replicas": 1},
         "decode": {"replicas": 1},

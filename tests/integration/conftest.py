@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from cluster.config import EngineConfig
+from cluster.engine import qmatmul
 from cluster.engine.engine import LLMEngine
 from cluster.engine.model_files import bundled_model_path
 from cluster.engine.tokenizer import Tokenizer
@@ -44,6 +45,13 @@ def engines() -> Iterator[dict[str, LLMEngine]]:
 # Exact by default: tests compare tokens with transformers and between paths, in float32
 # on float weights; a test of another mode names it.
 EXACT = {"dtype": "float32", "quantization": "none"}
+# What tests of our own paths against each other run (the workers, and the engine they are
+# checked against): float32 activations over the GGUF's own blocks on our kernel
+# (cluster/engine/qmatmul.c), whose every row's result depends on that row alone, so a
+# request's tokens are the same whatever its batch, chunking or worker; its steps run ~4x
+# faster than float weights' on one thread. Torch's int4 kernel (no C compiler) promises
+# no such thing: float weights then.
+INVARIANT = {"dtype": "float32", "quantization": "gguf" if qmatmul.available() else "none"}
 
 
 def _build(engines: dict[str, LLMEngine], name: str, **overrides: Any) -> LLMEngine:
@@ -58,6 +66,14 @@ def _build(engines: dict[str, LLMEngine], name: str, **overrides: Any) -> LLMEng
 def engine(engines: dict[str, LLMEngine]) -> Iterator[LLMEngine]:
     """The default engine (float32, chunked prefill, prefix caching); leak-checked after."""
     e = _build(engines, "default")
+    yield e
+    assert_no_leak(e)
+
+
+@pytest.fixture
+def twin(engines: dict[str, LLMEngine]) -> Iterator[LLMEngine]:
+    """An engine in the workers' mode (INVARIANT), to check what they serve against."""
+    e = _build(engines, "twin", **INVARIANT)
     yield e
     assert_no_leak(e)
 
@@ -163,7 +179,7 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
 # --- real Ray workers ----------------------------------------------------------------------
 
 # A small token budget makes prompts of a few hundred tokens prefill in several chunks.
-WORKER_ENGINE = {**EXACT, "kv_cache_gb": 0.2, "threads": 1, "max_num_batched_tokens": 256}
+WORKER_ENGINE = {**INVARIANT, "kv_cache_gb": 0.2, "threads": 1, "max_num_batched_tokens": 256}
 
 
 class Workers:

@@ -29,6 +29,7 @@ from cluster.types import (
 )
 from router.dispatch import Dispatcher
 from tests.helpers import until
+from tests.integration.conftest import WORKER_ENGINE
 from tests.integration.disagg import collect, run
 from tests.integration.test_disagg import GREEDY, SEEDED, long_prompt
 
@@ -37,7 +38,9 @@ READER = "failure-tests"  # the outbox these tests read by hand
 # reply, a connect and a notice), short enough to wait out.
 SHORT_LEASE = {"lease_s": 2.0, "local_prefill_tokens": 0}
 # The workers' KV compatibility (WORKER_ENGINE: the bundled model, float32, pages of 16).
-COMPAT = compat_hash(read_spec(bundled_model_path()), "float32", 16, "none")
+COMPAT = compat_hash(
+    read_spec(bundled_model_path()), "float32", 16, str(WORKER_ENGINE["quantization"])
+)
 # One prompt at a time in small chunks: a second request stays queued for many steps.
 SERIAL = {"max_num_seqs": 1, "max_num_batched_tokens": 64}
 
@@ -219,17 +222,22 @@ def test_abort_while_waiting_for_decode_pages(
     p = workers.prefill("prefill")
     d = workers.decode("decode-small", engine={"kv_cache_gb": 0.01}, local_prefill_tokens=0)
     pages = ray.get(d.stats.remote()).num_pages
-    # Each run's prompts uncached on these workers: the big one's prefill takes a while.
+    # Each run's prompts uncached on these workers.
     big, small = {
         "decode": (prompts[7], prompts[7]),
         "prefill": (prompts[6] + prompts[3], prompts[9]),
     }[where]
     first = long_prompt(big, (pages - 2) * 16)
+    # The big one's pages are held by a claim whose KV never comes, until the test cancels
+    # it (the decode worker then computes it itself): the starved request waits as long as
+    # the test needs, however fast this machine prefills.
+    holder, held = StalledSender(f"holder-{where}", COMPAT), RequestId(f"held-{where}")
 
     async def go() -> None:
         disp = Dispatcher()
-        a = asyncio.create_task(collect(disp, first, SamplingParams(max_tokens=8), d, p, "big"))
-        await until(lambda: _stat(d, "transferring", 1), "big reserved")
+        target = await d.submit.remote(held, first, SamplingParams(max_tokens=8), True, READER)
+        holder.claim(target, held)
+        await until(lambda: holder.hears(NoticeKind.ACK), "the claim acknowledged")
         b = asyncio.create_task(collect(disp, small, GREEDY, d, p, "starved"))
         await until(lambda: _stat(d, "admitting", 1), "starved waiting")
         starved = disp.worker_id(RequestId("starved"))
@@ -237,8 +245,9 @@ def test_abort_while_waiting_for_decode_pages(
             assert await d.abort.remote(starved) is RequestStatus.WAITING
         else:
             await p.abort.remote(starved)
+        holder.cancel()
         assert (await b).finish is FinishReason.ABORT
-        assert (await a).finish is FinishReason.LENGTH
+        assert (await _outputs(d, held))[-1].finish_reason is FinishReason.LENGTH
         assert await d.abort.remote(starved) is None  # not there any more
 
     run(go())
@@ -318,7 +327,7 @@ def test_mismatched_peers_are_refused_at_the_handshake(
 ) -> None:
     engine = {
         "page_size_32": {"page_size": 32},
-        "another_model": {"model": str(tiny_llama_dir)},
+        "another_model": {"model": str(tiny_llama_dir), "quantization": "none"},
         "int4_weights": {"quantization": "int4"},  # the same file, other weights: other KV
     }[peer]
     bad = workers.prefill(f"prefill-{peer}", engine=engine)

@@ -29,18 +29,19 @@ import pytest
 
 from splitserve.client import Reply
 from tests.helpers import wait_until
+from tests.integration.conftest import WORKER_ENGINE
 from tests.integration.router_harness import RouterHarness, ask, serving
 
 RAY = str(Path(sys.executable).with_name("ray"))
 # The engine of the session's shared workers (conftest.WORKER_ENGINE): the colocated
 # reference runs on one of them.
-CONFIG = """
-engine: {dtype: float32, quantization: none, kv_cache_gb: 0.2, threads: 1,
-         max_num_batched_tokens: 256}
-prefill: {resources: {prefill_node: 1}}
-decode: {resources: {decode_node: 1}}
-transfer: {local_prefill_tokens: 0}
-router: {port: 0, http_port: 0, metrics_port: 0, migration_wait_s: 240}
+CONFIG = f"""
+engine: {{dtype: float32, quantization: {WORKER_ENGINE["quantization"]}, kv_cache_gb: 0.2,
+         threads: 1, max_num_batched_tokens: 256}}
+prefill: {{resources: {{prefill_node: 1}}}}
+decode: {{resources: {{decode_node: 1}}}}
+transfer: {{local_prefill_tokens: 0}}
+router: {{port: 0, http_port: 0, metrics_port: 0, migration_wait_s: 240}}
 """
 SHORT = {"max_tokens": 24, "ignore_eos": True}
 LONG = {"max_tokens": 160, "ignore_eos": True}

@@ -71,10 +71,10 @@ def test_chat_equals_the_grpc_api_streamed_and_not(
 
 
 def test_completions_from_token_ids_with_a_stop_string(
-    client: openai.OpenAI, engine: LLMEngine, workers: Any
+    client: openai.OpenAI, twin: LLMEngine, workers: Any
 ) -> None:
-    ids = engine.tokenizer.encode("Count with me: one, two, three,")
-    offline = engine.generate([ids], SamplingParams(max_tokens=20, stop=(" six",)))[0]
+    ids = twin.tokenizer.encode("Count with me: one, two, three,")
+    offline = twin.generate([ids], SamplingParams(max_tokens=20, stop=(" six",)))[0]
     reply = client.completions.create(
         model=MODEL, prompt=ids, max_tokens=20, stop=" six", temperature=0
     )
@@ -102,18 +102,18 @@ def test_logprobs_of_the_chosen_tokens(client: openai.OpenAI, workers: Any) -> N
 
 
 def test_penalties_bias_min_tokens_and_stop_ids_are_honoured_as_the_engine_does(
-    client: openai.OpenAI, engine: LLMEngine, workers: Any
+    client: openai.OpenAI, twin: LLMEngine, workers: Any
 ) -> None:
     """Disaggregated here (the prefill worker samples the first token) and colocated in
-    `engine`: the same tokens, and not those of a plain greedy run."""
-    ids = engine.tokenizer.encode("Count with me: one, two, three,")
+    `twin`: the same tokens, and not those of a plain greedy run."""
+    ids = twin.tokenizer.encode("Count with me: one, two, three,")
 
     def served(**extra: Any) -> openai.types.Completion:
         return client.completions.create(
             model=MODEL, prompt=ids, max_tokens=16, temperature=0, **extra
         )
 
-    plain = engine.generate([ids], SamplingParams(max_tokens=16))[0]
+    plain = twin.generate([ids], SamplingParams(max_tokens=16))[0]
     first = plain.token_ids[0]
     cases: list[tuple[dict[str, Any], SamplingParams]] = [
         ({"presence_penalty": 2.0, "frequency_penalty": 2.0,
@@ -126,7 +126,7 @@ def test_penalties_bias_min_tokens_and_stop_ids_are_honoured_as_the_engine_does(
          SamplingParams(max_tokens=16, stop_token_ids=(plain.token_ids[2],))),
     ]  # fmt: skip
     for extra, params in cases:
-        offline = engine.generate([ids], params)[0]
+        offline = twin.generate([ids], params)[0]
         reply = served(**extra)
         assert reply.choices[0].text == offline.text != plain.text, extra
         assert reply.usage is not None
@@ -136,7 +136,7 @@ def test_penalties_bias_min_tokens_and_stop_ids_are_honoured_as_the_engine_does(
 
 
 def test_min_tokens_bars_eos_until_reached_and_a_stop_string_can_be_kept(
-    client: openai.OpenAI, engine: LLMEngine, workers: Any
+    client: openai.OpenAI, twin: LLMEngine, workers: Any
 ) -> None:
     messages = [{"role": "user", "content": "What is 2+2? Answer with a number only."}]
     short = client.chat.completions.create(
@@ -152,7 +152,7 @@ def test_min_tokens_bars_eos_until_reached_and_a_stop_string_can_be_kept(
         extra_body={"min_tokens": n + 5},
     )
     assert longer.usage is not None and longer.usage.completion_tokens >= n + 5
-    ids = engine.tokenizer.encode("Count with me: one, two, three,")
+    ids = twin.tokenizer.encode("Count with me: one, two, three,")
     kept = client.completions.create(
         model=MODEL, prompt=ids, max_tokens=20, stop=" five", temperature=0,
         extra_body={"include_stop_str_in_output": True},
@@ -237,24 +237,24 @@ def http(base: str, path: str, body: Any = None, method: str | None = None) -> t
 
 
 def test_omitted_max_tokens_fills_the_context_and_temperature_is_1(
-    router: RouterHarness, client: openai.OpenAI, engine: LLMEngine, workers: Any
+    router: RouterHarness, client: openai.OpenAI, twin: LLMEngine, workers: Any
 ) -> None:
     """OpenAI's and vLLM's defaults (this model ships no generation config): a reply runs
     until EOS, not a fixed cap, and sampling draws (seeded: the same twice, not greedy)."""
-    ids = engine.tokenizer.encode("Once upon a time")
+    ids = twin.tokenizer.encode("Once upon a time")
     assert router.app.http is not None
     room = router.app.http.model.max_model_len - len(ids)
     with pytest.raises(openai.BadRequestError, match="min_tokens: must be <= max_tokens"):
         client.completions.create(model=MODEL, prompt=ids, extra_body={"min_tokens": room + 1})
     # Past the old cap of 64: stop ids barred for 70 tokens, then the first common one ends it.
-    common = [engine.tokenizer.encode(t, special_tokens=False)[0] for t in (".", ",", " the")]
+    common = [twin.tokenizer.encode(t, special_tokens=False)[0] for t in (".", ",", " the")]
     long = client.completions.create(
         model=MODEL, prompt=ids, temperature=0,
         extra_body={"min_tokens": 70, "stop_token_ids": common},
     )  # fmt: skip
     assert long.choices[0].finish_reason == "stop" and long.usage is not None
     assert long.usage.completion_tokens > 70
-    greedy = engine.generate([ids], SamplingParams(max_tokens=24))[0].text
+    greedy = twin.generate([ids], SamplingParams(max_tokens=24))[0].text
     drawn = [
         client.completions.create(model=MODEL, prompt=ids, max_tokens=24, seed=s).choices[0].text
         for s in (1, 1, 2)
@@ -263,17 +263,17 @@ def test_omitted_max_tokens_fills_the_context_and_temperature_is_1(
 
 
 def test_tokenize_detokenize_version_and_one_model(
-    router: RouterHarness, client: openai.OpenAI, engine: LLMEngine
+    router: RouterHarness, client: openai.OpenAI, twin: LLMEngine
 ) -> None:
     assert router.app.http is not None
     base = router.app.http.address
     text = "The capital of France is"
     status, got = http(base, "/tokenize", {"model": MODEL, "prompt": text})
-    ids = engine.tokenizer.encode(text)
+    ids = twin.tokenizer.encode(text)
     assert (status, got["tokens"], got["count"]) == (200, ids, len(ids))
     messages = [{"role": "user", "content": "Hi"}]
     status, chat = http(base, "/tokenize", {"messages": messages})
-    assert (status, chat["tokens"]) == (200, engine.tokenizer.encode_chat(messages))
+    assert (status, chat["tokens"]) == (200, twin.tokenizer.encode_chat(messages))
     assert http(base, "/detokenize", {"tokens": ids}) == (200, {"prompt": text})
     status, version = http(base, "/version")
     assert status == 200 and version["version"]
@@ -438,12 +438,12 @@ def test_echo_leads_with_the_prompt_and_best_of_returns_the_likeliest(
 
 
 def test_echo_with_logprobs_gives_the_prompts_tokens_theirs(
-    client: openai.OpenAI, engine: LLMEngine, workers: Any
+    client: openai.OpenAI, twin: LLMEngine, workers: Any
 ) -> None:
     """The prompt's logprobs are computed where the prompt is (the decode worker here,
     whatever the routing), never from the prefix cache: asked twice, the same."""
     prompt = "The sky is blue and the grass is"
-    ids = engine.tokenizer.encode(prompt)
+    ids = twin.tokenizer.encode(prompt)
     args: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": 3,
                             "temperature": 0, "echo": True, "logprobs": 2}  # fmt: skip
     reply = client.completions.create(**args)
@@ -451,7 +451,7 @@ def test_echo_with_logprobs_gives_the_prompts_tokens_theirs(
     lp = reply.choices[0].logprobs
     assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
     assert lp.top_logprobs is not None
-    assert lp.tokens[: len(ids)] == [engine.tokenizer.decode([t]) for t in ids]
+    assert lp.tokens[: len(ids)] == [twin.tokenizer.decode([t]) for t in ids]
     assert len(lp.tokens) == len(ids) + 3 and reply.choices[0].text.startswith(prompt)
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     for value, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True):

@@ -23,10 +23,10 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from cluster.config import EngineConfig, PoolConfig, RouterConfig, ScalingConfig, ServeConfig
 from splitserve.client import Reply
 from tests.helpers import wait_until
-from tests.integration.conftest import EXACT
+from tests.integration.conftest import INVARIANT
 from tests.integration.router_harness import ClusterHarness, ask
 
-ENGINE = EngineConfig(**EXACT, kv_cache_gb=0.2, threads=1, max_num_batched_tokens=256)
+ENGINE = EngineConfig(**INVARIANT, kv_cache_gb=0.2, threads=1, max_num_batched_tokens=256)
 NEVER = 1_000_000  # ticks: a scaler that never moves on its own
 
 
@@ -104,7 +104,7 @@ def test_a_burst_of_long_prompts_grows_the_prefill_pool_and_idleness_shrinks_it(
     )
     config = ServeConfig(
         prefill=PoolConfig(num_cpus=0, engine=ENGINE, autoscale=scaling),
-        decode=PoolConfig(num_cpus=0, engine=EngineConfig(**EXACT, kv_cache_gb=0.5, threads=1)),
+        decode=PoolConfig(num_cpus=0, engine=EngineConfig(**INVARIANT, kv_cache_gb=0.5, threads=1)),
         router=RouterConfig(port=0, metrics_port=0, http_port=None),
     )
     h = ClusterHarness(config, "grow-")

@@ -69,11 +69,11 @@ def _story(tag: str, words: int) -> str:
 def test_stream_equals_offline_engine(
     routers: tuple[RouterHarness, ...],
     workers: Any,
-    engine: LLMEngine,
+    twin: LLMEngine,
     kind: str,
     sampling: dict[str, Any],
 ) -> None:
-    tok = engine.tokenizer
+    tok = twin.tokenizer
     prompt: Any
     if kind == "text":
         prompt = "The three primary colours are"
@@ -88,7 +88,7 @@ def test_stream_equals_offline_engine(
         ids = tok.encode("Count with me: one, two, three,")
         prompt = ids
     reply = ask(routers[0].address, prompt, **sampling)
-    offline = engine.generate([ids], SamplingParams(**sampling))[0]
+    offline = twin.generate([ids], SamplingParams(**sampling))[0]
     assert reply.token_ids == offline.token_ids
     assert reply.text == offline.text
     assert reply.finish_reason == offline.finish_reason.value
@@ -101,7 +101,7 @@ def test_stream_equals_offline_engine(
 
 
 def test_two_routers_stream_at_once_over_the_same_workers(
-    routers: tuple[RouterHarness, ...], workers: Any, engine: LLMEngine
+    routers: tuple[RouterHarness, ...], workers: Any, twin: LLMEngine
 ) -> None:
     """Each router reads only its own requests' tokens from a shared decode worker."""
     prompts = [f"Fact number {i} about owls:" for i in range(6)]
@@ -115,7 +115,7 @@ def test_two_routers_stream_at_once_over_the_same_workers(
         return await asyncio.gather(*jobs)
 
     replies = asyncio.run(all_at_once())
-    offline = engine.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))
+    offline = twin.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))
     assert [r.token_ids for r in replies] == [c.token_ids for c in offline]
     assert {r.decode_worker for r in replies} == {"decode", "colocated"}
 

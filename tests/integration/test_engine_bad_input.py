@@ -15,6 +15,7 @@ from cluster.engine.checkpoint import load_checkpoint
 from cluster.engine.engine import LLMEngine
 from cluster.engine.model_files import ModelLoadError, bundled_model_path
 from cluster.types import InvalidRequestError, SamplingParams
+from tests.integration.conftest import INVARIANT
 
 
 @pytest.mark.parametrize(
@@ -101,7 +102,7 @@ def test_a_kv_cache_smaller_than_the_context_caps_the_served_context(
     make_engine: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level("WARNING"):
-        small = make_engine("small-kv", kv_cache_gb=0.01)
+        small = make_engine("small-kv", kv_cache_gb=0.01, **INVARIANT)  # a fast decode
     held = small.pool.num_pages * small.pool.page_size
     assert small.max_model_len == held == small.model_info.max_model_len < 8192
     assert any("context capped to" in r.getMessage() for r in caplog.records)

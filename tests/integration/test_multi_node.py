@@ -9,6 +9,7 @@ nothing lost."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -19,7 +20,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from splitserve.client import Reply
+from splitserve.client import Client, Reply
 from tests.helpers import wait_until
 from tests.integration.conftest import WORKER_ENGINE
 from tests.integration.router_harness import RouterHarness, ask, serving
@@ -81,8 +81,9 @@ class Node:
             self.kill()
             raise
 
-    def runs(self, name: str) -> bool:
-        """Whether a process of this node's session has `name` in its title (an actor)."""
+    def members(self) -> dict[int, str]:
+        """The processes of this node's session, by pid, with their titles."""
+        found = {}
         for entry in Path("/proc").iterdir():
             if entry.name.isdigit():
                 try:
@@ -90,13 +91,20 @@ class Node:
                     title = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
                 except OSError:
                     continue
-                if int(stat[3]) == self.process.pid and name in title:  # field 6: session
-                    return True
-        return False
+                if int(stat[3]) == self.process.pid:  # field 6: session
+                    found[int(entry.name)] = title
+        return found
+
+    def runs(self, name: str) -> bool:
+        """Whether a process of this node's session has `name` in its title (an actor)."""
+        return any(name in title for title in self.members().values())
 
     def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGKILL)
+        """Every process of the session at once, as a machine goes: Ray's workers have
+        process groups of their own, and one outlives its raylet until it notices."""
+        for pid in self.members():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         self.process.wait(30)
         self.log.close()
 
@@ -138,6 +146,19 @@ def _series(metrics_url: str, name: str, label: str) -> list[float]:
     return [float(v) for v in re.findall(pattern, scraped, re.M)]
 
 
+async def _stream_killing(address: str, prompt: list[int], node: Node) -> tuple[list[int], Any]:
+    """The stream's tokens and its last message; `node` killed once 4 tokens are in."""
+    ids: list[int] = []
+    last = None
+    async with Client(address) as client:
+        async for piece in client.stream(prompt, timeout_s=300, **LONG):
+            ids.extend(piece.token_ids)
+            if len(ids) >= 4 and node.process.poll() is None:
+                node.kill()
+            last = piece
+    return ids, last
+
+
 def test_pools_placed_by_node_type_serve_across_nodes_and_survive_a_lost_decode_node(
     cluster: tuple[str, dict[str, Node]], workers: Any, tmp_path: Path
 ) -> None:
@@ -177,20 +198,11 @@ def test_pools_placed_by_node_type_serve_across_nodes_and_survive_a_lost_decode_
         received = _series(metrics_url, "splitserve_kv_transfer_bytes_total", 'worker="decode-0"')
         assert received and received[0] > 0  # over UCX, from the prefill node's worker
 
-        # The decode worker's whole node goes mid-stream.
-        replies: list[Reply] = []
-        stream = threading.Thread(
-            target=lambda: replies.append(ask(grpc_address, long, 300, **LONG))
-        )
-        stream.start()
-        running = lambda: _series(metrics_url, "vllm:num_requests_running", 'phase="decode"')
-        wait_until(lambda: any(v >= 1 for v in running()), "the long request to decode", 120)
-        nodes[on].kill()
-        stream.join(300)
-        assert not stream.is_alive(), "the stream hung"
-        [moved] = replies
-        assert moved.token_ids == want[1]
-        assert moved.decode_worker == "decode-1"  # the replacement, on the other node
+        # The decode worker's whole node goes mid-stream: once the stream has tokens the
+        # decode worker sampled (the first is the prefill worker's), however fast it runs.
+        moved_ids, last = asyncio.run(_stream_killing(grpc_address, long, nodes[on]))
+        assert moved_ids == want[1]
+        assert last.decode_worker == "decode-1"  # the replacement, on the other node
         other = "decode-b" if on == "decode-a" else "decode-a"
         assert nodes[other].runs("DecodeWorker")
         server.send_signal(signal.SIGTERM)

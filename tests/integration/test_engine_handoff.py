@@ -22,6 +22,7 @@ from cluster.types import (
     RequestStatus,
     SamplingParams,
 )
+from tests.integration.conftest import INVARIANT
 
 
 class CopySink:
@@ -70,9 +71,9 @@ def handoff(prefill: LLMEngine, decode: LLMEngine, ids: list[int], sp: SamplingP
 def test_kv_copied_into_reserved_pages_decodes_like_one_engine(
     make_engine: Any, prompts: list[list[int]], sp: SamplingParams
 ) -> None:
-    prefill = make_engine("handoff-prefill", kv_cache_gb=0.05, prefix_caching=False)
-    decode = make_engine("handoff-decode", kv_cache_gb=0.05, prefix_caching=False)
-    both = make_engine("handoff-both", kv_cache_gb=0.05)
+    prefill = make_engine("handoff-prefill", **INVARIANT, kv_cache_gb=0.05, prefix_caching=False)
+    decode = make_engine("handoff-decode", **INVARIANT, kv_cache_gb=0.05, prefix_caching=False)
+    both = make_engine("handoff-both", **INVARIANT, kv_cache_gb=0.05)
     for ids in (prompts[7], prompts[9]):
         (expected,) = both.generate([ids], sp)
         assert handoff(prefill, decode, ids, sp) == expected.token_ids
@@ -81,9 +82,9 @@ def test_kv_copied_into_reserved_pages_decodes_like_one_engine(
 def test_each_engine_counts_the_prompts_it_prefilled_and_the_tokens_it_sampled(
     make_engine: Any, prompts: list[list[int]]
 ) -> None:
-    prefill = make_engine("handoff-prefill", kv_cache_gb=0.05, prefix_caching=False)
-    decode = make_engine("handoff-decode", kv_cache_gb=0.05, prefix_caching=False)
-    both = make_engine("handoff-both", kv_cache_gb=0.05)
+    prefill = make_engine("handoff-prefill", **INVARIANT, kv_cache_gb=0.05, prefix_caching=False)
+    decode = make_engine("handoff-decode", **INVARIANT, kv_cache_gb=0.05, prefix_caching=False)
+    both = make_engine("handoff-both", **INVARIANT, kv_cache_gb=0.05)
     ids, sp = prompts[7], SamplingParams(max_tokens=6)
     p, d, b = prefill.counts, decode.counts, both.counts
     tokens = handoff(prefill, decode, ids, sp)
@@ -109,7 +110,7 @@ def test_each_engine_counts_the_prompts_it_prefilled_and_the_tokens_it_sampled(
 def test_recompute_drops_the_reservation_and_prefills_locally(
     make_engine: Any, prompts: list[list[int]]
 ) -> None:
-    decode = make_engine("handoff-decode", kv_cache_gb=0.05, prefix_caching=False)
+    decode = make_engine("handoff-decode", **INVARIANT, kv_cache_gb=0.05, prefix_caching=False)
     sp = SamplingParams(max_tokens=8, temperature=0.9, seed=11)
     (expected,) = decode.generate([prompts[2]], sp)
     rid = RequestId("late")
@@ -125,7 +126,7 @@ def test_recompute_drops_the_reservation_and_prefills_locally(
 def test_a_reservation_fails_cleanly_when_pages_are_short(
     make_engine: Any, prompts: list[list[int]]
 ) -> None:
-    decode = make_engine("handoff-tiny", kv_cache_gb=0.002, prefix_caching=False)
+    decode = make_engine("handoff-tiny", **INVARIANT, kv_cache_gb=0.002, prefix_caching=False)
     pages = decode.pool.num_pages
     long_prompt = (prompts[7] * 8)[: pages * decode.pool.page_size - 8]
     assert decode.reserve(long_prompt, SamplingParams(max_tokens=4), RequestId("a")) is not None
@@ -237,7 +238,9 @@ class HoldAll:
 def test_the_sink_hears_every_layer_and_prompt_and_held_pages_outlive_their_requests(
     make_engine: Any, prompts: list[list[int]]
 ) -> None:
-    engine = make_engine("sink", kv_cache_gb=0.05, prefix_caching=False, max_num_batched_tokens=32)
+    engine = make_engine(
+        "sink", **INVARIANT, kv_cache_gb=0.05, prefix_caching=False, max_num_batched_tokens=32
+    )
     free, ps, layers = engine.num_free_pages, engine.pool.page_size, engine.spec.num_layers
     sp = SamplingParams(max_tokens=3, logprobs=True, ignore_eos=True)
     ids = {engine.add_request(p, sp): p for p in (prompts[7], prompts[1])}

@@ -10,30 +10,21 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bfloat16.h"
+
 static inline float get(const void *p, int64_t i, int bf16) {
-  if (!bf16) return ((const float *)p)[i];
-  uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
+  return bf16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-static inline void put(void *p, int64_t i, float f, int bf16) {  // to nearest even
-  if (!bf16) {
+static inline void put(void *p, int64_t i, float f, int bf16) {
+  if (bf16)
+    ((uint16_t *)p)[i] = float_to_bf16(f);
+  else
     ((float *)p)[i] = f;
-    return;
-  }
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  uint16_t rounded = (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
-  ((uint16_t *)p)[i] = (u & 0x7fffffff) > 0x7f800000 ? (uint16_t)((u >> 16) | 0x40) : rounded;
 }
 
 static inline float rounded(float f, int bf16) {  // f as its dtype holds it
-  uint16_t h;
-  if (!bf16) return f;
-  put(&h, 0, f, 1);
-  return get(&h, 0, 1);
+  return bf16 ? bf16_to_float(float_to_bf16(f)) : f;
 }
 
 static inline __attribute__((always_inline)) void add_rms_norm_rows(

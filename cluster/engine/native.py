@@ -1,12 +1,13 @@
-"""Our C kernels for the CPU (qmatmul.c, paged_attention.c), built on the host that runs
-them and called through ctypes.
+"""Our C kernels for the CPU (qmatmul.c, paged_attention.c, layer_ops.c, and the headers
+they share), built on the host that runs them and called through ctypes.
 
-A C file is compiled once per (source, compiler, CPU flags) with `-march=native` into
-$XDG_CACHE_HOME/splitserve/kernels (~1 s); a later start loads it. Hosts of one kind differ
-in ISA from day to day, so the CPU's flags are part of the key. Where a file cannot be
-built (no C compiler, a build error) `library` returns None, the reason logged once, and its
-caller keeps PyTorch's way. The kernels run their loops on torch's OpenMP threads: there is
-one libgomp.so.1 in the process, so torch.set_num_threads sets theirs too.
+A C file is compiled once per (source and headers, compiler, CPU flags) with
+`-march=native` into $XDG_CACHE_HOME/splitserve/kernels (~1 s); a later start loads it.
+Hosts of one kind differ in ISA from day to day, so the CPU's flags are part of the key.
+Where a file cannot be built (no C compiler, a build error) `library` returns None, the
+reason logged once, and its caller keeps PyTorch's way. The kernels run their loops on
+torch's OpenMP threads: there is one libgomp.so.1 in the process, so torch.set_num_threads
+sets theirs too.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ def _cache_dir() -> Path:
 def _build(compiler: str, source: Path, arch: str) -> Path:
     flags = (f"-march={arch}", *FLAGS)
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True)
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what it includes
     key = "\n".join(
-        [source.read_text(), version.stdout, " ".join(flags), " ".join(sorted(cpu()[1]))]
+        [source.read_text(), *headers, version.stdout, " ".join(flags), " ".join(sorted(cpu()[1]))]
     )
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     target = _cache_dir() / f"{source.stem}-{digest}.so"

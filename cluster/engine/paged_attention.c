@@ -14,12 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline float bf16(uint16_t h) {
-  uint32_t u = (uint32_t)h << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
+#include "bfloat16.h"
 
 // One token's head vector as float32: the cache's own for float32, else converted into `to`.
 static inline __attribute__((always_inline)) const float *head(const void *cache, int is_bf16,
@@ -28,7 +23,7 @@ static inline __attribute__((always_inline)) const float *head(const void *cache
   if (!is_bf16) return (const float *)cache + at;
   const uint16_t *c = (const uint16_t *)cache + at;
 #pragma omp simd
-  for (int64_t d = 0; d < dim; d++) to[d] = bf16(c[d]);
+  for (int64_t d = 0; d < dim; d++) to[d] = bf16_to_float(c[d]);
   return to;
 }
 

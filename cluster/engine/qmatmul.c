@@ -27,6 +27,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bfloat16.h"
+
 #define GROUP 32
 #define BAND 16  // output rows in a band: one per lane
 #define TILE 4   // input rows multiplied by each band's group once it is loaded
@@ -227,23 +229,14 @@ static inline __attribute__((always_inline)) void band(const uint8_t *b, int64_t
 
 int qmatmul_isa(void) { return ISA; }
 
-// bfloat16 <-> float32, as torch converts (to nearest even; a NaN stays a NaN).
 static void widen(const uint16_t *from, float *to, int64_t count) {
 #pragma omp simd
-  for (int64_t i = 0; i < count; i++) {
-    uint32_t u = (uint32_t)from[i] << 16;
-    memcpy(to + i, &u, 4);
-  }
+  for (int64_t i = 0; i < count; i++) to[i] = bf16_to_float(from[i]);
 }
 
 static void narrow(const float *from, uint16_t *to, int64_t count) {
 #pragma omp simd
-  for (int64_t i = 0; i < count; i++) {
-    uint32_t u;
-    memcpy(&u, from + i, 4);
-    uint16_t rounded = (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
-    to[i] = (u & 0x7fffffff) > 0x7f800000 ? (uint16_t)((u >> 16) | 0x40) : rounded;
-  }
+  for (int64_t i = 0; i < count; i++) to[i] = float_to_bf16(from[i]);
 }
 
 #if ISA

@@ -22,7 +22,7 @@ for it, stream its tokens back, abort it.
 5. The stream ends with a delta that has a finish reason; leaving the stream early
    aborts the request on both workers. If the decode worker dies or gives the request
    up (drained), the stream raises WorkerLost instead: the caller may continue the
-   request on other workers from what it delivered (`Delivered`), and the continued
+   request on other workers from what it delivered (its `Progress`), and the continued
    stream picks up after the last token and character the caller got.
 
 The workers know each accepted request by an id of its own, the caller's id plus a
@@ -64,9 +64,12 @@ DELIVER_SLICE = 4
 
 
 @dataclass
-class Trace:
-    """Where one request's time went (time.monotonic()), filled in by `generate`."""
+class Progress:
+    """What one request's stream has done so far, over all its attempts: what it handed
+    its caller, and when it passed each point (time.monotonic()). Filled in by `generate`."""
 
+    token_ids: list[int] = field(default_factory=list)  # delivered to the caller
+    chars: int = 0  # characters of output text delivered
     admitted_at: float | None = None  # the decode worker took it (pages reserved)
     first_token_at: float | None = None  # the first token reached the caller
     kv_ready_at: float | None = None  # the decode worker began decoding it
@@ -86,14 +89,6 @@ class Trace:
         return "admitting" if self.admitted_at is None else "prefilling"
 
 
-@dataclass
-class Delivered:
-    """What a request's stream has handed its caller so far, over all its attempts."""
-
-    token_ids: list[int] = field(default_factory=list)
-    chars: int = 0  # characters of output text
-
-
 class WorkerLost(Exception):
     """The decode worker running the request died (`dead`) or gave it up (drained)."""
 
@@ -104,17 +99,22 @@ class WorkerLost(Exception):
 
 @dataclass
 class _Stream:
+    """One attempt of a request: the one place the Dispatcher keeps it."""
+
+    rid: RequestId  # the id the workers know it by
     # A str: the decode worker is gone, and why. An error: the request was refused. None:
     # the prefill worker's call has ended.
     queue: asyncio.Queue[TokenDelta | str | Exception | None]
     decode: DecodeHandle
     prefill: PrefillHandle | None
-    trace: Trace
-    delivered: Delivered
+    progress: Progress
     # What the workers are asked to run (the prompt ends with `resumed` tokens delivered).
     prompt_ids: list[int]
     sampling: SamplingParams
     resumed: int
+    held: list[TokenDelta] = field(default_factory=list)  # decode's, ahead of the first token
+    prefilled: bool = False  # no call to the prefill worker is out
+    finished: bool = False  # or refused, or let go: nothing to abort
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ class InFlight:
     """A request in flight as the lab's live view shows it (router/lab.py)."""
 
     request_id: str
-    stage: str  # Trace.stage
+    stage: str  # Progress.stage
     prefill_worker: str | None
     decode_worker: str | None
     tokens: int  # delivered to the caller so far
@@ -134,8 +134,7 @@ class Dispatcher:
 
     def __init__(self, poll_s: float = 1.0) -> None:
         self.poll_s = poll_s
-        self._streams: dict[RequestId, _Stream] = {}  # by the id the workers know
-        self._in_flight: dict[RequestId, RequestId] = {}  # caller's id -> workers' id
+        self._streams: dict[RequestId, _Stream] = {}  # by the caller's id
         self._pollers: dict[DecodeHandle, asyncio.Task[None]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.reader = uuid.uuid4().hex  # this Dispatcher's outbox on each decode worker
@@ -147,21 +146,21 @@ class Dispatcher:
         decode: DecodeHandle,
         prefill: PrefillHandle | None = None,
         request_id: RequestId | None = None,
-        trace: Trace | None = None,
-        delivered: Delivered | None = None,
+        progress: Progress | None = None,
     ) -> AsyncGenerator[TokenDelta, None]:
-        """Deltas of one request in order; the last one has a finish reason. `trace`, if
-        given, is filled in as the request passes each point. Deltas carry `request_id`
-        (a random one when not given); the workers know the request by `worker_id`.
+        """Deltas of one request in order; the last one has a finish reason. `progress`,
+        if given, is filled in as the request passes each point and its deltas go out.
+        Deltas carry `request_id` (a random one when not given); the workers know the
+        request by `worker_id`.
 
-        `delivered` (updated as deltas go out): with tokens in it, the request continues
-        after them (a migration): the workers get them as the prompt's end, the stream's
-        first delta follows them. A sampled request must then keep its seed."""
+        With tokens already in `progress`, the request continues after them (a
+        migration): the workers get them as the prompt's end, the stream's first delta
+        follows them. A sampled request must then keep its seed."""
         caller = request_id or RequestId(uuid.uuid4().hex)
-        refuse_in_flight(caller, self._in_flight)
+        refuse_in_flight(caller, self._streams)
         rid = RequestId(f"{caller}.{uuid.uuid4().hex[:12]}")
         sampling = seeded(sampling)
-        done = delivered or Delivered()
+        done = progress or Progress()
         resumed = len(done.token_ids)
         assert resumed < sampling.max_tokens, "a request that has all its tokens is finished"
         prompt = prompt_ids + done.token_ids
@@ -172,73 +171,76 @@ class Dispatcher:
             prefill = None
             if resumed:
                 sampling = dataclasses.replace(sampling, prompt_logprobs=None)
-        trace = trace or Trace()
-        stream = _Stream(asyncio.Queue(), decode, prefill, trace, done, prompt, sampling, resumed)
-        self._streams[rid], self._in_flight[caller] = stream, rid
+        stream = _Stream(rid, asyncio.Queue(), decode, prefill, done, prompt, sampling, resumed)
+        stream.prefilled = prefill is None
+        self._streams[caller] = stream
         self._poll(decode)
-        finished = False  # or refused: then there is nothing to abort
         try:
             if prefill is None:
                 try:
                     await decode.submit.remote(rid, prompt, sampling, False, self.reader, resumed)
                 except RayActorError as e:
-                    finished = True
+                    stream.finished = True
                     raise WorkerLost(f"decode worker failed: {e}", dead=True) from None
                 except Exception:
-                    finished = True
+                    stream.finished = True
                     raise
-                trace.admitted_at = trace.admitted_at or time.monotonic()
+                done.admitted_at = done.admitted_at or time.monotonic()
             else:
-                self._spawn(self._prefill(rid, stream))
-            held: list[TokenDelta] = []  # the decode worker's, ahead of the first token
-            prefilled = prefill is None  # no call to the prefill worker out
-            while not finished:
-                if held and held[0].index <= len(done.token_ids):
-                    got: TokenDelta | str | Exception | None = held.pop(0)
-                else:
-                    got = await stream.queue.get()
-                if got is None:  # the prefill worker's call ended, its first token queued
-                    prefilled = True
-                    if held:  # it never brought the first token the decode worker skips
-                        raise WorkerLost("the prefill worker lost the first token", dead=False)
-                    continue
-                if isinstance(got, str):
-                    raise WorkerLost(got, dead=True)
-                if isinstance(got, Exception):
-                    finished = True
-                    raise got
-                if got.evicted:
-                    finished = True  # the worker has let it go: nothing to abort
-                    raise WorkerLost(got.error or "evicted", dead=False)
-                if got.index > len(done.token_ids):  # ahead of the prefill worker's reply
-                    if prefilled:
-                        raise WorkerLost("the prefill worker lost the first token", dead=False)
-                    held.append(got)
-                    continue
-                delta = _unseen(got, caller, done)
+                self._spawn(self._prefill(stream))
+            while not stream.finished:
+                delta = _unseen(await self._next(stream), caller, done)
                 if delta is None:
                     continue
-                finished = delta.finish_reason is not None
-                if trace.first_token_at is None and delta.token_ids:
-                    trace.first_token_at = time.monotonic()
+                stream.finished = delta.finish_reason is not None
+                if done.first_token_at is None and delta.token_ids:
+                    done.first_token_at = time.monotonic()
                 yield delta
         finally:
-            del self._streams[rid], self._in_flight[caller]
-            if not finished:
-                self._spawn(self._abort(rid, stream))
+            del self._streams[caller]
+            if not stream.finished:
+                self._spawn(self._abort(stream))
+
+    async def _next(self, stream: _Stream) -> TokenDelta:
+        """The stream's next delta in order (the decode worker's wait for the prefill
+        worker's first token); WorkerLost or the refusal's error instead."""
+        done = stream.progress
+        while True:
+            if stream.held and stream.held[0].index <= len(done.token_ids):
+                got: TokenDelta | str | Exception | None = stream.held.pop(0)
+            else:
+                got = await stream.queue.get()
+            if got is None:  # the prefill worker's call ended, its first token queued
+                stream.prefilled = True
+                if stream.held:  # it never brought the first token the decode worker skips
+                    raise WorkerLost("the prefill worker lost the first token", dead=False)
+                continue
+            if isinstance(got, str):
+                raise WorkerLost(got, dead=True)
+            if isinstance(got, Exception):
+                stream.finished = True
+                raise got
+            if got.evicted:
+                stream.finished = True  # the worker has let it go: nothing to abort
+                raise WorkerLost(got.error or "evicted", dead=False)
+            if got.index > len(done.token_ids):  # ahead of the prefill worker's reply
+                if stream.prefilled:
+                    raise WorkerLost("the prefill worker lost the first token", dead=False)
+                stream.held.append(got)
+                continue
+            return got
 
     def in_flight(self) -> list[InFlight]:
         """This Dispatcher's requests in flight, where each is and what it has delivered."""
-        streams = [(caller, self._streams[rid]) for caller, rid in self._in_flight.items()]
         return [
             InFlight(
                 caller,
-                s.trace.stage,
-                s.trace.prefill_worker,
-                s.trace.decode_worker,
-                len(s.delivered.token_ids),
+                s.progress.stage,
+                s.progress.prefill_worker,
+                s.progress.decode_worker,
+                len(s.progress.token_ids),
             )
-            for caller, s in streams
+            for caller, s in self._streams.items()
         ]
 
     async def close(self) -> None:
@@ -250,28 +252,29 @@ class Dispatcher:
 
     def worker_id(self, request_id: RequestId) -> RequestId | None:
         """The id the workers know the caller's request in flight by (None: not in flight)."""
-        return self._in_flight.get(request_id)
+        stream = self._streams.get(request_id)
+        return None if stream is None else stream.rid
 
     async def abort(self, request_id: RequestId) -> None:
         """Stop the caller's request in flight on its workers; its stream ends with an
         ABORT delta."""
-        rid = self._in_flight.get(request_id)
-        if rid is not None:
-            await self._abort(rid, self._streams[rid])
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            await self._abort(stream)
 
     def prefill_died(self, prefill: PrefillHandle, why: str) -> None:
         """Ray says `prefill` is dead: tell the decode worker of each request whose KV it
         may still have been pushing (its first token may have come back long before) that
         no WRITE can land, so it recomputes now instead of waiting out the lease."""
-        for rid, stream in self._streams.items():
-            if stream.prefill == prefill and stream.trace.kv_ready_at is None:
-                self._spawn(self._transfer_failed(rid, stream.decode, why))
+        for stream in self._streams.values():
+            if stream.prefill == prefill and stream.progress.kv_ready_at is None:
+                self._spawn(self._transfer_failed(stream.rid, stream.decode, why))
 
     async def _transfer_failed(self, rid: RequestId, decode: DecodeHandle, why: str) -> None:
         with contextlib.suppress(RayActorError):  # if gone too, its reader ends the stream
             await decode.transfer_failed.remote(rid, why)
 
-    async def _abort(self, rid: RequestId, stream: _Stream) -> None:
+    async def _abort(self, stream: _Stream) -> None:
         """Abort on both workers, the decode worker first: it revokes the transfer and
         keeps its pages until the prefill worker's CANCEL (had the prefill worker's abort
         come first, its CANCEL would make the decode worker start a recompute). One that
@@ -279,37 +282,37 @@ class Dispatcher:
         for worker in (stream.decode, stream.prefill):
             if worker is not None:
                 try:
-                    await worker.abort.remote(rid)
+                    await worker.abort.remote(stream.rid)
                 except RayActorError as e:
-                    log.debug("request %s: abort on a dead worker: %s", rid, e)
+                    log.debug("request %s: abort on a dead worker: %s", stream.rid, e)
 
-    async def _prefill(self, rid: RequestId, stream: _Stream) -> None:
+    async def _prefill(self, stream: _Stream) -> None:
         """The request's one call: its prefill worker submits it to its decode worker and
         prefills it; the first token goes on the stream, then None (the call has ended)."""
         try:
-            await self._first_token(rid, stream)
+            await self._first_token(stream)
         finally:
             stream.queue.put_nowait(None)
 
-    async def _first_token(self, rid: RequestId, stream: _Stream) -> None:
+    async def _first_token(self, stream: _Stream) -> None:
         assert stream.prefill is not None
-        asked, trace, resumed = time.monotonic(), stream.trace, stream.resumed
+        rid, asked, resumed, done = stream.rid, time.monotonic(), stream.resumed, stream.progress
         try:
             first: FirstToken | None = await stream.prefill.prefill.remote(
                 rid, stream.prompt_ids, stream.sampling, stream.decode, self.reader, resumed
             )
         except RayActorError as e:
-            await self._prefill_lost(rid, stream, e)
+            await self._prefill_lost(stream, e)
             return
         except Exception as e:  # refused by the decode worker
             stream.queue.put_nowait(e)
             return
-        if trace.admitted_at is None:
-            trace.admitted_at = time.monotonic() if first is None else asked + first.waited_s
-            trace.remote_prefill = first is not None
+        if done.admitted_at is None:
+            done.admitted_at = time.monotonic() if first is None else asked + first.waited_s
+            done.remote_prefill = first is not None
         if first is not None:
             if not resumed:
-                trace.num_cached_tokens = first.num_cached_tokens
+                done.num_cached_tokens = first.num_cached_tokens
             lps = () if first.logprob is None else (first.logprob,)
             # With stop strings the prefill worker's text could end in a stop string's
             # start, which it cannot hold back (its part ends here): the decode worker's
@@ -319,11 +322,11 @@ class Dispatcher:
             delta = TokenDelta(rid, resumed, (first.token_id,), text, lps, top_logprobs=tops)
             stream.queue.put_nowait(dataclasses.replace(delta, text_offset=first.text_offset))
 
-    async def _prefill_lost(self, rid: RequestId, stream: _Stream, error: RayActorError) -> None:
+    async def _prefill_lost(self, stream: _Stream, error: RayActorError) -> None:
         """The prefill worker died or cannot be reached: the decode worker prefills the
         request itself if it never got it; if it did, it hears that no WRITE can land (a
         dead prefill worker; an unreachable one, maybe alive, is left to the lease)."""
-        why = f"prefill worker failed: {error}"
+        rid, why = stream.rid, f"prefill worker failed: {error}"
         log.warning("request %s: %s", rid, why)
         try:
             await stream.decode.submit.remote(
@@ -361,13 +364,13 @@ class Dispatcher:
             for i, delta in enumerate(deltas):
                 if i and i % DELIVER_SLICE == 0:
                     await asyncio.sleep(0)  # the front doors get the loop between slices
-                to = self._streams.get(delta.request_id)
-                if to is None:
+                to = self._streams.get(_caller(delta.request_id))
+                if to is None or to.rid != delta.request_id:  # an earlier use of the id's
                     continue
-                if to.trace.kv_ready_at is None:  # its first delta: decoding began
-                    to.trace.kv_ready_at = time.monotonic()
-                    if not to.trace.remote_prefill:
-                        to.trace.num_cached_tokens = delta.num_cached_tokens
+                if to.progress.kv_ready_at is None:  # its first delta: decoding began
+                    to.progress.kv_ready_at = time.monotonic()
+                    if not to.progress.remote_prefill:
+                        to.progress.num_cached_tokens = delta.num_cached_tokens
                 to.queue.put_nowait(delta)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
@@ -384,7 +387,12 @@ def seeded(sampling: SamplingParams) -> SamplingParams:
     return dataclasses.replace(sampling, seed=random.getrandbits(63))
 
 
-def _unseen(delta: TokenDelta, caller: RequestId, done: Delivered) -> TokenDelta | None:
+def _caller(rid: RequestId) -> RequestId:
+    """The caller's id within the workers' (`generate` appends a dot and a suffix)."""
+    return RequestId(rid.rpartition(".")[0])
+
+
+def _unseen(delta: TokenDelta, caller: RequestId, done: Progress) -> TokenDelta | None:
     """The part of a worker's delta the caller has not had, under the caller's id, with
     `done` updated; None when nothing is new. Tokens and text may come twice: the first
     token from both workers, a continued request's text again from its new worker."""

@@ -9,14 +9,14 @@ time.monotonic(), and applies the actions.
 2. STREAMING: tokens reach the client; Tokens counts them. Finished: DONE.
 3. Lost (the decode worker died, or was drained and gave the request up): MOVING. A dead
    worker is marked dead (routing skips it from now on); then Route again, as the prompt
-   plus the tokens delivered. Routed: Submit with those tokens resumed. STREAMING. No
+   plus the tokens delivered, without the session's hint (the KV it names is not where the
+   request goes on). Routed: Submit with those tokens resumed. STREAMING. No
    decode worker: Wait and route again, until `migration_wait_s` after the loss, then
    Unavailable. A request that already moved `max_migrations` times is Unavailable
    instead of moving.
-4. DONE and FAILED are final: any later event changes nothing and asks for nothing.
-
-An error or an abort reported by the workers is not a move: the adapter fails the
-request with it (RequestFailed) and the view is left as it was.
+4. Failed (the workers reported an error, or the request was aborted) while STREAMING:
+   FAILED, Fail with the reason; it is not a move.
+5. DONE and FAILED are final: any later event changes nothing and asks for nothing.
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass
+
+from cluster.types import FinishReason
+from router.policy import SessionHint
 
 
 class Phase(enum.Enum):
@@ -43,6 +46,7 @@ class MovePolicy:
 @dataclass(frozen=True)
 class View:
     policy: MovePolicy
+    hint: SessionHint | None = None  # where the session's KV was left (routing reads it)
     phase: Phase = Phase.ROUTING
     decode: str | None = None  # the decode worker streaming it (STREAMING)
     delivered: int = 0  # tokens the client has
@@ -79,7 +83,13 @@ class Lost:
     dead: bool  # died (False: drained, it let the request go)
 
 
-Event = Routed | NoWorker | Tokens | Finished | Lost
+@dataclass(frozen=True)
+class Failed:
+    reason: FinishReason  # ERROR or ABORT
+    why: str
+
+
+Event = Routed | NoWorker | Tokens | Finished | Lost | Failed
 
 
 # --- actions ---------------------------------------------------------------------------------
@@ -112,7 +122,13 @@ class Unavailable:
     why: str
 
 
-Action = Submit | MarkDead | Route | Wait | Unavailable
+@dataclass(frozen=True)
+class Fail:
+    reason: FinishReason
+    why: str
+
+
+Action = Submit | MarkDead | Route | Wait | Unavailable | Fail
 
 
 def on_event(view: View, event: Event, now: float) -> tuple[View, list[Action]]:
@@ -134,6 +150,9 @@ def on_event(view: View, event: Event, now: float) -> tuple[View, list[Action]]:
         return dataclasses.replace(view, delivered=view.delivered + event.count), []
     if isinstance(event, Finished) and phase is Phase.STREAMING:
         return dataclasses.replace(view, phase=Phase.DONE), []
+    if isinstance(event, Failed) and phase is Phase.STREAMING:
+        failed = dataclasses.replace(view, phase=Phase.FAILED, decode=None)
+        return failed, [Fail(event.reason, event.why)]
     if isinstance(event, Lost) and phase is Phase.STREAMING:
         assert view.decode is not None
         dead: list[Action] = [MarkDead(view.decode, event.why)] if event.dead else []
@@ -147,6 +166,7 @@ def on_event(view: View, event: Event, now: float) -> tuple[View, list[Action]]:
         moving = dataclasses.replace(
             view,
             phase=Phase.MOVING,
+            hint=None,
             decode=None,
             moves=view.moves + 1,
             give_up_at=now + view.policy.migration_wait_s,

@@ -8,8 +8,9 @@ Life of a request here:
    of piling up work.
 2. Its session's placement is read from Redis (a hint; Redis down means no hint).
 3. The policy picks a decode worker and maybe a prefill worker from the last loads.
-4. The Dispatcher runs it on them and streams its deltas; the trace records when it
-   was admitted, when its first token came and when its KV was ready for decode.
+4. The Dispatcher runs it on them and streams its deltas; the request's Progress records
+   what the client has, when it was admitted, when its first token came and when its KV
+   was ready for decode.
 5. If its decode worker dies or is drained past its deadline mid-stream, the request
    moves: it is routed again as its prompt plus the tokens already streamed and goes
    on from there on another decode worker (after waiting up to `migration_wait_s` for
@@ -34,7 +35,7 @@ from typing import Any
 
 from cluster.types import FinishReason, SamplingParams, TokenDelta
 from router import lifecycle
-from router.dispatch import Delivered, Dispatcher, Trace, WorkerLost, seeded
+from router.dispatch import Dispatcher, Progress, WorkerLost, seeded
 from router.placement import Placement, PlacementStore
 from router.policy import (
     NoWorkerError,
@@ -50,6 +51,9 @@ from router.request import Prepared
 from router.workers import WorkerRegistry
 
 log = logging.getLogger(__name__)
+
+
+_FAILED = (FinishReason.ERROR, FinishReason.ABORT)
 
 
 class Overloaded(Exception):
@@ -162,17 +166,19 @@ class Router:
         self, p: Prepared, arrived: float
     ) -> AsyncIterator[tuple[TokenDelta, Final | None]]:
         """Adapter of router/lifecycle.py: routes, streams and moves the request as its
-        view's actions say, turning what routing and the stream report into events."""
-        hint = await self._session(p.session_id)
+        view's actions say, turning what routing and the stream report into events. The
+        request lives in two places here: its view, and its Progress (what the client
+        has, and when each point passed) in the Dispatcher's stream."""
         sampling = seeded(p.sampling)  # a moved request draws on from the same seed
-        delivered, trace = Delivered(), Trace()
-        view = lifecycle.View(lifecycle.MovePolicy(self.max_migrations, self.migration_wait_s))
+        progress = Progress()
+        policy = lifecycle.MovePolicy(self.max_migrations, self.migration_wait_s)
+        view = lifecycle.View(policy, await self._session(p.session_id))
         actions: list[lifecycle.Action] = [lifecycle.Route()]
         while actions:
             action = actions.pop(0)
             event: lifecycle.Event | None = None
             if isinstance(action, lifecycle.Route):
-                routed = self._route(p, hint, delivered)
+                routed = self._route(p, view.hint, progress)
                 if isinstance(routed, str):
                     event = lifecycle.NoWorker(routed)
                 else:
@@ -185,11 +191,16 @@ class Router:
                 self.workers.mark_dead(action.worker, action.why)
             elif isinstance(action, lifecycle.Unavailable):
                 raise Unavailable(action.why)
+            elif isinstance(action, lifecycle.Fail):
+                raise RequestFailed(action.reason, action.why)
             else:
                 try:
                     async for delta, usage in self._attempt(
-                        p, sampling, snapshot, chosen, hint, delivered, trace
+                        p, sampling, snapshot, chosen, view.hint, progress
                     ):
+                        if delta.finish_reason in _FAILED:  # the attempt's last
+                            event = lifecycle.Failed(delta.finish_reason, delta.error or "aborted")
+                            continue
                         view, _ = lifecycle.on_event(
                             view, lifecycle.Tokens(len(delta.token_ids)), time.monotonic()
                         )
@@ -197,23 +208,23 @@ class Router:
                             yield delta, None
                             continue
                         view, _ = lifecycle.on_event(view, lifecycle.Finished(), time.monotonic())
-                        yield delta, Final(usage, _timing(trace, arrived), chosen, view.moves)
+                        yield delta, Final(usage, _timing(progress, arrived), chosen, view.moves)
                 except WorkerLost as e:
                     log.warning(
-                        "request %s: %s after %d tokens", p.request_id, e, len(delivered.token_ids)
+                        "request %s: %s after %d tokens", p.request_id, e, len(progress.token_ids)
                     )
-                    event, hint = lifecycle.Lost(str(e), e.dead), None
+                    event = lifecycle.Lost(str(e), e.dead)
             if event is not None:
                 view, more = lifecycle.on_event(view, event, time.monotonic())
                 actions += more
 
     def _route(
-        self, p: Prepared, hint: SessionHint | None, delivered: Delivered
+        self, p: Prepared, hint: SessionHint | None, progress: Progress
     ) -> tuple[Snapshot, Route] | str:
         """Where the request (or what is left of it) goes, or why nowhere."""
         self._turn += 1
-        done = len(delivered.token_ids)
-        prompt = [*p.prompt_ids, *delivered.token_ids]
+        done = len(progress.token_ids)
+        prompt = [*p.prompt_ids, *progress.token_ids]
         aware = self.policy.name is PolicyName.CACHE_AWARE
         cached = self.workers.cached_tokens(prompt) if aware else {}
         request = RouteRequest(len(prompt), p.sampling.max_tokens - done, hint, self._turn, cached)
@@ -230,30 +241,27 @@ class Router:
         snapshot: Snapshot,
         chosen: Route,
         hint: SessionHint | None,
-        delivered: Delivered,
-        trace: Trace,
+        progress: Progress,
     ) -> AsyncIterator[tuple[TokenDelta, Usage | None]]:
-        """The request's deltas from the workers `chosen`; the last one with its usage."""
+        """The request's deltas from the workers `chosen`; the last one with its usage. The
+        prefill worker's load counts the prompt until the attempt's first token."""
         decode = self.workers.decode_handle(chosen.decode)
         prefill = None if chosen.prefill is None else self.workers.prefill_handle(chosen.prefill)
-        trace.prefill_worker, trace.decode_worker = chosen.prefill, chosen.decode
-        prompt_tokens = len(p.prompt_ids) + len(delivered.token_ids)
+        progress.prefill_worker, progress.decode_worker = chosen.prefill, chosen.decode
+        resumed = len(progress.token_ids)
+        prompt_tokens = len(p.prompt_ids) + resumed
         stream = self.dispatcher.generate(
-            p.prompt_ids, sampling, decode, prefill, p.request_id, trace, delivered
+            p.prompt_ids, sampling, decode, prefill, p.request_id, progress
         )
-        prefilling = chosen.prefill
-        self.workers.routed(chosen.decode, prefilling, prompt_tokens)
+        self.workers.routed(chosen.decode, chosen.prefill, prompt_tokens)
         try:
             async for delta in stream:
-                if delta.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
-                    raise RequestFailed(delta.finish_reason, delta.error or "aborted")
-                if prefilling is not None and delta.token_ids:
-                    self.workers.prefilled(prefilling, prompt_tokens)
-                    prefilling = None
-                if delta.finish_reason is None:
+                if chosen.prefill is not None and delta.token_ids and delta.index == resumed:
+                    self.workers.prefilled(chosen.prefill, prompt_tokens)
+                if delta.finish_reason is None or delta.finish_reason in _FAILED:
                     yield delta, None
                     continue
-                completion = len(delivered.token_ids)
+                completion = len(progress.token_ids)
                 if p.session_id is not None:
                     epoch = next(w.epoch for w in snapshot.decode if w.worker == chosen.decode)
                     # A local prefill leaves the session's prefix where it was prefilled before.
@@ -262,11 +270,11 @@ class Router:
                     cached = len(p.prompt_ids) + completion - 1
                     placement = Placement(chosen.decode, epoch, prefill_worker, cached, time.time())
                     self._remember(p.session_id, placement)
-                yield delta, Usage(len(p.prompt_ids), trace.num_cached_tokens, completion)
+                yield delta, Usage(len(p.prompt_ids), progress.num_cached_tokens, completion)
         finally:
             await stream.aclose()
-            if prefilling is not None:
-                self.workers.prefilled(prefilling, prompt_tokens)
+            if chosen.prefill is not None and len(progress.token_ids) == resumed:
+                self.workers.prefilled(chosen.prefill, prompt_tokens)
             self.workers.finished(chosen.decode)
 
     async def _session(self, session_id: str | None) -> SessionHint | None:
@@ -292,13 +300,13 @@ class Router:
         task.add_done_callback(self._tasks.discard)
 
 
-def _timing(trace: Trace, arrived: float) -> Timing:
+def _timing(progress: Progress, arrived: float) -> Timing:
     now = time.monotonic()
-    admitted = trace.admitted_at or now
-    first = trace.first_token_at or now
+    admitted = progress.admitted_at or now
+    first = progress.first_token_at or now
     transfer = 0.0
-    if trace.remote_prefill and trace.kv_ready_at is not None:
-        transfer = max(0.0, trace.kv_ready_at - first)
+    if progress.remote_prefill and progress.kv_ready_at is not None:
+        transfer = max(0.0, progress.kv_ready_at - first)
     return Timing(
         queue_ms=1e3 * (admitted - arrived),
         prefill_ms=1e3 * max(0.0, first - admitted),

@@ -17,7 +17,7 @@ import pytest
 import ray
 
 from cluster.types import SamplingParams, Structured
-from router.dispatch import Delivered, Dispatcher, WorkerLost
+from router.dispatch import Dispatcher, Progress, WorkerLost
 from tests.helpers import until, wait_until
 from tests.integration.disagg import Result, collect, run
 from tests.integration.router_harness import RouterHarness, ask
@@ -45,7 +45,7 @@ async def kill_then_continue(
     after_tokens: int,
 ) -> Result:
     """Stream on worker `doomed`, kill it once `after_tokens` tokens came, go on on `then`."""
-    disp, delivered, out = Dispatcher(), Delivered(), Result()
+    disp, delivered, out = Dispatcher(), Progress(), Result()
     victim = workers.handles[doomed]
 
     def take(delta: Any) -> None:
@@ -55,13 +55,13 @@ async def kill_then_continue(
         out.finish = delta.finish_reason
 
     with pytest.raises(WorkerLost) as lost:
-        async for delta in disp.generate(ids, sp, victim, prefill, None, None, delivered):
+        async for delta in disp.generate(ids, sp, victim, prefill, None, delivered):
             take(delta)
             if len(out.tokens) >= after_tokens and doomed in workers.handles:
                 ray.kill(workers.handles.pop(doomed))
     assert lost.value.dead
     assert delivered.token_ids == out.tokens and delivered.chars == len(out.text)
-    async for delta in disp.generate(ids, sp, then, prefill, None, None, delivered):
+    async for delta in disp.generate(ids, sp, then, prefill, None, delivered):
         take(delta)
     await disp.close()
     return out
@@ -122,8 +122,8 @@ def test_a_decode_worker_killed_while_its_kv_is_pushed_frees_the_senders_pages(
     ids = long_prompt(prompts[6] + prompts[8], 700)  # many chunks of 64: seconds of pushing
 
     async def go() -> None:
-        disp, delivered = Dispatcher(), Delivered()
-        stream = disp.generate(ids, GREEDY, doomed, serial, None, None, delivered)
+        disp, delivered = Dispatcher(), Progress()
+        stream = disp.generate(ids, GREEDY, doomed, serial, None, delivered)
         first = asyncio.ensure_future(anext(stream))  # submit, prefill, wait
         await until(
             lambda: _pushing(serial), "the prefill worker to push KV to the doomed worker", 60
@@ -134,7 +134,7 @@ def test_a_decode_worker_killed_while_its_kv_is_pushed_frees_the_senders_pages(
         assert delivered.token_ids == []
         tokens = [
             t
-            async for d in disp.generate(ids, GREEDY, c, None, None, None, delivered)
+            async for d in disp.generate(ids, GREEDY, c, None, None, delivered)
             for t in d.token_ids
         ]
         assert tokens == (await collect(Dispatcher(), ids, GREEDY, c)).tokens

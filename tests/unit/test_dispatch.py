@@ -13,7 +13,7 @@ import pytest
 from ray.exceptions import ActorDiedError
 
 from cluster.types import FinishReason, FirstToken, RequestId, SamplingParams, TokenDelta
-from router.dispatch import DELIVER_SLICE, Delivered, Dispatcher, Trace, WorkerLost, _Stream
+from router.dispatch import DELIVER_SLICE, Dispatcher, Progress, WorkerLost, _Stream
 
 STREAMS = 10 * DELIVER_SLICE
 
@@ -43,7 +43,7 @@ def test_a_step_is_handed_out_a_slice_at_a_time_with_the_loop_in_between() -> No
     async def go() -> tuple[int, int]:
         dispatcher = Dispatcher()
         rids = [RequestId(f"r{i}") for i in range(STREAMS)]
-        step = [TokenDelta(rid, 0, (7,), "x") for rid in rids]
+        step = [TokenDelta(RequestId(f"{rid}.0"), 0, (7,), "x") for rid in rids]
         queues: list[asyncio.Queue[TokenDelta | str | Exception]] = []
         seen: list[int] = []
 
@@ -54,7 +54,7 @@ def test_a_step_is_handed_out_a_slice_at_a_time_with_the_loop_in_between() -> No
         for rid in rids:
             queues.append(asyncio.Queue())
             request = ([1], SamplingParams(), 0)  # prompt, sampling, tokens resumed
-            stream = _Stream(queues[-1], decode, None, Trace(), Delivered(), *request)
+            stream = _Stream(RequestId(f"{rid}.0"), queues[-1], decode, None, Progress(), *request)
             dispatcher._streams[rid] = stream
         dispatcher._poll(decode)
         while sum(q.qsize() for q in queues) < STREAMS:

@@ -1,8 +1,9 @@
 """The router's view of one request (router/lifecycle.py): a table of the cases, then
 every path through the events the world can send, up to ten deep, against the
 invariants: a request is submitted at most 1 + max_migrations times, each time resumed
-after exactly the tokens the client has; only a dead worker is marked dead, once; it
-ends DONE or with exactly one Unavailable, and then nothing more happens."""
+after exactly the tokens the client has; only a dead worker is marked dead, once; a moved
+request routes without its session's hint; it ends DONE or with exactly one Unavailable
+or Fail, and then nothing more happens."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ from collections.abc import Iterator
 
 import pytest
 
+from cluster.types import FinishReason
 from router.lifecycle import (
     Action,
     Event,
+    Fail,
+    Failed,
     Finished,
     Lost,
     MarkDead,
@@ -28,14 +32,16 @@ from router.lifecycle import (
     Wait,
     on_event,
 )
+from router.policy import SessionHint
 
 POLICY = MovePolicy(max_migrations=2, migration_wait_s=30.0)
+HINT = SessionHint("d0", "epoch", None, 12)
 
 
 def run(
     events: list[tuple[Event, float]], policy: MovePolicy = POLICY
 ) -> tuple[View, list[Action]]:
-    view, actions = View(policy), []
+    view, actions = View(policy, HINT), []
     for event, now in events:
         view, more = on_event(view, event, now)
         actions += more
@@ -59,6 +65,20 @@ def test_a_dead_workers_stream_moves_and_resumes_after_what_the_client_has() -> 
     )
     assert view.phase is Phase.STREAMING and view.moves == 1 and view.decode == "d1"
     assert actions == [Submit("d0", 0), MarkDead("d0", "gone"), Route(), Submit("d1", 5)]
+
+
+def test_a_moved_request_forgets_its_sessions_hint_and_a_routed_one_keeps_it() -> None:
+    view, _ = run([(Routed("d0"), 0), (Tokens(2), 1)])
+    assert view.hint == HINT
+    view, _ = run([(Routed("d0"), 0), (Lost("gone", dead=True), 1)])
+    assert view.phase is Phase.MOVING and view.hint is None
+
+
+def test_an_error_or_abort_from_the_workers_fails_the_request_without_a_move() -> None:
+    for reason in (FinishReason.ERROR, FinishReason.ABORT):
+        view, actions = run([(Routed("d0"), 0), (Tokens(3), 1), (Failed(reason, "why"), 2)])
+        assert view.phase is Phase.FAILED and view.moves == 0 and view.delivered == 3
+        assert actions == [Submit("d0", 0), Fail(reason, "why")]
 
 
 def test_a_drained_workers_stream_moves_without_marking_it_dead() -> None:
@@ -94,7 +114,8 @@ def test_past_max_migrations_a_lost_stream_is_unavailable() -> None:
 
 def test_a_final_view_ignores_whatever_comes_later() -> None:
     done, _ = run([(Routed("d0"), 0), (Finished(), 1)])
-    for event in (Routed("d1"), NoWorker("x"), Tokens(1), Finished(), Lost("x", dead=True)):
+    failed = Failed(FinishReason.ERROR, "x")
+    for event in (Routed("d1"), NoWorker("x"), Tokens(1), Finished(), Lost("x", True), failed):
         assert on_event(done, event, 2) == (done, [])
 
 
@@ -118,6 +139,7 @@ def _possible(view: View, now: float) -> list[tuple[Event, float]]:
             (Finished(), now),
             (Lost("died", dead=True), now),
             (Lost("drained", dead=False), now),
+            (Failed(FinishReason.ABORT, "aborted"), now),
         ]
     return []
 
@@ -135,7 +157,7 @@ def _paths(depth: int) -> Iterator[list[Step]]:
             after, actions = on_event(view, event, at)
             yield from walk(after, at + 1.0, [*path, (view, event, after, actions)])
 
-    yield from walk(View(POLICY), 0.0, [])
+    yield from walk(View(POLICY, HINT), 0.0, [])
 
 
 def test_every_path_keeps_the_invariants() -> None:
@@ -150,7 +172,9 @@ def test_every_path_keeps_the_invariants() -> None:
                     assert a.resumed == before.delivered
                 if isinstance(a, MarkDead):
                     assert isinstance(event, Lost) and event.dead and a.worker == before.decode
-        ends = [a for a in actions if isinstance(a, Unavailable)]
+        if any(before.moves for before, *_ in path):
+            assert all(after.hint is None for _, _, after, _ in path if after.moves)
+        ends = [a for a in actions if isinstance(a, Unavailable | Fail)]
         final = path[-1][2]
         assert len(ends) == (final.phase is Phase.FAILED)
         if ends:

@@ -115,7 +115,7 @@ def test_every_bare_class_member_exists_in_a_named_file() -> None:
 def test_a_renamed_hop_is_caught() -> None:
     assert _missing("router/dispatch.py", "Dispatcher.generate") is None
     assert _missing("router/dispatch.py", "Dispatcher._streams") is None  # set on self
-    assert _missing("router/dispatch.py", "Trace.kv_ready_at") is None  # a dataclass field
+    assert _missing("router/dispatch.py", "Progress.kv_ready_at") is None  # a dataclass field
     assert _missing("router/dispatch.py", "Dispatcher.generat") is not None
     assert _missing("router/dispatch.py", "Dispatcher.generate.x") is not None
     assert _missing("router/nowhere.py", "Dispatcher") is not None

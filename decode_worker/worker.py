@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections import deque
 from dataclasses import dataclass
 from functools import partial
 
@@ -56,20 +55,22 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class _Stream:
-    """A request here from its submit to its last delta."""
+class _Submit:
+    """What a submit waiting for pages asks for, and where its KVTarget goes."""
 
-    reader: str  # whose outbox its deltas go to
-    emitted: int  # output tokens sent so far
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    done: asyncio.Future[KVTarget | None]
 
 
 @dataclass
-class _Admitting:
-    request_id: RequestId
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    resumed: int
-    done: asyncio.Future[KVTarget | None]
+class _Stream:
+    """A request here from its submit to its last delta: the one place the worker keeps
+    it (the transfer's state is the receiver's, the sequence the engine's)."""
+
+    reader: str  # whose outbox its deltas go to
+    emitted: int  # output tokens sent so far (at first: those resumed)
+    submit: _Submit | None = None  # waiting for pages, in the order submits came
 
 
 class DecodeWorker:
@@ -87,8 +88,7 @@ class DecodeWorker:
             transfer.lease_s, transfer.revoke_cap_s, transfer.on_timeout == "recompute"
         )
         self.receiver = KVReceiver(self.endpoint, terms, self.engine.spec.num_layers)
-        self._admitting: deque[_Admitting] = deque()
-        self._streams: dict[RequestId, _Stream] = {}
+        self._streams: dict[RequestId, _Stream] = {}  # in the order their submits came
         self._transfer_failures = 0
         self._outboxes = Outboxes()
         self._loop.start(self._tick)
@@ -116,7 +116,7 @@ class DecodeWorker:
 
         def admit() -> None:
             refuse_in_flight(request_id, self._streams)
-            self._streams[request_id] = _Stream(reader, resumed)
+            stream = self._streams[request_id] = _Stream(reader, resumed)
             self._outboxes.claim(reader)
             try:
                 uncached = len(prompt_ids) - self.engine.cached_prefix_tokens(prompt_ids)
@@ -124,8 +124,7 @@ class DecodeWorker:
                     self.engine.add_request(prompt_ids, sampling, request_id, resumed)
                     settle(done, None)
                     return
-                admitting = _Admitting(request_id, prompt_ids, sampling, resumed, done)
-                self._admitting.append(admitting)
+                stream.submit = _Submit(prompt_ids, sampling, done)
                 self._admit()
             except Exception:
                 self._forget(request_id)
@@ -191,7 +190,7 @@ class DecodeWorker:
             len(sched.running),
             len(sched.waiting),
             len(self.receiver),
-            len(self._admitting),
+            sum(s.submit is not None for s in self._streams.values()),
             sum(seq.num_uncomputed for seq in sched.waiting),
             self.engine.counts,
             self.receiver.pages_received,
@@ -221,21 +220,22 @@ class DecodeWorker:
 
     def _admit(self) -> None:
         """Reserve pages for waiting submits, in order, while pages last."""
-        while self._admitting:
-            a = self._admitting[0]
+        waiting = [(rid, s, s.submit) for rid, s in self._streams.items() if s.submit is not None]
+        for rid, stream, submit in waiting:
             try:
-                reservation = self.engine.reserve(a.prompt_ids, a.sampling, a.request_id, a.resumed)
+                reservation = self.engine.reserve(
+                    submit.prompt_ids, submit.sampling, rid, stream.emitted
+                )
             except Exception as e:
-                self._admitting.popleft()
-                self._forget(a.request_id)
-                fail(a.done, e)
+                self._forget(rid)
+                fail(submit.done, e)
                 continue
             if reservation is None:
                 return
-            self._admitting.popleft()
+            stream.submit = None
             pages = tuple(reservation.pages)
-            target = self.receiver.expect(a.request_id, pages, reservation.num_cached_tokens)
-            settle(a.done, target)
+            target = self.receiver.expect(rid, pages, reservation.num_cached_tokens)
+            settle(submit.done, target)
 
     def _release(self, released: list[tuple[RequestId, Release]]) -> None:
         """Transfers no WRITE can land in any more: decode, recompute, fail or free each."""
@@ -258,12 +258,11 @@ class DecodeWorker:
     def _abort(
         self, rid: RequestId, why: str | None = None, evicted: bool = False
     ) -> RequestStatus | None:
-        for a in self._admitting:
-            if a.request_id == rid:
-                self._admitting.remove(a)
-                settle(a.done, None)
-                self._publish(self._final(rid, FinishReason.ABORT, why, evicted))
-                return RequestStatus.WAITING
+        stream = self._streams.get(rid)
+        if stream is not None and stream.submit is not None:
+            settle(stream.submit.done, None)
+            self._publish(self._final(rid, FinishReason.ABORT, why, evicted))
+            return RequestStatus.WAITING
         status = self.engine.status(rid)
         if rid in self.receiver:
             self._release(self.receiver.abort(rid))  # or later, once no WRITE can land

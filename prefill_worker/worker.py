@@ -54,13 +54,19 @@ from prefill_worker.sender import KVSender
 log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Waiting:
-    """A request until its first token: what `prefill` returns it through."""
+@dataclasses.dataclass
+class _Request:
+    """A request here from its `prefill` call to its first token: the one place the worker
+    keeps it (the push's state is the sender's, the sequence the engine's). Added and
+    removed by `prefill` on the actor's event loop; the engine thread reads it and clears
+    `waiting` once it has settled it."""
 
-    done: asyncio.Future[FirstToken | None]
-    held: int  # prompt tokens the target already holds
-    waited_s: float  # for the decode worker's reservation
+    aborted: bool = False  # while its submit to the decode worker was out
+    # From the decode worker's target to the first token (the engine thread then clears
+    # it): the future `prefill` returns.
+    waiting: asyncio.Future[FirstToken | None] | None = None
+    held: int = 0  # prompt tokens the target already holds
+    waited_s: float = 0.0  # for the decode worker's reservation
 
 
 class PrefillWorker:
@@ -80,8 +86,7 @@ class PrefillWorker:
             self.engine.spec.num_layers,
             transfer.stream_layers,
         )
-        self._reserving: set[RequestId] = set()  # on the actor's event loop, until the target
-        self._waiting: dict[RequestId, _Waiting] = {}  # from the target to the first token
+        self._requests: dict[RequestId, _Request] = {}
         self._recomputed_tokens = 0
         self._loop.start(self._tick)
         self.metrics_url: str | None = None  # a fixed port may be scraped before serve returns
@@ -104,8 +109,25 @@ class PrefillWorker:
         request's stream), or the request was aborted. A request the decode worker refuses
         raises its error here. `resumed`: the prompt ends with that many tokens of the
         request's own output (a migrated request, see LLMEngine.add_request)."""
-        refuse_in_flight(request_id, self._reserving)
-        self._reserving.add(request_id)
+        refuse_in_flight(request_id, self._requests)
+        request = self._requests[request_id] = _Request()
+        try:
+            return await self._prefill(
+                request_id, request, prompt_ids, sampling, decode, reader, resumed
+            )
+        finally:
+            del self._requests[request_id]
+
+    async def _prefill(
+        self,
+        request_id: RequestId,
+        request: _Request,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        decode: DecodeHandle,
+        reader: str,
+        resumed: int,
+    ) -> FirstToken | None:
         asked = time.monotonic()
         try:
             target = await decode.submit.remote(
@@ -114,20 +136,17 @@ class PrefillWorker:
         except RayActorError as e:
             log.warning("request %s: decode worker gone: %s", request_id, e)
             return None
-        finally:
-            aborted = request_id not in self._reserving
-            self._reserving.discard(request_id)
-        if aborted:  # while it was being submitted: it ends there too
+        if request.aborted:  # while it was being submitted: it ends there too
             with contextlib.suppress(RayActorError):
                 await decode.abort.remote(request_id)
             return None
         if target is None:
             return None
         done: asyncio.Future[FirstToken | None] = asyncio.get_running_loop().create_future()
-        waiting = _Waiting(done, target.num_cached_tokens, time.monotonic() - asked)
+        request.waiting, request.held = done, target.num_cached_tokens
+        request.waited_s = time.monotonic() - asked
 
         def admit() -> None:
-            refuse_in_flight(request_id, self._waiting)
             self.sender.start(request_id, target)
             try:
                 self.engine.add_request(
@@ -136,7 +155,6 @@ class PrefillWorker:
             except Exception:
                 self.sender.stop(request_id)
                 raise
-            self._waiting[request_id] = waiting
 
         try:
             await self._loop.call(admit)
@@ -150,22 +168,27 @@ class PrefillWorker:
     async def abort(self, request_id: RequestId) -> None:
         """Stop the request in any state; one still waiting for its reservation has it
         aborted on the decode worker once it comes back."""
-        self._reserving.discard(request_id)
+        request = self._requests.get(request_id)
+        if request is not None:
+            request.aborted = True
         await self._loop.call(lambda: self._abort(request_id))
 
     async def abort_all(self) -> int:
         """Stop every prefill and push here (each decode worker hears CANCEL and recomputes
-        or fails the request, per its on_timeout); how many there were."""
+        or fails the request, per its on_timeout); how many there were. Pushes past their
+        first token just finish; one still waiting for its reservation is aborted there
+        once it comes back."""
+        count = len(self._requests)
+        for request in self._requests.values():
+            request.aborted = True
+        await self._loop.call(self._abort_waiting)
+        return count
 
-        def run() -> int:
-            rids = list(self._waiting)  # pushes past their first token just finish
-            for rid in rids:
+    def _abort_waiting(self) -> None:
+        """Abort every request between its target and its first token."""
+        for rid, request in list(self._requests.items()):
+            if request.waiting is not None:
                 self._abort(rid)
-            return len(rids)
-
-        reserving = len(self._reserving)
-        self._reserving.clear()  # each is aborted there once its reservation comes back
-        return reserving + await self._loop.call(run)
 
     def _abort(self, request_id: RequestId) -> None:
         self.engine.abort_request(request_id)
@@ -212,15 +235,12 @@ class PrefillWorker:
                 outputs = self.engine.step(self.sender)  # DONE goes out from within
             except Exception:
                 log.exception("prefill step failed; failing its requests")
-                for rid in list(self._waiting):
-                    self.engine.abort_request(rid)
-                    self.sender.stop(rid)
-                    self._settle(rid, None)
+                self._abort_waiting()
                 outputs = []
             for out in outputs:
                 if out.finished:
-                    waiting = self._waiting.get(out.request_id)
-                    held, waited = (0, 0.0) if waiting is None else (waiting.held, waiting.waited_s)
+                    request = self._requests.get(out.request_id)
+                    held, waited = (0, 0.0) if request is None else (request.held, request.waited_s)
                     self._recomputed_tokens += max(held - out.num_cached_tokens, 0)
                     first = FirstToken(
                         out.new_token_ids[0],
@@ -238,9 +258,10 @@ class PrefillWorker:
         return 0.001 if pending else 0.05
 
     def _settle(self, request_id: RequestId, result: FirstToken | None) -> None:
-        waiting = self._waiting.pop(request_id, None)
-        if waiting is not None:
-            settle(waiting.done, result)
+        request = self._requests.get(request_id)
+        if request is not None and request.waiting is not None:
+            settle(request.waiting, result)
+            request.waiting = None
 
 
 spawn = partial(role_worker.spawn, PrefillWorker, PrefillHandle)

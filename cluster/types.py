@@ -215,6 +215,7 @@ class FirstToken:
     text_offset: int = 0  # characters of the request's output text before `text`
     top_logprobs: TopLogprobs = ()  # when asked for
     waited_s: float = 0.0  # for the decode worker's reservation, before any compute
+    computed_s: float = 0.0  # from its admission to the prefill engine to this token
 
 
 @dataclass(frozen=True)

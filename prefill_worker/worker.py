@@ -67,6 +67,7 @@ class _Request:
     waiting: asyncio.Future[FirstToken | None] | None = None
     held: int = 0  # prompt tokens the target already holds
     waited_s: float = 0.0  # for the decode worker's reservation
+    admitted_at: float = 0.0  # queued in the engine (time.monotonic(), the engine thread's)
 
 
 class PrefillWorker:
@@ -155,6 +156,7 @@ class PrefillWorker:
             except Exception:
                 self.sender.stop(request_id)
                 raise
+            request.admitted_at = time.monotonic()
 
         try:
             await self._loop.call(admit)
@@ -239,9 +241,8 @@ class PrefillWorker:
                 outputs = []
             for out in outputs:
                 if out.finished:
-                    request = self._requests.get(out.request_id)
-                    held, waited = (0, 0.0) if request is None else (request.held, request.waited_s)
-                    self._recomputed_tokens += max(held - out.num_cached_tokens, 0)
+                    request = self._requests.get(out.request_id) or _Request()
+                    self._recomputed_tokens += max(request.held - out.num_cached_tokens, 0)
                     first = FirstToken(
                         out.new_token_ids[0],
                         out.new_logprobs[0] if out.new_logprobs else None,
@@ -249,7 +250,8 @@ class PrefillWorker:
                         out.num_cached_tokens,
                         out.text_offset,
                         out.new_top_logprobs[0] if out.new_top_logprobs else (),
-                        waited,
+                        request.waited_s,
+                        time.monotonic() - request.admitted_at if request.admitted_at else 0.0,
                     )
                     self._settle(out.request_id, first)
         pending = self.sender.poll()

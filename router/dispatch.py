@@ -75,6 +75,7 @@ class Progress:
     kv_ready_at: float | None = None  # the decode worker began decoding it
     num_cached_tokens: int = 0  # prompt tokens the prefilling worker's cache held
     remote_prefill: bool = False  # a prefill worker computed the prompt
+    prefill_s: float | None = None  # its own time, from its engine's admission to the token
     prefill_worker: str | None = None  # the workers of the attempt under way, by name
     decode_worker: str | None = None
 
@@ -313,6 +314,7 @@ class Dispatcher:
         if first is not None:
             if not resumed:
                 done.num_cached_tokens = first.num_cached_tokens
+                done.prefill_s = first.computed_s
             lps = () if first.logprob is None else (first.logprob,)
             # With stop strings the prefill worker's text could end in a stop string's
             # start, which it cannot hold back (its part ends here): the decode worker's

@@ -54,7 +54,12 @@ reply (the session's Redis PUT).
    call to its first delta. Compute: right after each request, another prompt of the same
    length prefilled by an LLMEngine on the same config in this process, from add_request
    to the step that samples the token. Overhead: median of the paired differences, TTFT -
-   compute; set beside a Ray round trip (median of a no-op actor call, `info`).
+   compute; set beside a Ray round trip (median of a no-op actor call, `info`). Its parts,
+   from the request's Progress: the reservation (the prefill worker's wait for the decode
+   worker's pages, FirstToken's waited_s), the prefill worker's engine from admission to
+   the token (FirstToken's computed_s; its excess over the lone engine's compute), and
+   the hops (TTFT less both: the call reaching the prefill worker, its engine thread's
+   turn, the token's way back).
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace as Method
 from typing import Any, cast
@@ -101,7 +107,7 @@ from decode_worker.worker import spawn as spawn_decode
 from prefill_worker.worker import spawn as spawn_prefill
 from router import policy as routing
 from router.app import RouterApp, start_router
-from router.dispatch import Dispatcher
+from router.dispatch import Dispatcher, Progress
 from router.placement import Placement, PlacementStore
 from router.prefix_index import PrefixIndex, prompt_hashes
 from router.request import Prepared, prepare
@@ -430,32 +436,59 @@ async def first_token(tok: Tokenizer, reps: int, warmup: int) -> dict[str, Any]:
     await asyncio.gather(prefill.info.remote(), decode.info.remote())
     dispatcher, run = Dispatcher(), asyncio.get_running_loop().run_in_executor
     prompts = first_prompts(tok, 2 * (warmup + reps))
-    ttft, compute = [], []
+    parts: list[FirstTokenParts] = []
     with ThreadPoolExecutor(1) as thread:
         engine = await run(thread, LLMEngine, config)
         try:
             for ids, alone in zip(prompts[::2], prompts[1::2], strict=True):
-                started = time.perf_counter()
-                stream = dispatcher.generate(ids, SamplingParams(max_tokens=2), decode, prefill)
+                started, progress = time.monotonic(), Progress()
+                stream = dispatcher.generate(
+                    ids, SamplingParams(max_tokens=2), decode, prefill, None, progress
+                )
                 async for _ in stream:
-                    ttft.append(time.perf_counter() - started)
                     break
                 await _drain(stream)
-                compute.append(await run(thread, prefill_compute, engine, alone))
+                compute = await run(thread, prefill_compute, engine, alone)
+                parts.append(first_token_parts(started, progress, compute))
             rtt = await _median_ms(decode.info.remote, reps)
         finally:
             await dispatcher.close()
             for worker in (prefill, decode):
                 ray.kill(cast(ActorHandle, worker))
-    ttft, compute = ttft[warmup:], compute[warmup:]
-    return {
-        "prompt_tokens": FIRST_TOKENS,
-        "reps": reps,
-        "ttft_median_ms": 1e3 * statistics.median(ttft),
-        "compute_median_ms": 1e3 * statistics.median(compute),
-        "overhead_ms": 1e3 * statistics.median(a - b for a, b in zip(ttft, compute, strict=True)),
-        "ray_round_trip_ms": rtt,
+    medians = {
+        f"{name}_median_ms": 1e3 * statistics.median(getattr(p, name) for p in parts[warmup:])
+        for name in FirstTokenParts.__dataclass_fields__
     }
+    return {"prompt_tokens": FIRST_TOKENS, "reps": reps, **medians, "ray_round_trip_ms": rtt}
+
+
+@dataclass(frozen=True)
+class FirstTokenParts:
+    """Where one disaggregated request's first token went, in seconds."""
+
+    ttft: float  # from the Dispatcher's call to the first token out of its stream
+    compute: float  # the same prompt length prefilled by an engine in this process, alone
+    overhead: float  # ttft - compute: what the path adds
+    reserve: float  # the prefill worker's wait for the reservation (and the call's start)
+    worker_prefill: float  # the prefill worker's engine, from admission to the token
+    inflation: float  # worker_prefill - compute: the worker's prefill over the lone engine's
+    hops: float  # ttft - reserve - worker_prefill: the call's way there, the token's back
+
+
+def first_token_parts(started: float, progress: Progress, compute: float) -> FirstTokenParts:
+    """The parts of one request's first token, from its Progress (time.monotonic())."""
+    assert progress.first_token_at is not None and progress.admitted_at is not None
+    assert progress.prefill_s is not None, "a prefill worker computed the prompt"
+    ttft, reserve = progress.first_token_at - started, progress.admitted_at - started
+    return FirstTokenParts(
+        ttft,
+        compute,
+        ttft - compute,
+        reserve,
+        progress.prefill_s,
+        progress.prefill_s - compute,
+        ttft - reserve - progress.prefill_s,
+    )
 
 
 def report_first_token(f: dict[str, Any]) -> list[str]:
@@ -463,8 +496,11 @@ def report_first_token(f: dict[str, Any]) -> list[str]:
         f"5. First token, disaggregated (1 prefill + 1 decode worker, {f['prompt_tokens']}-token "
         f"unique prompts, {f['reps']} sequential requests, medians)",
         f"TTFT {f['ttft_median_ms']:.1f} ms, the prefill's own compute "
-        f"{f['compute_median_ms']:.1f} ms: the path adds {f['overhead_ms']:.1f} ms (median of "
-        f"paired differences); a Ray round trip {f['ray_round_trip_ms']:.2f} ms",
+        f"{f['compute_median_ms']:.1f} ms: the path adds {f['overhead_median_ms']:.1f} ms "
+        f"(median of paired differences); a Ray round trip {f['ray_round_trip_ms']:.2f} ms",
+        f"of it: the reservation {f['reserve_median_ms']:.1f} ms, the prefill worker's engine "
+        f"{f['worker_prefill_median_ms']:.1f} ms ({f['inflation_median_ms']:+.1f} ms against the "
+        f"lone engine), the call there and the token back {f['hops_median_ms']:.1f} ms",
     ]
 
 

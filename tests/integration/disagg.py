@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from cluster.types import FinishReason, RequestId, SamplingParams, TokenDelta
-from router.dispatch import Dispatcher
+from router.dispatch import Dispatcher, Progress
 
 T = TypeVar("T")
 
@@ -20,6 +20,7 @@ class Result:
     finish: FinishReason | None = None
     error: str | None = None
     deltas: list[TokenDelta] = field(default_factory=list)
+    progress: Progress = field(default_factory=Progress)
 
 
 async def collect(
@@ -32,7 +33,7 @@ async def collect(
 ) -> Result:
     out = Result()
     rid = RequestId(request_id) if request_id else None
-    async for d in disp.generate(ids, sp, decode, prefill, rid):
+    async for d in disp.generate(ids, sp, decode, prefill, rid, out.progress):
         assert d.index == len(out.tokens), "deltas arrive in order with no gap"
         out.tokens += d.token_ids
         out.text += d.text

@@ -30,7 +30,7 @@ def test_single_requests_match_colocated(
     p, d, c = workers.trio()
 
     async def go() -> None:
-        disp = Dispatcher()
+        disp, remote = Dispatcher(), 0
         for ids in (prompts[0], prompts[7], prompts[8]):
             split = await collect(disp, ids, sp, d, p)
             alone = await collect(disp, ids, sp, c)
@@ -40,6 +40,15 @@ def test_single_requests_match_colocated(
                 alone.text,
                 alone.finish,
             )
+            # The prefill worker's own time fits between the reservation and the first token.
+            done = split.progress
+            assert done.admitted_at is not None and done.first_token_at is not None
+            if done.remote_prefill:
+                remote += 1
+                assert done.prefill_s is not None
+                assert 0 < done.prefill_s < done.first_token_at - done.admitted_at
+            assert alone.progress.prefill_s is None and not alone.progress.remote_prefill
+        assert remote, "a prefill worker computed at least one prompt"
 
     run(go())
 

@@ -41,11 +41,11 @@ reply (the session's Redis PUT).
 4. Token path: what serving adds to each token. For 1 and `--streams` concurrent requests
    (the same 32-token prompt ids, greedy, ignore_eos, `--path-tokens` each): the engine
    alone in this process (LLMEngine.step in a loop on one thread), then one colocated decode
-   worker on the same EngineConfig (the auto modes, threads = every core) behind a router,
-   streamed over the OpenAI API by bench serve's client (/v1/completions, stream true,
-   logprobs 0 to count each message's tokens). Per request: TPOT as bench serve takes it
-   (end - first token) / (tokens - 1), the end being the engine's last step or the stream's
-   end; median over the requests. Ratio: served / engine (target <= 1.15, issue 22).
+   worker on the same EngineConfig (the auto modes, `--threads`: every core unless told)
+   behind a router, streamed over the OpenAI API by bench serve's client (/v1/completions,
+   stream true, logprobs 0 to count each message's tokens). Per request: TPOT as bench serve
+   takes it (end - first token) / (tokens - 1), the end being the engine's last step or the
+   stream's end; median over the requests. Ratio: served / engine (target <= 1.15, issue 22).
 5. First token of a disaggregated request: what the path adds to the prefill's own compute.
    One prefill and one decode worker (EngineConfig(kv_cache_gb=0.2, threads=1) each), a
    Dispatcher, `--first-reps` sequential greedy requests (after `--warmup`) of 64-token
@@ -534,11 +534,11 @@ def _tpot(record: RequestRecord) -> float:
     return record.tpot
 
 
-async def token_path(streams: int, tokens: int) -> dict[str, Any]:
+async def token_path(streams: int, tokens: int, threads: int) -> dict[str, Any]:
     """Per-token time through the engine alone and served, at 1 and `streams` streams."""
-    # Every core on both paths (a Ray actor's torch would get one thread per CPU it asked
+    # `threads` on both paths (a Ray actor's torch would get one thread per CPU it asked
     # for); the engine alone on one thread of its own, as a worker's runs on its loop's.
-    config = EngineConfig(kv_cache_gb=0.5, threads=os.cpu_count() or 1)
+    config = EngineConfig(kv_cache_gb=0.5, threads=threads)
     with ThreadPoolExecutor(1) as thread:
         run = asyncio.get_running_loop().run_in_executor
         engine = await run(thread, LLMEngine, config)
@@ -566,6 +566,7 @@ async def token_path(streams: int, tokens: int) -> dict[str, Any]:
         ray.kill(cast(ActorHandle, decode))  # typed by its Protocol, it is Ray's handle
     return {
         "mode": mode,
+        "threads": threads,
         "tokens": tokens,
         "rows": [
             {"streams": n, "engine_ms": 1e3 * alone[n], "served_ms": 1e3 * served[n],
@@ -628,7 +629,7 @@ def report(r: dict[str, Any]) -> str:
 def report_token_path(t: dict[str, Any]) -> list[str]:
     lines = [
         f"4. Token path: ms per token after the first, {t['tokens']}-token greedy replies, "
-        f"engine {t['mode']} (medians over the requests)",
+        f"engine {t['mode']} on {t['threads']} threads (medians over the requests)",
         f"{'streams':>7} {'engine alone':>13} {'served (HTTP)':>14} {'served / engine':>16}",
     ]
     for row in t["rows"]:
@@ -643,7 +644,7 @@ def report_token_path(t: dict[str, Any]) -> list[str]:
 
 async def _run(args: argparse.Namespace, redis_url: str) -> dict[str, Any]:
     if args.token_path_only:
-        return {"token_path": await token_path(args.streams, args.path_tokens)}
+        return {"token_path": await token_path(args.streams, args.path_tokens, args.threads)}
     tok = await asyncio.to_thread(Tokenizer.load, bundled_model_path())
     if args.first_token_only:
         return {"first_token": await first_token(tok, args.first_reps, args.warmup)}
@@ -654,7 +655,7 @@ async def _run(args: argparse.Namespace, redis_url: str) -> dict[str, Any]:
     results["router_cost"] = await router_cost(dispatcher, 20 * args.reps)
     results["overhead"] = await overhead(tok, dispatcher, redis_url, args.reps, args.warmup)
     results["affinity"] = await affinity(tok, redis_url, args.conversations)
-    results["token_path"] = await token_path(args.streams, args.path_tokens)
+    results["token_path"] = await token_path(args.streams, args.path_tokens, args.threads)
     results["first_token"] = await first_token(tok, args.first_reps, args.warmup)
     return results
 
@@ -666,6 +667,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--conversations", type=int, default=5)
     parser.add_argument("--streams", type=int, default=16, help="token path: the many-stream row")
     parser.add_argument("--path-tokens", type=int, default=64, help="token path: tokens a reply")
+    parser.add_argument(
+        "--threads", type=int, default=os.cpu_count() or 1, help="token path: the engine's threads"
+    )
     parser.add_argument("--token-path-only", action="store_true", help="section 4 alone")
     parser.add_argument("--first-reps", type=int, default=30, help="first token: requests")
     parser.add_argument("--first-token-only", action="store_true", help="section 5 alone")

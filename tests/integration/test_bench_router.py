@@ -10,8 +10,8 @@ from splitserve.bench.router import report_token_path, token_path
 
 
 def test_the_token_path_times_the_engine_and_the_served_stream(ray_workers: Any) -> None:
-    result = asyncio.run(token_path(streams=2, tokens=4))
-    assert [row["streams"] for row in result["rows"]] == [1, 2]
+    result = asyncio.run(token_path(streams=2, tokens=4, threads=1))
+    assert [row["streams"] for row in result["rows"]] == [1, 2] and result["threads"] == 1
     for row in result["rows"]:
         assert row["engine_ms"] > 0 and row["served_ms"] > 0
         assert row["ratio"] == row["served_ms"] / row["engine_ms"]

@@ -115,6 +115,7 @@ class _Stream:
     resumed: int
     held: list[TokenDelta] = field(default_factory=list)  # decode's, ahead of the first token
     prefilled: bool = False  # no call to the prefill worker is out
+    decoding: bool = False  # the decode worker has sent a delta: this attempt's KV is there
     finished: bool = False  # or refused, or let go: nothing to abort
 
 
@@ -268,7 +269,7 @@ class Dispatcher:
         may still have been pushing (its first token may have come back long before) that
         no WRITE can land, so it recomputes now instead of waiting out the lease."""
         for stream in self._streams.values():
-            if stream.prefill == prefill and stream.progress.kv_ready_at is None:
+            if stream.prefill == prefill and not stream.decoding:
                 self._spawn(self._transfer_failed(stream.rid, stream.decode, why))
 
     async def _transfer_failed(self, rid: RequestId, decode: DecodeHandle, why: str) -> None:
@@ -369,10 +370,12 @@ class Dispatcher:
                 to = self._streams.get(_caller(delta.request_id))
                 if to is None or to.rid != delta.request_id:  # an earlier use of the id's
                     continue
-                if to.progress.kv_ready_at is None:  # its first delta: decoding began
-                    to.progress.kv_ready_at = time.monotonic()
-                    if not to.progress.remote_prefill:
-                        to.progress.num_cached_tokens = delta.num_cached_tokens
+                if not to.decoding:  # the attempt's first delta: decoding began
+                    to.decoding = True
+                    if to.progress.kv_ready_at is None:  # the request's first
+                        to.progress.kv_ready_at = time.monotonic()
+                        if not to.progress.remote_prefill:
+                            to.progress.num_cached_tokens = delta.num_cached_tokens
                 to.queue.put_nowait(delta)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:

@@ -173,6 +173,51 @@ def test_a_prefill_worker_that_dies_with_the_first_token_loses_the_stream() -> N
     assert not lost.dead and "first token" in str(lost)
 
 
+def test_after_a_move_a_dead_prefill_worker_is_still_reported_to_the_new_decode_worker() -> None:
+    """The request decoded in its first attempt; in the second, its prefill worker dies
+    before the KV is there: the new decode worker hears at once that no WRITE can land
+    (it recomputes now instead of waiting out its lease)."""
+
+    async def go() -> tuple[list[RequestId], list[RequestId]]:
+        dispatcher, called, asked, told = Dispatcher(), asyncio.Event(), [], []
+
+        async def prefill(rid: RequestId, *request: Any) -> FirstToken:
+            asked.append(rid)
+            called.set()
+            await asyncio.Event().wait()  # it dies before it answers
+            raise AssertionError
+
+        async def transfer_failed(rid: RequestId, why: str) -> bool:
+            told.append(rid)
+            return True
+
+        async def outputs(*args: Any) -> Any:
+            await asyncio.Event().wait()  # no delta of the second attempt yet
+
+        async def nothing(*args: Any) -> None:
+            return None
+
+        worker = type("Worker", (), {})
+        p, d = worker(), worker()
+        p.prefill, p.abort = _Remote(prefill), _Remote(nothing)
+        d.outputs, d.abort = _Remote(outputs), _Remote(nothing)
+        d.transfer_failed = _Remote(transfer_failed)
+        moved = Progress(token_ids=[5], chars=1, first_token_at=1.0, kv_ready_at=2.0)
+        stream = dispatcher.generate([1, 2], SamplingParams(max_tokens=3), d, p, None, moved)
+        task = asyncio.ensure_future(_all(stream))
+        await called.wait()
+        dispatcher.prefill_died(p, "gone")
+        for _ in range(20):
+            await asyncio.sleep(0)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await dispatcher.close()
+        return asked, told
+
+    asked, told = asyncio.run(go())
+    assert told == asked and len(told) == 1
+
+
 async def _all(stream: Any) -> list[TokenDelta]:
     return [d async for d in stream]
 

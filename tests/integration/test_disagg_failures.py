@@ -212,6 +212,37 @@ def test_a_prefill_worker_that_dies_before_pushing_costs_a_recompute_not_the_req
     assert ray.get(d.stats.remote()).transfer_failures == failures + 2
 
 
+def test_abort_all_stops_the_prefill_workers_requests_and_the_decode_worker_computes_them(
+    workers: Any, prompts: list[list[int]]
+) -> None:
+    """What a drained prefill worker does: one request prefilling and one queued, both
+    stopped and counted; each decode worker hears CANCEL and prefills it itself (its
+    on_timeout: recompute), so both end with the tokens they would have had."""
+    serial = workers.prefill("prefill-serial", engine=SERIAL)
+    d = workers.decode("decode", local_prefill_tokens=0)
+    c = workers.decode("colocated")
+    busy, queued = long_prompt(prompts[6] + prompts[2], 500), prompts[3]
+    failures = ray.get(d.stats.remote()).transfer_failures
+
+    async def go() -> None:
+        disp = Dispatcher()
+        a = asyncio.create_task(collect(disp, busy, GREEDY, d, serial, "drained-busy"))
+        busy_id = await _worker_id(disp, "drained-busy")
+        await until(lambda: _is(serial.status.remote(busy_id), RequestStatus.PREFILLING), "busy")
+        b = asyncio.create_task(collect(disp, queued, GREEDY, d, serial, "drained-queued"))
+        queued_id = await _worker_id(disp, "drained-queued")
+        await until(lambda: _is(serial.status.remote(queued_id), RequestStatus.WAITING), "queued")
+        assert await serial.abort_all.remote() == 2
+        split = await asyncio.gather(a, b)
+        assert split[0].tokens == (await collect(disp, busy, GREEDY, c)).tokens
+        assert split[1].tokens == (await collect(disp, queued, GREEDY, c)).tokens
+        for rid in (busy_id, queued_id):
+            assert await serial.status.remote(rid) is None
+
+    run(go())
+    assert ray.get(d.stats.remote()).transfer_failures == failures + 2
+
+
 @pytest.mark.parametrize("where", ["decode", "prefill"])
 def test_abort_while_waiting_for_decode_pages(
     workers: Any, prompts: list[list[int]], where: str

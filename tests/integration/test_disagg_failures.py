@@ -184,60 +184,42 @@ def test_abort_while_queued_or_prefilling_on_the_prefill_worker(
     run(go())
 
 
-def test_a_prefill_worker_that_dies_before_pushing_costs_a_recompute_not_the_request(
-    workers: Any, prompts: list[list[int]]
+@pytest.mark.parametrize("how", ["dies", "drained"])
+def test_a_prefill_worker_that_stops_before_pushing_costs_a_recompute_not_the_request(
+    workers: Any, prompts: list[list[int]], how: str
 ) -> None:
-    doomed = workers.prefill("prefill-serial", engine=SERIAL)
-    d = workers.decode("decode", local_prefill_tokens=0)
-    c = workers.decode("colocated")
-    # Not a prompt an earlier test left in this worker's prefix cache: all of it computes.
-    busy, queued = long_prompt(prompts[5] + prompts[1], 500), prompts[4]
-    failures = ray.get(d.stats.remote()).transfer_failures
-
-    async def go() -> None:
-        disp = Dispatcher()
-        a = asyncio.create_task(collect(disp, busy, GREEDY, d, doomed, "busy"))
-        busy_id = await _worker_id(disp, "busy")
-        await until(lambda: _is(doomed.status.remote(busy_id), RequestStatus.PREFILLING), "busy")
-        b = asyncio.create_task(collect(disp, queued, SEEDED, d, doomed, "queued"))
-        queued_id = await _worker_id(disp, "queued")
-        await until(lambda: _is(doomed.status.remote(queued_id), RequestStatus.WAITING), "queued")
-        ray.kill(doomed)
-        del workers.handles["prefill-serial"]
-        split = await asyncio.gather(a, b)
-        assert split[0].tokens == (await collect(disp, busy, GREEDY, c)).tokens
-        assert split[1].tokens == (await collect(disp, queued, SEEDED, c)).tokens
-
-    run(go())
-    assert ray.get(d.stats.remote()).transfer_failures == failures + 2
-
-
-def test_abort_all_stops_the_prefill_workers_requests_and_the_decode_worker_computes_them(
-    workers: Any, prompts: list[list[int]]
-) -> None:
-    """What a drained prefill worker does: one request prefilling and one queued, both
-    stopped and counted; each decode worker hears CANCEL and prefills it itself (its
+    """Its requests, one prefilling and one queued, stop there: it dies, or it is drained
+    (`abort_all`, which counts both). The decode worker prefills each itself (its
     on_timeout: recompute), so both end with the tokens they would have had."""
     serial = workers.prefill("prefill-serial", engine=SERIAL)
     d = workers.decode("decode", local_prefill_tokens=0)
     c = workers.decode("colocated")
-    busy, queued = long_prompt(prompts[6] + prompts[2], 500), prompts[3]
+    # Not prompts an earlier test left in this worker's prefix cache: all of them compute.
+    busy, queued = {
+        "dies": (long_prompt(prompts[5] + prompts[1], 500), prompts[4]),
+        "drained": (long_prompt(prompts[6] + prompts[2], 500), prompts[3]),
+    }[how]
     failures = ray.get(d.stats.remote()).transfer_failures
 
     async def go() -> None:
         disp = Dispatcher()
-        a = asyncio.create_task(collect(disp, busy, GREEDY, d, serial, "drained-busy"))
-        busy_id = await _worker_id(disp, "drained-busy")
+        a = asyncio.create_task(collect(disp, busy, GREEDY, d, serial, f"{how}-busy"))
+        busy_id = await _worker_id(disp, f"{how}-busy")
         await until(lambda: _is(serial.status.remote(busy_id), RequestStatus.PREFILLING), "busy")
-        b = asyncio.create_task(collect(disp, queued, GREEDY, d, serial, "drained-queued"))
-        queued_id = await _worker_id(disp, "drained-queued")
+        b = asyncio.create_task(collect(disp, queued, SEEDED, d, serial, f"{how}-queued"))
+        queued_id = await _worker_id(disp, f"{how}-queued")
         await until(lambda: _is(serial.status.remote(queued_id), RequestStatus.WAITING), "queued")
-        assert await serial.abort_all.remote() == 2
+        if how == "dies":
+            ray.kill(serial)
+            del workers.handles["prefill-serial"]
+        else:
+            assert await serial.abort_all.remote() == 2
         split = await asyncio.gather(a, b)
         assert split[0].tokens == (await collect(disp, busy, GREEDY, c)).tokens
-        assert split[1].tokens == (await collect(disp, queued, GREEDY, c)).tokens
-        for rid in (busy_id, queued_id):
-            assert await serial.status.remote(rid) is None
+        assert split[1].tokens == (await collect(disp, queued, SEEDED, c)).tokens
+        if how == "drained":
+            for rid in (busy_id, queued_id):
+                assert await serial.status.remote(rid) is None
 
     run(go())
     assert ray.get(d.stats.remote()).transfer_failures == failures + 2

@@ -74,10 +74,15 @@ class Progress:
     first_token_at: float | None = None  # the first token reached the caller
     kv_ready_at: float | None = None  # the decode worker began decoding it
     num_cached_tokens: int = 0  # prompt tokens the prefilling worker's cache held
-    remote_prefill: bool = False  # a prefill worker computed the prompt
-    prefill_s: float | None = None  # its own time, from its engine's admission to the token
+    # A prefill worker computed the prompt: its own time, from its engine's admission to
+    # the first token (None: the decode worker prefilled it).
+    prefill_s: float | None = None
     prefill_worker: str | None = None  # the workers of the attempt under way, by name
     decode_worker: str | None = None
+
+    @property
+    def remote_prefill(self) -> bool:
+        return self.prefill_s is not None
 
     @property
     def stage(self) -> str:
@@ -311,7 +316,6 @@ class Dispatcher:
             return
         if done.admitted_at is None:
             done.admitted_at = time.monotonic() if first is None else asked + first.waited_s
-            done.remote_prefill = first is not None
         if first is not None:
             if not resumed:
                 done.num_cached_tokens = first.num_cached_tokens

@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -457,7 +458,7 @@ async def first_token(tok: Tokenizer, reps: int, warmup: int) -> dict[str, Any]:
                 ray.kill(cast(ActorHandle, worker))
     medians = {
         f"{name}_median_ms": 1e3 * statistics.median(getattr(p, name) for p in parts[warmup:])
-        for name in FirstTokenParts.__dataclass_fields__
+        for name in (f.name for f in dataclasses.fields(FirstTokenParts))
     }
     return {"prompt_tokens": FIRST_TOKENS, "reps": reps, **medians, "ray_round_trip_ms": rtt}
 

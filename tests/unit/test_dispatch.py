@@ -206,9 +206,9 @@ def test_after_a_move_a_dead_prefill_worker_is_still_reported_to_the_new_decode_
         stream = dispatcher.generate([1, 2], SamplingParams(max_tokens=3), d, p, None, moved)
         task = asyncio.ensure_future(_all(stream))
         await called.wait()
+        before = set(dispatcher._tasks)
         dispatcher.prefill_died(p, "gone")
-        for _ in range(20):
-            await asyncio.sleep(0)
+        await asyncio.gather(*(dispatcher._tasks - before))  # what it set off has run
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await dispatcher.close()

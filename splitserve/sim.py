@@ -172,7 +172,7 @@ class _Worker:
             phase,
             pool,
             pages,
-            Scheduler(pages, e.max_num_seqs, e.max_num_batched_tokens, e.chunked_prefill),
+            Scheduler[Sequence](pages, e.max_num_seqs, e.max_num_batched_tokens, e.chunked_prefill),
         )
 
     @property

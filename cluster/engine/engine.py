@@ -183,15 +183,15 @@ class Reservation:
     num_cached_tokens: int  # the prefix already here; the writer fills the pages after it
 
 
-@dataclass
-class _Live:
-    """Engine-side state of one request beyond its Sequence."""
+@dataclass(eq=False, kw_only=True)
+class Request(Sequence):
+    """A request in the engine: its Sequence (what the scheduler reads) and its output's
+    state. The scheduler holds it (Scheduler.requests) from admission to its end."""
 
-    seq: Sequence
     text: TextStream
     generator: torch.Generator | None  # a seeded request's own; unseeded rows draw together
     stop_ids: frozenset[int]
-    output_from: int  # where its output starts in seq.token_ids (resumed tokens are output)
+    output_from: int  # where its output starts in token_ids (resumed tokens are output)
     matcher: GrammarMatcher | None = None  # a structured output's place in its grammar
     prompt_logprobs: list[PromptLogprob] | None = None  # filled as the prompt is computed
 
@@ -275,7 +275,7 @@ class LLMEngine:
         self.step_rate = StepRate()  # seconds per token of this engine's steps
         self._unsynced = (0.0, 0)  # seconds, tokens of the steps since the last that sampled
         self.holds = PageHolds(self.pool)  # pages a KV sink keeps past their step
-        self.scheduler = Scheduler(
+        self.scheduler = Scheduler[Request](
             self.pool, config.max_num_seqs, config.max_num_batched_tokens, config.chunked_prefill
         )
         self.runner = build_runner(
@@ -289,7 +289,6 @@ class LLMEngine:
         )
         if self.ranks is not None:
             self.ranks.follow()
-        self._live: dict[RequestId, _Live] = {}
         self._ids = itertools.count()
         self._prompt_tokens = 0  # prompts whose prefill finished here, whole (EngineCounts)
         self._generated_tokens = 0  # tokens sampled here
@@ -342,9 +341,9 @@ class LLMEngine:
         counts the tokens after them. Text offsets (RequestOutput.text_offset) count their
         text too.
         """
-        live = self._new(prompt, sampling, request_id, resumed)
-        self.scheduler.add(live.seq)
-        return live.seq.request_id
+        req = self._new(prompt, sampling, request_id, resumed)
+        self.scheduler.add(req)
+        return req.request_id
 
     def cached_prefix_tokens(self, prompt_ids: list[int]) -> int:
         """Leading prompt tokens whose KV this engine's prefix cache holds now."""
@@ -365,43 +364,42 @@ class LLMEngine:
         with `start_decode` (the KV landed), `recompute` or `abort_request`; the caller
         must not end it while a WRITE can still land. None: too few pages, nothing held.
         """
-        live = self._new(prompt_ids, sampling, request_id, resumed)
-        if not self.scheduler.reserve(live.seq):
-            del self._live[request_id]
+        req = self._new(prompt_ids, sampling, request_id, resumed)
+        if not self.scheduler.reserve(req):
             return None
-        return Reservation(list(live.seq.pages), live.seq.num_computed)
+        return Reservation(list(req.pages), req.num_computed)
 
     def start_decode(
         self, request_id: RequestId, token: int, logprob: float, top: TopLogprobs = ()
     ) -> RequestOutput:
         """The prompt's KV has landed and another worker sampled its first token: decode on."""
-        live = self._live[request_id]
-        if live.generator is not None:  # that worker drew the first token from this seed
-            skip_draws(live.generator, self.spec.vocab_size, 1)
-        self.scheduler.activate(live.seq)
-        return self._append(live, token, logprob if live.seq.sampling.logprobs else None, top)
+        req = self.scheduler.requests[request_id]
+        if req.generator is not None:  # that worker drew the first token from this seed
+            skip_draws(req.generator, self.spec.vocab_size, 1)
+        self.scheduler.activate(req)
+        return self._append(req, token, logprob if req.sampling.logprobs else None, top)
 
     def recompute(self, request_id: RequestId) -> None:
         """The prompt's KV will not arrive: drop the reserved pages and prefill it here."""
-        self.scheduler.requeue(self._live[request_id].seq)
+        self.scheduler.requeue(self.scheduler.requests[request_id])
 
     def abort_request(
         self, request_id: RequestId, reason: FinishReason = FinishReason.ABORT
     ) -> bool:
         """Stop a request in any state and free its pages; False if it is not in flight."""
-        live = self._live.pop(request_id, None)
-        if live is None:
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
             return False
-        self.scheduler.finish(live.seq, reason)
+        self.scheduler.finish(req, reason)
         return True
 
     def status(self, request_id: RequestId) -> RequestStatus | None:
         """The request's state, or None if it is not in flight."""
-        live = self._live.get(request_id)
-        return None if live is None else live.seq.status
+        req = self.scheduler.requests.get(request_id)
+        return None if req is None else req.status
 
     def has_unfinished(self) -> bool:
-        return bool(self._live)
+        return bool(self.scheduler.requests)
 
     @property
     def num_free_pages(self) -> int:
@@ -469,17 +467,17 @@ class LLMEngine:
             self._time_step(started, step.num_tokens, synced=False)
             return []
         firsts = [len(s.token_ids) == s.num_prompt for s in sampled]  # before the append
-        lives = [self._live[s.request_id] for s in sampled]
+        reqs = [self.scheduler.requests[s.request_id] for s in sampled]
         params = [s.sampling for s in sampled]
         if any(p.adjusts_logits for p in params):
-            histories = [History(lv.seq.token_ids, lv.output_from, lv.stop_ids) for lv in lives]
+            histories = [History(r.token_ids, r.output_from, r.stop_ids) for r in reqs]
             logits = adjust(logits, params, histories)
-        matchers = [m for lv in lives if (m := lv.matcher) is not None]
+        matchers = [m for r in reqs if (m := r.matcher) is not None]
         if matchers:
             assert self._grammars is not None
-            held = [i for i, lv in enumerate(lives) if lv.matcher is not None]
+            held = [i for i, r in enumerate(reqs) if r.matcher is not None]
             logits = self._grammars.mask(logits, held, matchers)
-        tokens, logprobs = sample(logits, params, [lv.generator for lv in lives])
+        tokens, logprobs = sample(logits, params, [r.generator for r in reqs])
         tops = top_logprobs(logits, params)
         self._time_step(started, step.num_tokens, synced=True)
         self._prompt_tokens += sum(
@@ -487,8 +485,8 @@ class LLMEngine:
         )
         self._generated_tokens += len(tokens)
         outputs = [
-            self._append(lv, tok, logprobs[i] if logprobs else None, tops[i])
-            for i, (lv, tok) in enumerate(zip(lives, tokens, strict=True))
+            self._append(r, tok, logprobs[i] if logprobs else None, tops[i])
+            for i, (r, tok) in enumerate(zip(reqs, tokens, strict=True))
         ]
         if sink is not None:
             for out, first in zip(outputs, firsts, strict=True):
@@ -514,7 +512,7 @@ class LLMEngine:
             for rid in rids:  # all or nothing: no request left behind unread
                 self.abort_request(rid)
             raise
-        seqs = {r: self._live[r].seq for r in rids}
+        seqs = {r: self.scheduler.requests[r] for r in rids}
         texts: dict[RequestId, list[str]] = {r: [] for r in rids}
         done: dict[RequestId, Completion] = {}
         while len(done) < len(rids):
@@ -543,9 +541,9 @@ class LLMEngine:
         sampling: SamplingParams,
         request_id: RequestId | None,
         resumed: int,
-    ) -> _Live:
+    ) -> Request:
         rid = request_id or RequestId(f"req-{next(self._ids)}")
-        refuse_in_flight(rid, self._live)
+        refuse_in_flight(rid, self.scheduler.requests)
         ids = self._prompt_ids(prompt)
         if not 0 <= resumed < len(ids):
             raise InvalidRequestError(
@@ -559,7 +557,6 @@ class LLMEngine:
         stop_ids = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:
             stop_ids.update(self.spec.eos_token_ids)
-        seq = Sequence(rid, list(ids), len(ids), sampling)
         output_from = len(ids) - resumed
         text = TextStream(
             self.tokenizer, ids[:output_from], sampling.stop, sampling.include_stop_str_in_output
@@ -572,15 +569,23 @@ class LLMEngine:
         prompt_lps: list[PromptLogprob] | None = None
         if sampling.prompt_logprobs is not None and not resumed:
             prompt_lps = [(token, None, ()) for token in ids]
-        self._live[rid] = _Live(
-            seq, text, generator, frozenset(stop_ids), output_from, matcher, prompt_lps
+        return Request(
+            rid,
+            list(ids),
+            len(ids),
+            sampling,
+            text=text,
+            generator=generator,
+            stop_ids=frozenset(stop_ids),
+            output_from=output_from,
+            matcher=matcher,
+            prompt_logprobs=prompt_lps,
         )
-        return self._live[rid]
 
     @staticmethod
-    def _take_prompt_logprobs(live: _Live) -> list[PromptLogprob] | None:
+    def _take_prompt_logprobs(req: Request) -> list[PromptLogprob] | None:
         """The prompt's logprobs, once: with the request's first output token."""
-        taken, live.prompt_logprobs = live.prompt_logprobs, None
+        taken, req.prompt_logprobs = req.prompt_logprobs, None
         return taken
 
     def _record_prompt_logprobs(
@@ -591,7 +596,7 @@ class LLMEngine:
         at = 0
         for seq, start, count in parts:
             rows, at = logprobs[at : at + count], at + count
-            recorded = self._live[seq.request_id].prompt_logprobs
+            recorded = self.scheduler.requests[seq.request_id].prompt_logprobs
             if recorded is None:  # a resumed request's were delivered before it moved
                 continue
             nexts = torch.tensor(seq.token_ids[start + 1 : start + 1 + count], device=rows.device)
@@ -632,37 +637,35 @@ class LLMEngine:
         return ids
 
     def _append(
-        self, live: _Live, token: int, logprob: float | None, top: TopLogprobs = ()
+        self, req: Request, token: int, logprob: float | None, top: TopLogprobs = ()
     ) -> RequestOutput:
-        seq = live.seq
-        seq.token_ids.append(token)
+        req.token_ids.append(token)
         if logprob is not None:
-            seq.logprobs.append(logprob)
+            req.logprobs.append(logprob)
         reason = None
-        if live.matcher is not None and not live.matcher.accept_token(token):
+        if req.matcher is not None and not req.matcher.accept_token(token):
             reason = FinishReason.ERROR  # the mask allowed no such token: a bug, not a reply
-            log.error("request %s: token %d breaks its grammar", seq.request_id, token)
+            log.error("request %s: token %d breaks its grammar", req.request_id, token)
         elif (
-            live.text.add(token)
-            or token in live.stop_ids
-            or (live.matcher is not None and live.matcher.is_terminated())
+            req.text.add(token)
+            or token in req.stop_ids
+            or (req.matcher is not None and req.matcher.is_terminated())
         ):
             reason = FinishReason.STOP
-        elif len(seq.token_ids) - seq.num_prompt >= seq.sampling.max_tokens:
+        elif len(req.token_ids) - req.num_prompt >= req.sampling.max_tokens:
             reason = FinishReason.LENGTH
         if reason is not None:
-            self.scheduler.finish(seq, reason)
-            del self._live[seq.request_id]
-        text_offset = live.text.emitted
+            self.scheduler.finish(req, reason)
+        text_offset = req.text.emitted
         return RequestOutput(
-            request_id=seq.request_id,
+            request_id=req.request_id,
             new_token_ids=[token],
             text_offset=text_offset,
-            new_text=live.text.take(final=reason is not None),
+            new_text=req.text.take(final=reason is not None),
             finish_reason=reason,
             new_logprobs=[logprob] if logprob is not None else [],
-            new_top_logprobs=[top] if seq.sampling.top_logprobs else [],
-            prompt_logprobs=self._take_prompt_logprobs(live),
-            num_prompt_tokens=seq.num_prompt,
-            num_cached_tokens=seq.num_cached,
+            new_top_logprobs=[top] if req.sampling.top_logprobs else [],
+            prompt_logprobs=self._take_prompt_logprobs(req),
+            num_prompt_tokens=req.num_prompt,
+            num_cached_tokens=req.num_cached,
         )

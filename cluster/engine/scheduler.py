@@ -10,6 +10,9 @@ Life of a request here:
    and it goes back to the front of the queue to be recomputed. WAITING.
 5. `finish` (done, stopped or aborted) frees its pages at once, exactly once.
 
+The scheduler is where a request lives in its engine: `requests` holds each one from
+`add` (or a successful `reserve`) to `finish`, the queues say where it is.
+
 A request whose prompt KV another worker computes skips 1-3: `reserve` takes pages for
 its whole prompt (cached prefix first) and holds it TRANSFERRING outside the queue;
 `activate` makes it RUNNING once the KV has landed, `requeue` sends it to the front of
@@ -20,10 +23,13 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from cluster.engine.page_pool import PagePool, pages_for
 from cluster.engine.sequence import Sequence
-from cluster.types import FinishReason, RequestStatus
+from cluster.types import FinishReason, RequestId, RequestStatus
+
+S = TypeVar("S", bound=Sequence)  # the engine's request record: a Sequence and more
 
 
 @dataclass
@@ -43,7 +49,7 @@ class Step:
         return len(self.decodes) + sum(n for _, n in self.prefills)
 
 
-class Scheduler:
+class Scheduler(Generic[S]):
     def __init__(
         self,
         pool: PagePool,
@@ -55,9 +61,10 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.token_budget = max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self.transferring: list[Sequence] = []
+        self.requests: dict[RequestId, S] = {}  # every request in flight, by id
+        self.waiting: deque[S] = deque()
+        self.running: list[S] = []
+        self.transferring: list[S] = []
         self.num_preemptions = 0
 
     @property
@@ -69,7 +76,7 @@ class Scheduler:
         ps = self.pool.page_size
         return self.pool.count_prefix(seq.page_hashes((seq.num_prompt - 1) // ps, ps)) * ps
 
-    def reserve(self, seq: Sequence) -> bool:
+    def reserve(self, seq: S) -> bool:
         """Pages for seq's whole prompt, cached prefix first; False (nothing held) if short."""
         if len(self.running) + len(self.transferring) >= self.max_num_seqs:
             return False
@@ -85,16 +92,17 @@ class Scheduler:
         seq.num_computed = seq.num_cached = len(cached) * ps
         seq.num_registered = len(cached)
         seq.status = RequestStatus.TRANSFERRING
+        self.requests[seq.request_id] = seq
         self.transferring.append(seq)
         return True
 
-    def activate(self, seq: Sequence) -> None:
+    def activate(self, seq: S) -> None:
         """seq's prompt KV is all in its pages: it decodes from the next step."""
         self.transferring.remove(seq)
         self.commit(seq, seq.num_prompt - seq.num_computed)
         self.running.append(seq)
 
-    def requeue(self, seq: Sequence) -> None:
+    def requeue(self, seq: S) -> None:
         """seq's KV will not arrive: free its reserved pages and prefill it here, first."""
         self.transferring.remove(seq)
         self.pool.free(seq.pages)
@@ -103,7 +111,8 @@ class Scheduler:
         seq.status = RequestStatus.WAITING
         self.waiting.appendleft(seq)
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: S) -> None:
+        self.requests[seq.request_id] = seq
         self.waiting.append(seq)
 
     def schedule(self) -> Step:
@@ -154,7 +163,7 @@ class Scheduler:
             budget = max(0, budget - n)
         return budget
 
-    def _grow(self, seq: Sequence, n: int, step: Step) -> bool:
+    def _grow(self, seq: S, n: int, step: Step) -> bool:
         """Give seq pages for n more tokens, preempting the newest others; False if seq itself."""
         need = pages_for(seq.num_computed + n, self.pool.page_size) - len(seq.pages)
         while need > 0:
@@ -168,7 +177,7 @@ class Scheduler:
                 return False
         return True
 
-    def _preempt(self, seq: Sequence, step: Step) -> None:
+    def _preempt(self, seq: S, step: Step) -> None:
         self.num_preemptions += 1
         seq.num_preemptions += 1
         self.running.remove(seq)
@@ -203,8 +212,9 @@ class Scheduler:
         if seq.num_computed >= seq.num_prompt:
             seq.status = RequestStatus.RUNNING
 
-    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+    def finish(self, seq: S, reason: FinishReason) -> None:
         """End seq: free its pages once, whatever state it is in."""
+        del self.requests[seq.request_id]
         for queue in (self.running, self.waiting, self.transferring):
             if seq in queue:
                 queue.remove(seq)

@@ -4,14 +4,16 @@ machine (cluster/transfer/inbound.py, which owns the protocol) and the NIXL endp
 It turns the senders' notices, ticks, aborts and the router's reports into events,
 answers senders itself (ACK, REVOKE, over the endpoint, to the handshake each sender's
 STARTED carries), and hands back each transfer's one release (decode, recompute, fail,
-free) for the worker to apply to its engine. Only the engine touches the pages.
+free) for the worker to apply to its engine. Only the engine touches the pages. It keeps
+no request: each `Transfer` is held by its request's record in the worker, which passes
+them in and drops each once it is released.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from cluster.transfer import inbound as machine
@@ -33,7 +35,9 @@ _EVENTS: dict[NoticeKind, machine.Event] = {
 
 
 @dataclass
-class _Transfer:
+class Transfer:
+    """One request's inbound transfer, from its reservation to its release."""
+
     state: machine.Inbound
     pages: frozenset[PageId]  # the reservation, for checking each LAYERS notice
     sender: Peer | None = None  # known from its STARTED
@@ -56,42 +60,39 @@ class KVReceiver:
         self.clock = clock
         self.pages_received = self.bytes_received = 0
         self._handshake = endpoint.handshake()
-        self._transfers: dict[RequestId, _Transfer] = {}
 
-    def __len__(self) -> int:
-        return len(self._transfers)
-
-    def __contains__(self, rid: object) -> bool:
-        return rid in self._transfers
-
-    def expect(self, rid: RequestId, pages: tuple[PageId, ...], num_cached: int) -> KVTarget:
-        """Pages were reserved for rid: the KVTarget a prefill worker claims them with."""
+    def expect(self, pages: tuple[PageId, ...], num_cached: int) -> tuple[Transfer, KVTarget]:
+        """Pages were reserved: their transfer, and the KVTarget a prefill worker claims
+        them with."""
         state = machine.reserve(self.terms, self.clock())
-        self._transfers[rid] = _Transfer(state, frozenset(pages))
-        return KVTarget(self._handshake, pages, num_cached, self.terms.lease_s)
+        target = KVTarget(self._handshake, pages, num_cached, self.terms.lease_s)
+        return Transfer(state, frozenset(pages)), target
 
-    def poll(self) -> list[tuple[RequestId, Release]]:
+    def poll(self, transfers: Mapping[RequestId, Transfer]) -> list[tuple[RequestId, Release]]:
         """Read the senders' notices and check every lease: the transfers released."""
         released: list[tuple[RequestId, Release]] = []
         for notice in self.endpoint.notices():
-            released += self._on_notice(notice)
-        for rid in list(self._transfers):
-            released += self._on(rid, machine.Tick())
+            released += self._on_notice(notice, transfers.get(notice.request_id))
+        for rid, transfer in transfers.items():
+            released += self._on(rid, transfer, machine.Tick())
         return released
 
-    def abort(self, rid: RequestId) -> list[tuple[RequestId, Release]]:
+    def abort(self, rid: RequestId, transfer: Transfer) -> list[tuple[RequestId, Release]]:
         """The request was aborted; its pages wait until no WRITE can land."""
-        return self._on(rid, machine.Abort())
+        return self._on(rid, transfer, machine.Abort())
 
-    def sender_gone(self, rid: RequestId, why: str) -> list[tuple[RequestId, Release]]:
+    def sender_gone(
+        self, rid: RequestId, transfer: Transfer, why: str
+    ) -> list[tuple[RequestId, Release]]:
         """The caller knows no WRITE for rid can land any more (its sender died or refused)."""
-        return self._on(rid, machine.SenderGone(why))
+        return self._on(rid, transfer, machine.SenderGone(why))
 
-    def _on_notice(self, notice: Notice) -> list[tuple[RequestId, Release]]:
+    def _on_notice(
+        self, notice: Notice, transfer: Transfer | None
+    ) -> list[tuple[RequestId, Release]]:
         rid, kind = notice.request_id, notice.kind
-        transfer = self._transfers.get(rid)
         if transfer is None:  # released (or never reserved here): the machine's RELEASED
-            transfer = _Transfer(machine.released(self.terms), frozenset())
+            transfer = Transfer(machine.released(self.terms), frozenset())
         if kind is NoticeKind.STARTED:
             transfer.sender = self._connect(notice)
             if transfer.sender is None:
@@ -110,21 +111,17 @@ class KVReceiver:
         if event is None:
             log.warning("request %s: a sender sent %s, a receiver's notice: dropped", rid, kind)
             return []
-        return self._on(rid, event, transfer)
+        return self._on(rid, transfer, event)
 
     def _on(
-        self, rid: RequestId, event: machine.Event, transfer: _Transfer | None = None
+        self, rid: RequestId, transfer: Transfer, event: machine.Event
     ) -> list[tuple[RequestId, Release]]:
-        """Feed one event to rid's transfer (`transfer`: one this worker does not hold) and
-        apply what the machine says: answer the sender, hand the pages on."""
-        transfer = self._transfers.get(rid) if transfer is None else transfer
-        if transfer is None:
-            return []
+        """Feed one event to rid's transfer and apply what the machine says: answer the
+        sender, hand the pages on (once: a released transfer is RELEASED for good)."""
         transfer.state, actions = machine.on_event(transfer.state, event, self.clock())
         released: list[tuple[RequestId, Release]] = []
         for action in actions:
             if isinstance(action, RELEASES):
-                del self._transfers[rid]
                 released.append((rid, action))
             else:  # Ack or Revoke: the machine answers only a transfer that was STARTED
                 assert transfer.sender is not None, (rid, action)

@@ -49,7 +49,7 @@ from cluster.types import (
 )
 from cluster.worker_loop import WorkerLoop, fail, settle
 from decode_worker.outbox import Outboxes
-from decode_worker.receiver import KVReceiver, Release
+from decode_worker.receiver import KVReceiver, Release, Transfer
 
 log = logging.getLogger(__name__)
 
@@ -65,12 +65,15 @@ class _Submit:
 
 @dataclass
 class _Stream:
-    """A request here from its submit to its last delta: the one place the worker keeps
-    it (the transfer's state is the receiver's, the sequence the engine's)."""
+    """A request here from its submit until its last delta is sent and no WRITE can land
+    in its pages any more: the one place the worker keeps it (its sequence is the
+    engine's)."""
 
     reader: str  # whose outbox its deltas go to
     emitted: int  # output tokens sent so far (at first: those resumed)
     submit: _Submit | None = None  # waiting for pages, in the order submits came
+    transfer: Transfer | None = None  # its pages reserved, until the KV lands or won't
+    over: bool = False  # its last delta is sent (aborted): it waits for its transfer only
 
 
 class DecodeWorker:
@@ -139,9 +142,12 @@ class DecodeWorker:
         here (never submitted, or finished)."""
 
         def run() -> bool:
-            here = request_id in self._streams
-            self._release(self.receiver.sender_gone(request_id, why))
-            return here
+            stream = self._streams.get(request_id)
+            if stream is None or stream.over:
+                return False
+            if stream.transfer is not None:
+                self._release(self.receiver.sender_gone(request_id, stream.transfer, why))
+            return True
 
         return await self._loop.call(run)
 
@@ -155,7 +161,7 @@ class DecodeWorker:
         many there were."""
 
         def run() -> int:
-            rids = list(self._streams)
+            rids = [rid for rid, stream in self._streams.items() if not stream.over]
             for rid in rids:
                 self._abort(rid, why, evicted=True)
             return len(rids)
@@ -189,7 +195,7 @@ class DecodeWorker:
             self.engine.pool.num_pages,
             len(sched.running),
             len(sched.waiting),
-            len(self.receiver),
+            sum(s.transfer is not None for s in self._streams.values()),
             sum(s.submit is not None for s in self._streams.values()),
             sum(seq.num_uncomputed for seq in sched.waiting),
             self.engine.counts,
@@ -203,16 +209,17 @@ class DecodeWorker:
     # --- the engine thread ---------------------------------------------------------------
 
     def _tick(self) -> float:
-        self._release(self.receiver.poll())
+        transfers = {r: s.transfer for r, s in self._streams.items() if s.transfer is not None}
+        self._release(self.receiver.poll(transfers))
         self._admit()
         if not self.engine.scheduler.has_work:
-            return 0.001 if len(self.receiver) else 0.05
+            return 0.001 if transfers else 0.05
         try:
             outputs = self.engine.step()
         except Exception as e:
             log.exception("decode step failed; failing its requests")
-            for rid in list(self._streams):
-                if rid not in self.receiver and self.engine.abort_request(rid, FinishReason.ERROR):
+            for rid, stream in list(self._streams.items()):
+                if stream.transfer is None and self.engine.abort_request(rid, FinishReason.ERROR):
                     self._publish(self._final(rid, FinishReason.ERROR, f"engine step failed: {e}"))
             return 0.0
         self._publish(*(self._delta(out) for out in outputs))
@@ -234,12 +241,13 @@ class DecodeWorker:
                 return
             stream.submit = None
             pages = tuple(reservation.pages)
-            target = self.receiver.expect(rid, pages, reservation.num_cached_tokens)
+            stream.transfer, target = self.receiver.expect(pages, reservation.num_cached_tokens)
             settle(submit.done, target)
 
     def _release(self, released: list[tuple[RequestId, Release]]) -> None:
         """Transfers no WRITE can land in any more: decode, recompute, fail or free each."""
         for rid, release in released:
+            self._streams[rid].transfer = None
             match release:
                 case inbound.StartDecode(token, logprob, top):
                     out = self.engine.start_decode(rid, token, logprob, top)
@@ -252,23 +260,27 @@ class DecodeWorker:
                     self._transfer_failures += 1
                     self.engine.abort_request(rid, FinishReason.ERROR)
                     self._publish(self._final(rid, FinishReason.ERROR, why))
-                case inbound.FreePages():
+                case inbound.FreePages():  # its last delta went with the abort
                     self.engine.abort_request(rid)
+                    del self._streams[rid]
 
     def _abort(
         self, rid: RequestId, why: str | None = None, evicted: bool = False
     ) -> RequestStatus | None:
         stream = self._streams.get(rid)
-        if stream is not None and stream.submit is not None:
+        if stream is None or stream.over:
+            return None
+        if stream.submit is not None:
             settle(stream.submit.done, None)
             self._publish(self._final(rid, FinishReason.ABORT, why, evicted))
             return RequestStatus.WAITING
         status = self.engine.status(rid)
-        if rid in self.receiver:
-            self._release(self.receiver.abort(rid))  # or later, once no WRITE can land
-        elif not self.engine.abort_request(rid):
+        transfer = stream.transfer
+        if transfer is None and not self.engine.abort_request(rid):
             return None
         self._publish(self._final(rid, FinishReason.ABORT, why, evicted))
+        if transfer is not None:  # its pages go now, or once no WRITE can land
+            self._release(self.receiver.abort(rid, transfer))
         return status
 
     def _forget(self, rid: RequestId) -> None:
@@ -302,7 +314,11 @@ class DecodeWorker:
     def _final(
         self, rid: RequestId, reason: FinishReason, error: str | None, evicted: bool = False
     ) -> tuple[str, TokenDelta]:
-        stream = self._streams.pop(rid)
+        stream = self._streams[rid]
+        if stream.transfer is None:
+            del self._streams[rid]
+        else:
+            stream.over = True
         delta = TokenDelta(rid, stream.emitted, (), "", (), reason, error, evicted=evicted)
         return stream.reader, delta
 

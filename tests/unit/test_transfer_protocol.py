@@ -20,7 +20,7 @@ from cluster.transfer import inbound
 from cluster.transfer.inbound import Terms
 from cluster.transfer.wire import Notice, NoticeKind
 from cluster.types import PageId, RequestId
-from decode_worker.receiver import KVReceiver, Release
+from decode_worker.receiver import KVReceiver, Release, Transfer
 from prefill_worker.sender import KVSender
 
 LAYERS, PAGE, LEASE_S = 3, 16, 30.0
@@ -108,13 +108,27 @@ class Pair:
     pool: PagePool
     holds: PageHolds
     pages: tuple[PageId, ...]  # the prompt's, on the prefill worker
+    transfers: dict[RequestId, Transfer]  # the decode worker's, as its streams hold them
     num_computed: int = 0
 
     def tick(self) -> None:
         """One turn of each worker's loop, a millisecond apart."""
         self.sender.poll()
-        self.net.released += self.receiver.poll()
+        self.receive()
         self.net.wait(0.001)
+
+    def receive(self) -> None:
+        """The decode worker reads its notices and checks its leases."""
+        self.released(self.receiver.poll(self.transfers))
+
+    def abort(self) -> None:
+        self.released(self.receiver.abort(RID, self.transfers[RID]))
+
+    def released(self, released: list[tuple[RequestId, Release]]) -> None:
+        """As the decode worker does: a released transfer is its stream's no more."""
+        for rid, _ in released:
+            del self.transfers[rid]
+        self.net.released += released
 
     def chunk(self, n: int) -> None:
         """The prefill worker computes the next n prompt tokens, layer by layer."""
@@ -150,8 +164,9 @@ def pair(sender_offset_s: float, receiver_offset_s: float, recompute: bool = Tru
     terms = Terms(LEASE_S, 10 * LEASE_S, recompute)
     receiver = KVReceiver(FakeEndpoint("decode", net), terms, LAYERS, clocks[1])  # type: ignore[arg-type]
     pages = tuple(pool.allocate(3) or [])
-    sender.start(RID, receiver.expect(RID, DST, 0))
-    return Pair(net, sender, receiver, pool, holds, pages)
+    transfer, target = receiver.expect(DST, 0)
+    sender.start(RID, target)
+    return Pair(net, sender, receiver, pool, holds, pages, {RID: transfer})
 
 
 def prefill_and_land(p: Pair) -> None:
@@ -171,7 +186,7 @@ SKEWS = [(0.0, 0.0), (1.7e9, 1.7e9 + 300), (1.7e9 + 300, 1.7e9), (-600.0, 5e5)]
 def assert_clean(p: Pair) -> None:
     """The push is gone, its source pages are free again, and nothing is left in flight."""
     p.pool.free(p.pages)
-    assert p.sender.num_pushes == 0 and len(p.receiver) == 0 and p.holds.num_held == 0
+    assert p.sender.num_pushes == 0 and not p.transfers and p.holds.num_held == 0
     assert p.pool.num_free == 8 and not p.net.in_flight
 
 
@@ -205,10 +220,10 @@ def test_a_stalled_sender_is_revoked_and_its_in_flight_writes_land_before_the_pa
     p = pair(sender_s, receiver_s, recompute=False)
     p.tick()
     p.chunk(16)  # posted; the network is slow: in flight
-    p.net.released += p.receiver.poll()
+    p.receive()
     p.net.wait(LEASE_S + 1)  # the prefill worker stalls in one long step
-    p.net.released += p.receiver.poll()  # the decode worker's lease ends: REVOKE
-    assert not p.net.released and len(p.receiver) == 1
+    p.receive()  # the decode worker's lease ends: REVOKE
+    assert not p.net.released and len(p.transfers) == 1
     p.chunk(16)  # the stalled step ends: nothing more is posted
     p.first_token()
     assert len(p.net.in_flight) == LAYERS
@@ -232,7 +247,7 @@ def test_an_abort_on_the_decode_worker_revokes_and_frees_after_the_cancel(
     p = pair(sender_s, receiver_s)
     p.tick()
     p.chunk(16)
-    p.net.released += p.receiver.abort(RID)
+    p.abort()
     assert not p.net.released
     p.tick()  # REVOKE reaches the sender; its WRITEs are still in flight
     p.chunk(16)
@@ -249,7 +264,7 @@ def test_pages_nobody_claims_are_let_go_and_a_late_claim_posts_nothing() -> None
     p = pair(0.0, 0.0)
     p.net.inboxes["decode"].clear()  # the STARTED was lost (or came too late)
     p.net.wait(LEASE_S + 1)
-    p.net.released += p.receiver.poll()
+    p.receive()
     assert isinstance(p.release(), inbound.Recompute)
     p.net.inboxes["decode"].append(Notice(NoticeKind.STARTED, RID, handshake=b"prefill"))
     p.tick()  # answered with REVOKE

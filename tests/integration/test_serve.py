@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -14,8 +15,10 @@ import threading
 import urllib.request
 from pathlib import Path
 
+from splitserve.client import Client
+from splitserve_api.v1 import splitserve_pb2 as pb
 from tests.helpers import wait_until
-from tests.integration.router_harness import ask, serving
+from tests.integration.router_harness import serving
 
 CONFIG = """
 engine: {kv_cache_gb: 0.2, threads: 1, max_num_batched_tokens: 256}
@@ -115,17 +118,19 @@ def test_serve_answers_cli_clients_and_stops_cleanly(tmp_path: Path) -> None:
         assert len([line for line in chat.stdout.splitlines() if line.strip()]) >= 2, chat.stdout
 
         # SIGTERM mid-stream: the request in flight still finishes, within the grace period.
-        replies = []
+        # It is signalled once this client holds two tokens, so the decode worker has it
+        # (the router's /metrics shows the stats it last polled: they can still count the
+        # chat's last request as running, and SIGTERM then came before this one connected).
+        pieces: list[pb.GenerateResponse] = []
         streaming = threading.Thread(
-            target=lambda: replies.append(
-                ask(address, "Tell me about the moon.", max_tokens=48, ignore_eos=True)
-            )
+            target=stream, args=(address, "Tell me about the moon.", pieces), daemon=True
         )
         streaming.start()
-        wait_until(lambda: _decoding(metrics_url), "the request to be decoding", 60)
+        wait_until(lambda: sum(len(p.token_ids) for p in pieces) >= 2, "two tokens", 60)
         server.send_signal(signal.SIGTERM)
         streaming.join(60)
-        assert replies and replies[0].usage.completion_tokens == 48
+        assert sum(len(p.token_ids) for p in pieces) == 48
+        assert pieces[-1].usage.completion_tokens == 48
         assert server.wait(60) == 0, "".join(log)
     finally:
         if server.poll() is None:
@@ -135,13 +140,15 @@ def test_serve_answers_cli_clients_and_stops_cleanly(tmp_path: Path) -> None:
     assert "splitserve: stopped" in "".join(log)
 
 
-def _decoding(metrics_url: str) -> bool:
-    """A decode worker is running a request, by the router's /metrics."""
-    scraped = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
-    running = re.findall(
-        r'^vllm:num_requests_running\{[^}]*phase="decode"[^}]*\} (\S+)', scraped, re.M
-    )
-    return any(float(v) >= 1 for v in running)
+def stream(address: str, prompt: str, pieces: list[pb.GenerateResponse]) -> None:
+    """48 tokens of `prompt` over gRPC, each piece appended to `pieces` as it comes."""
+
+    async def run() -> None:
+        async with Client(address) as client:
+            async for piece in client.stream(prompt, 120, max_tokens=48, ignore_eos=True):
+                pieces.append(piece)
+
+    asyncio.run(run())
 
 
 # The start-up without its port check, as when another process takes the HTTP port

@@ -1,14 +1,16 @@
 """The CPU attention backend: write new K/V into their page slots, then attend.
 
 A batch holds decode rows first (one query token each), then prefill chunks (many
-query tokens each, possibly after cached context). Decodes are attended by our C kernel
-reading their pages in place through the page table (paged_attention.c: no gather copy,
-no mask), where it builds; else their pages are gathered (index_select: measured ~2x
-faster than advanced indexing) into a padded [batch, max_context] copy with a length mask.
-A prefill chunk with no earlier context attends to its own fresh K/V without reading
-the cache; one with context (prefix-cache hit, later chunk) gathers its pages. Both go
-through SDPA's fused kernel (4-D inputs; see `heads_first`): a row at a time, our kernel
-measured 3x slower than it on a 512-token prefill.
+query tokens each, possibly after cached context). Where our C kernels build
+(paged_attention.c), both read the pages in place through the page table: no gather
+copy, no mask. Decodes a row at a time; each prefill chunk, its context or not, in
+blocks of rows with an online softmax (measured 1.1-3.4x faster than SDPA on 8-2,048
+new tokens after 0-4,096 cached; docs/benchmarks.md). Every prompt row takes the same
+kernel whatever the chunking, so a prompt's tokens do not depend on its batch.
+Elsewhere decodes' pages are gathered (index_select: measured ~2x faster than advanced
+indexing) into a padded [batch, max_context] copy with a length mask; a prefill chunk with
+no earlier context attends to its own fresh K/V, one with context gathers its pages, and
+both go through SDPA's fused kernel (4-D inputs; see `heads_first`).
 """
 
 from __future__ import annotations
@@ -51,12 +53,19 @@ class CpuMetadata:
 @functools.cache
 def _kernel() -> ctypes.CDLL | None:
     lib = native.library("paged_attention.c")
-    if lib is None:
-        return None
+    return None if lib is None else bind(lib)
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """paged_attention.c's functions typed."""
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.paged_attention.restype = ctypes.c_int
     lib.paged_attention.argtypes = [
         ptr, ptr, i64, i64, i64, ptr, ptr, ctypes.c_int, i64, ptr, i64, ptr, i64, ctypes.c_float,
+    ]  # fmt: skip
+    lib.paged_prefill.restype = ctypes.c_int
+    lib.paged_prefill.argtypes = [
+        ptr, ptr, i64, i64, i64, ptr, ptr, ctypes.c_int, i64, ptr, i64, i64, ctypes.c_float,
     ]  # fmt: skip
     return lib
 
@@ -66,8 +75,8 @@ class CpuBackend:
     fuses_rope = False
 
     def __init__(self, layout: KVLayout, device: torch.device, in_place: bool = True) -> None:
-        """`in_place`: decodes read their pages through our kernel where it builds (else
-        the pages are gathered)."""
+        """`in_place`: decodes and prefills read their pages through our kernels where they
+        build (else the pages are gathered)."""
         self.layout = layout
         self.device = device
         self.kernel = _kernel() if in_place and layout.dtype in IN_PLACE_DTYPES else None
@@ -143,6 +152,10 @@ def paged_attention(
         vd = ws_v.view(nd, -1, kv_heads, head_dim).transpose(1, 2)
         outs.append(_decode_attention(q[:nd], kd, vd, batch.decode_mask))
     for c in batch.prefills:
+        if kernel is not None:
+            rows = q[c.start : c.start + c.num_tokens]
+            outs.append(_prefill_in_place(kernel, rows, k_cache, v_cache, c))
+            continue
         qc = heads_first(q[c.start : c.start + c.num_tokens])
         if c.context_len == c.num_tokens:
             kc = heads_first(k[c.start : c.start + c.num_tokens])
@@ -179,6 +192,28 @@ def _decode_in_place(
     )  # fmt: skip
     if failed:
         raise MemoryError("paged_attention: no scratch memory for its scores")
+    return out.to(q.dtype)
+
+
+def _prefill_in_place(
+    kernel: ctypes.CDLL,
+    q: torch.Tensor,  # [chunk tokens, heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    chunk: PrefillChunk,
+) -> torch.Tensor:
+    """A chunk's attention after its context by paged_attention.c, reading the pages in place."""
+    qf = q.float().contiguous()
+    out = torch.empty_like(qf)
+    (rows, heads, dim), (_, page_size, kv_heads, _) = q.shape, k_cache.shape
+    pages = chunk.pages.contiguous()
+    failed = kernel.paged_prefill(
+        qf.data_ptr(), out.data_ptr(), heads, kv_heads, dim, k_cache.data_ptr(),
+        v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16), page_size, pages.data_ptr(),
+        chunk.context_len, rows, dim**-0.5,
+    )  # fmt: skip
+    if failed:
+        raise MemoryError("paged_prefill: no scratch memory")
     return out.to(q.dtype)
 
 

@@ -110,3 +110,225 @@ int paged_attention(const float *q, float *out, int64_t heads, int64_t kv_heads,
   }
   return failed ? -1 : 0;
 }
+
+// One prefill chunk's attention after its context, reading the pages in place: query row
+// i (of n) is the sequence's token context - n + i and attends to tokens [0, that one], whose
+// page ids are `pages`. Rows go in blocks of BLOCK; each block passes once over its pages
+// with an online softmax (as flash attention does): a page's K and V tile of one KV head is
+// made float32 once per block and serves the block's rows times the head's query group, K
+// transposed so that a query's scores for the page's tokens are one vector. TILE query
+// vectors' scores are summed at once, each in registers: with 16-token pages, 8 of
+// AVX-512's 32 vector registers, or 4 pairs of AVX2's 16.
+//
+// Unlike the decode kernel above, this part lets the compiler fuse a * b + c (FMA): it
+// halves the arithmetic of its two products; its sums round differently from SDPA's anyway.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")
+
+#ifdef __AVX512F__
+enum { BLOCK = 16, TILE = 8, LANES = 16 };
+#else
+enum { BLOCK = 16, TILE = 4, LANES = 8 };
+#endif
+
+typedef float lanes __attribute__((vector_size(LANES * sizeof(float))));  // a register
+typedef int32_t mask __attribute__((vector_size(LANES * sizeof(int32_t))));  // a comparison's
+
+static inline __attribute__((always_inline)) lanes load(const float *p) {
+  lanes v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+
+static inline __attribute__((always_inline)) void store(float *p, lanes v) {
+  memcpy(p, &v, sizeof v);
+}
+
+static inline __attribute__((always_inline)) lanes pick(mask m, lanes a, lanes b) {
+  return (lanes)((m & (mask)a) | (~m & (mask)b));  // a where m, else b
+}
+
+// e^x for x <= 0 (a score less its row's max): x = n ln2 + r, |r| <= ln2 / 2, e^r by
+// Cephes' polynomial (within 2 ulp of expf), times 2^n made from its bits; n rounded by
+// adding and taking away 1.5 * 2^23. Below -87.3 it gives 2^-126, not the 0 it rounds to.
+static inline __attribute__((always_inline)) lanes exp_nonpositive(lanes x) {
+  x = pick(x < -87.3f, (lanes){0} - 87.3f, x);
+  lanes n = (x * 1.44269504f + 12582912.f) - 12582912.f;
+  lanes r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  lanes p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  return p * (lanes)((__builtin_convertvector(n, mask) + 127) << 23);
+}
+
+// s[u][j] = qs[u] . K[j] for TILE query vectors and each of a page's tokens, K as
+// kt[d * page_size + j]; a row of s is `width` long.
+static inline __attribute__((always_inline)) void tile_scores(const float *restrict kt,
+                                                              const float **qs, int64_t dim,
+                                                              int64_t page_size, int64_t width,
+                                                              float *s) {
+  if (page_size == 16) {
+    enum { PARTS = 16 / LANES };
+    lanes acc[TILE][PARTS];
+    for (int u = 0; u < TILE; u++)
+      for (int c = 0; c < PARTS; c++) acc[u][c] = (lanes){0};
+    for (int64_t d = 0; d < dim; d++)
+      for (int c = 0; c < PARTS; c++) {
+        lanes col = load(kt + d * 16 + c * LANES);
+        for (int u = 0; u < TILE; u++) acc[u][c] += qs[u][d] * col;
+      }
+    for (int u = 0; u < TILE; u++)
+      for (int c = 0; c < PARTS; c++) store(s + u * width + c * LANES, acc[u][c]);
+    return;
+  }
+  for (int64_t x = 0; x < TILE * width; x++) s[x] = 0.f;
+  for (int64_t d = 0; d < dim; d++)
+    for (int u = 0; u < TILE; u++) {
+      float x = qs[u][d];
+#pragma omp simd
+      for (int64_t j = 0; j < page_size; j++) s[u * width + j] += x * kt[d * page_size + j];
+    }
+}
+
+// One query vector's scores for a page (`width` of them, a multiple of LANES, those from
+// `valid` on masked) become its softmax weights against the running max `*top`: the sum
+// `*total` and the output so far `o` shrink where the max grows; the weights' sum is added.
+static inline __attribute__((always_inline)) void weigh(float *s, int64_t width, int64_t valid,
+                                                        float scale, float *top, float *total,
+                                                        float *o, int64_t dim) {
+  lanes index, big = load(s) * scale;
+  for (int l = 0; l < LANES; l++) index[l] = (float)l;
+  for (int64_t j = 0; j < width; j += LANES) {
+    lanes x = pick(index + (float)j < (float)valid, load(s + j) * scale, (lanes){0} - INFINITY);
+    store(s + j, x);
+    big = pick(x > big, x, big);
+  }
+  float best = big[0];
+  for (int l = 1; l < LANES; l++) best = big[l] > best ? big[l] : best;
+  if (best > *top) {
+    float shrink = expf(*top - best);
+    *total *= shrink;
+#pragma omp simd
+    for (int64_t d = 0; d < dim; d++) o[d] *= shrink;
+    *top = best;
+  }
+  lanes sum = (lanes){0};
+  for (int64_t j = 0; j < width; j += LANES) {
+    lanes w = exp_nonpositive(load(s + j) - *top);
+    w = pick(index + (float)j < (float)valid, w, (lanes){0});
+    store(s + j, w);
+    sum += w;
+  }
+  for (int l = 0; l < LANES; l++) *total += sum[l];
+}
+
+// o += sum over j < valid of w[j] * V[j], V as vt[j * dim + d].
+static inline __attribute__((always_inline)) void add_weighted(float *restrict o,
+                                                               const float *w, int64_t valid,
+                                                               const float *restrict vt,
+                                                               int64_t dim) {
+  if (dim == 64 || dim == 128) {
+    lanes acc[128 / LANES];
+    for (int64_t c = 0; c < dim / LANES; c++) acc[c] = load(o + c * LANES);
+    for (int64_t j = 0; j < valid; j++)
+      for (int64_t c = 0; c < dim / LANES; c++) acc[c] += w[j] * load(vt + j * dim + c * LANES);
+    for (int64_t c = 0; c < dim / LANES; c++) store(o + c * LANES, acc[c]);
+    return;
+  }
+  for (int64_t j = 0; j < valid; j++)
+#pragma omp simd
+    for (int64_t d = 0; d < dim; d++) o[d] += w[j] * vt[j * dim + d];
+}
+
+static inline __attribute__((always_inline)) void prefill_block(
+    const float *restrict q, float *restrict out, int64_t heads, int64_t kv_heads, int64_t dim,
+    const void *k_cache, const void *v_cache, int is_bf16, int64_t page_size,
+    const int64_t *pages, int64_t first_row, int64_t i0, int64_t i1, int64_t kvh, float scale,
+    float *restrict kt, float *restrict vt, float *restrict top, float *restrict total,
+    float *restrict acc, const float **qs, const float *zeros) {
+  int64_t group = heads / kv_heads, vectors = (i1 - i0) * group, end = first_row + i1;
+  int64_t width = (page_size + LANES - 1) / LANES * LANES;
+  float s[TILE * width];
+  for (int64_t r = 0; r < vectors + TILE; r++)  // a query vector's row and head; then zeros
+    qs[r] = r < vectors ? q + ((i0 + r / group) * heads + kvh * group + r % group) * dim : zeros;
+  for (int64_t r = 0; r < vectors; r++) top[r] = -INFINITY, total[r] = 0.f;
+  memset(acc, 0, (size_t)(vectors * dim) * sizeof(float));
+  memset(s, 0, sizeof s);  // the padding past page_size: finite, masked
+  for (int64_t t0 = 0, p = 0; t0 < end; t0 += page_size, p++) {
+    int64_t n = end - t0 < page_size ? end - t0 : page_size;
+    for (int64_t j = 0; j < n; j++) {
+      int64_t at = ((pages[p] * page_size + j) * kv_heads + kvh) * dim;
+      const float *k = head(k_cache, is_bf16, at, dim, vt + j * dim);  // vt: scratch here
+      for (int64_t d = 0; d < dim; d++) kt[d * page_size + j] = k[d];
+      const float *v = head(v_cache, is_bf16, at, dim, vt + j * dim);
+      if (v != vt + j * dim) memcpy(vt + j * dim, v, (size_t)dim * sizeof(float));
+    }
+    for (int64_t j = n; j < page_size; j++)  // a last page's empty slots: finite, masked
+      for (int64_t d = 0; d < dim; d++) kt[d * page_size + j] = 0.f;
+    int64_t seen = t0 - first_row > i0 ? t0 - first_row : i0;  // rows before see none of it
+    for (int64_t r0 = (seen - i0) * group; r0 < vectors; r0 += TILE) {
+      tile_scores(kt, qs + r0, dim, page_size, width, s);
+      for (int64_t u = 0; u < TILE && r0 + u < vectors; u++) {
+        int64_t r = r0 + u, valid = first_row + i0 + r / group + 1 - t0;
+        valid = valid > n ? n : valid;
+        float *o = acc + r * dim, *w = s + u * width;
+        weigh(w, width, valid, scale, top + r, total + r, o, dim);
+        add_weighted(o, w, valid, vt, dim);
+      }
+    }
+  }
+  for (int64_t r = 0; r < vectors; r++) {
+    float inv = 1.f / total[r], *o = (float *)qs[r] - q + out;
+    const float *a = acc + r * dim;
+#pragma omp simd
+    for (int64_t d = 0; d < dim; d++) o[d] = a[d] * inv;
+  }
+}
+
+// out[i] for i < n, as above; q and out [n, heads, dim] float32. Returns 0, or -1 when
+// scratch memory cannot be had.
+int paged_prefill(const float *q, float *out, int64_t heads, int64_t kv_heads, int64_t dim,
+                  const void *k_cache, const void *v_cache, int is_bf16, int64_t page_size,
+                  const int64_t *pages, int64_t context, int64_t n, float scale) {
+  int64_t group = heads / kv_heads, blocks = (n + BLOCK - 1) / BLOCK;
+  int64_t vectors = BLOCK * group;
+  int failed = 0;
+#pragma omp parallel
+  {
+    size_t floats = (size_t)(2 * page_size * dim + 2 * vectors + vectors * dim + dim);
+    float *scratch = calloc(floats, sizeof(float));
+    const float **qs = malloc((size_t)(vectors + TILE) * sizeof(float *));
+    if (!scratch || !qs) {
+#pragma omp atomic write
+      failed = 1;
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < blocks * kv_heads; task++) {
+      if (!scratch || !qs) continue;
+      // The last blocks first: they read the most pages.
+      int64_t b = blocks - 1 - task / kv_heads, kvh = task % kv_heads;
+      int64_t i0 = b * BLOCK, i1 = i0 + BLOCK < n ? i0 + BLOCK : n;
+      float *kt = scratch, *vt = kt + page_size * dim, *top = vt + page_size * dim;
+      float *total = top + vectors, *acc = total + vectors, *zeros = acc + vectors * dim;
+#define BLOCK_OF(BF16, PS, DIM)                                                          \
+  prefill_block(q, out, heads, kv_heads, DIM, k_cache, v_cache, BF16, PS, pages,         \
+                context - n, i0, i1, kvh, scale, kt, vt, top, total, acc, qs, zeros)
+      if (page_size == 16 && dim == 64)
+        is_bf16 ? BLOCK_OF(1, 16, 64) : BLOCK_OF(0, 16, 64);
+      else if (page_size == 16 && dim == 128)
+        is_bf16 ? BLOCK_OF(1, 16, 128) : BLOCK_OF(0, 16, 128);
+      else
+        is_bf16 ? BLOCK_OF(1, page_size, dim) : BLOCK_OF(0, page_size, dim);
+#undef BLOCK_OF
+    }
+    free(scratch);
+    free(qs);
+  }
+  return failed ? -1 : 0;
+}
+
+#pragma GCC pop_options

@@ -100,53 +100,59 @@ def batch1_decode(
 
 @dataclass(frozen=True)
 class GatherCost:
-    """One decode step's whole forward with its pages gathered into a copy, against the
-    same step with our kernel reading them in place (None where it cannot be built)."""
+    """One step's whole forward with its pages gathered into a copy, against the same step
+    with our kernels reading them in place (None where they cannot be built). `new_tokens`
+    1: a decode step of `batch` sequences; more: `batch` prefill chunks of that many tokens
+    after their cached context."""
 
     batch: int
     context_len: int
     gathered_s: float
     in_place_s: float | None
+    new_tokens: int = 1
 
     @property
     def speedup(self) -> float | None:
         return None if self.in_place_s is None else self.gathered_s / self.in_place_s
 
 
-def gather_cost(engine: LLMEngine, batch: int, context_len: int, repeats: int) -> GatherCost:
-    """One decode step of `batch` sequences of `context_len` tokens, on a scratch cache,
-    both ways.
+def gather_cost(
+    engine: LLMEngine, batch: int, context_len: int, repeats: int, new_tokens: int = 1
+) -> GatherCost:
+    """One step of `batch` sequences of `context_len` tokens, the last `new_tokens` of each
+    new, on a scratch cache, both ways.
 
     Page tables are random pages (with repeats when the cache is too small for the batch),
     so the pages are read as scattered as a long-running server's.
     """
-    layout, ps = engine.layout, engine.layout.page_size
-    cache = KVCache(layout, engine.cache.num_pages, engine.device)
+    layout, ps, device = engine.layout, engine.layout.page_size, engine.device
+    cache = KVCache(layout, engine.cache.num_pages, device)
     width = pages_for(context_len, ps)
-    pages = torch.randint(0, cache.num_pages, (batch, width), device=engine.device)
-    last = context_len - 1
-    positions = torch.full((batch,), last, device=engine.device)
+    pages = torch.randint(0, cache.num_pages, (batch, width), device=device)
+    at = torch.arange(context_len - new_tokens, context_len, device=device)
+    positions = at.repeat(batch)
+    rows = torch.arange(batch, device=device).repeat_interleave(new_tokens)
     step = StepBatch(
-        num_decodes=batch,
-        query_start=list(range(batch + 1)),
+        num_decodes=batch if new_tokens == 1 else 0,
+        query_start=list(range(0, batch * new_tokens + 1, new_tokens)),
         context_lens=[context_len] * batch,
         page_table=pages,
-        slot_mapping=pages[:, last // ps] * ps + last % ps,
+        slot_mapping=pages[rows, positions // ps] * ps + positions % ps,
         positions=positions,
     )
-    ids = torch.randint(0, engine.spec.vocab_size, (batch,), device=engine.device)
-    rows = torch.arange(batch, device=engine.device)
+    ids = torch.randint(0, engine.spec.vocab_size, (batch * new_tokens,), device=device)
+    last = torch.arange(new_tokens - 1, batch * new_tokens, new_tokens, device=device)
 
     def best(backend: CpuBackend) -> float:
         attn = backend.prepare(step)
-        forward = lambda: engine.model.forward(ids, positions, backend, attn, cache, rows)
+        forward = lambda: engine.model.forward(ids, positions, backend, attn, cache, last)
         forward()
         return min(timed(forward) for _ in range(repeats))
 
-    in_place = CpuBackend(layout, engine.device)
-    gathered_s = best(CpuBackend(layout, engine.device, in_place=False))
+    in_place = CpuBackend(layout, device)
+    gathered_s = best(CpuBackend(layout, device, in_place=False))
     in_place_s = best(in_place) if in_place.kernel is not None else None
-    return GatherCost(batch, context_len, gathered_s, in_place_s)
+    return GatherCost(batch, context_len, gathered_s, in_place_s, new_tokens)
 
 
 def timed(fn: Callable[[], object]) -> float:

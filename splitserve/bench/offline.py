@@ -67,6 +67,7 @@ QUICK: dict[str, Any] = {
     "gather_contexts": (512, 2048),
 }
 DECODE_PROMPT = 128
+CONTEXT_CHUNK = 256  # a prefill chunk's tokens after its context, in the gather rows
 PAD_ID = 2  # the bundled model's pad (= EOS) id; padded positions are masked anyway
 
 
@@ -171,11 +172,15 @@ def costs(
         max_model_len=engine.max_model_len,
         budget_tokens=budget,
     )
-    say("decode step: pages gathered or read in place")
+    say("decode step and prefill after context: pages gathered or read in place")
     gathers = [
         decode_cost.gather_cost(engine, b, c, repeats=2)
         for c in args.gather_contexts
         for b in args.gather_batches
+    ]
+    gathers += [
+        decode_cost.gather_cost(engine, 1, c, repeats=2, new_tokens=CONTEXT_CHUNK)
+        for c in args.gather_contexts
     ]
     return decode, waste, budget, gathers
 

@@ -109,16 +109,18 @@ def print_report(res: Results) -> None:
         print(f"  {w.layout:<46} waste {w.waste:6.1%}  fits {w.fits:>5}")
 
     print(
-        "\na decode step's forward with its K and V pages gathered into a copy (index_select "
-        "into one reused workspace), and read in place by paged_attention.c"
+        "\na step's forward with its K and V pages gathered into a copy (index_select; "
+        "decodes into one reused workspace), and read in place by paged_attention.c"
     )
     for g in res.gathers:
         in_place = "no kernel" if g.in_place_s is None else f"{g.in_place_s * 1e3:7.1f} ms"
         faster = "" if g.speedup is None else f" ({g.speedup:.2f}x)"
-        print(
-            f"  batch {g.batch:>3} x context {g.context_len:>5}: gathered "
-            f"{g.gathered_s * 1e3:7.1f} ms, in place {in_place}{faster}"
+        what = (
+            f"decode batch {g.batch:>3} x context {g.context_len:>5}"
+            if g.new_tokens == 1
+            else f"{g.new_tokens} prompt tokens after {g.context_len - g.new_tokens:>5}"
         )
+        print(f"  {what}: gathered {g.gathered_s * 1e3:7.1f} ms, in place {in_place}{faster}")
 
     print("\ntargets:")
     for t in res.targets:

@@ -4,6 +4,7 @@ backend and dtype an engine resolves `auto` to, per device."""
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 from typing import Any
 
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
 from cluster.config import ConfigError
-from cluster.engine import attention_cpu
+from cluster.engine import attention_cpu, native
 from cluster.engine.attention import resolve_backend
 from cluster.engine.attention_cpu import (
     CpuBackend,
@@ -22,6 +23,7 @@ from cluster.engine.attention_cpu import (
     _decode_attention,
     paged_attention,
 )
+from cluster.engine.cpu_isa import cpu
 from cluster.engine.kv_cache import KVCache, KVLayout
 from cluster.engine.page_pool import pages_for
 from cluster.engine.step_batch import StepBatch
@@ -152,3 +154,74 @@ def test_pages_read_in_place_attend_as_the_gathered_copy(dtype: torch.dtype) -> 
     assert ours.dtype == dtype and ours.shape == (n, 9, 64)
     tolerance = 1e-5 if dtype == torch.float32 else 0.02
     torch.testing.assert_close(ours.float(), ref.float(), rtol=0, atol=tolerance)
+
+
+@pytest.fixture(params=["native", "haswell"], ids=["this-cpu", "avx2"])
+def build(request: pytest.FixtureRequest) -> ctypes.CDLL:
+    """paged_attention.c built for this CPU, and for AVX2 alone (its other vector width)."""
+    if request.param == "haswell" and not {"avx2", "fma", "f16c"} <= cpu()[1]:
+        pytest.skip("this CPU cannot run an AVX2 build")
+    lib = native.library("paged_attention.c", request.param)
+    if lib is None:
+        pytest.skip(f"no {request.param} build of paged_attention.c here")
+    return attention_cpu.bind(lib)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("page_size", "heads", "kv_heads", "dim"),
+    [(16, 9, 3, 64), (5, 8, 2, 32), (16, 4, 4, 128)],  # the bundled model's; others, generic
+)
+@pytest.mark.parametrize("cached", [0, 37])
+def test_a_prefill_chunk_reads_the_pages_in_place(
+    monkeypatch: pytest.MonkeyPatch,
+    build: ctypes.CDLL,
+    dtype: torch.dtype,
+    page_size: int,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    cached: int,
+) -> None:
+    # 45 query rows, fresh or after 37 cached tokens: three blocks of rows, the last one
+    # partial, and a chunk that ends (and after context starts) inside a page.
+    g = torch.Generator().manual_seed(5)
+    n = 45
+    context = cached + n
+    width = pages_for(context, page_size)
+    pages = torch.randperm(2 * width, generator=g)[:width]
+    k_cache, v_cache = (
+        torch.randn(2 * width, page_size, kv_heads, dim, generator=g).to(dtype) for _ in "kv"
+    )
+    q = torch.randn(n, heads, dim, generator=g).to(dtype)
+    k, v = (torch.randn(n, kv_heads, dim, generator=g).to(dtype) for _ in "kv")
+    at = torch.arange(cached, context)
+    meta = CpuMetadata(
+        pages[at // page_size] * page_size + at % page_size,
+        0,
+        None,
+        None,
+        None,
+        None,
+        (PrefillChunk(0, n, context, pages),),
+    )
+
+    def no_sdpa(*args: object, **kwargs: object) -> torch.Tensor:
+        raise AssertionError("SDPA ran: the pages were gathered")
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", no_sdpa)
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, build)
+    monkeypatch.undo()
+
+    # Reference: the pages gathered in float32, each query row masked causally.
+    group = heads // kv_heads
+    keys = k_cache[pages].flatten(0, 1)[:context].float().repeat_interleave(group, 1)
+    values = v_cache[pages].flatten(0, 1)[:context].float().repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * dim**-0.5
+    causal = torch.arange(context)[None, :] <= at[:, None]
+    ref = torch.einsum(
+        "hqk,khd->qhd", scores.masked_fill(~causal, float("-inf")).softmax(-1), values
+    )
+    assert out.dtype == dtype and out.shape == (n, heads, dim)
+    tolerance = 1e-5 if dtype == torch.float32 else 0.02
+    torch.testing.assert_close(out.float(), ref, rtol=0, atol=tolerance)

@@ -1,15 +1,17 @@
-// Paged decode attention on the CPU, reading K and V where they lie in their pages: no
-// gather copy, no mask. Built on the host that runs it (-march=native) by cluster/engine/native.py;
-// the loops over a head's dimensions are the compiler's to vectorize (AVX2, AVX-512).
+// Paged attention on the CPU, reading K and V where they lie in their pages: no gather
+// copy, no mask. Decode rows here; prefill chunks (`paged_prefill`) below. Built on the host
+// that runs it (-march=native) by cluster/engine/native.py.
 //
-// Each query row attends to the first `len` tokens of its sequence, whose page ids are a
+// Each decode row attends to the first `len` tokens of its sequence, whose page ids are a
 // row of `tables`: token t lies in page tables[t / page_size], slot t % page_size. A decode
 // row's len is its context (its own K and V already stored).
 // Cache: [pages, page_size, kv_heads, dim] float32 or bfloat16; q and out [rows, heads,
-// dim] float32. The query heads of one KV head share its loads (GQA). The
-// softmax is exact in float32: the scores, their max, then the weighted sum of V.
+// dim] float32. The query heads of one KV head share its loads (GQA). The softmax is in
+// float32: the scores, their max, their exponentials (within 2 ulp of expf), then the
+// weighted sum of V.
 
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -27,108 +29,12 @@ static inline __attribute__((always_inline)) const float *head(const void *cache
   return to;
 }
 
-// Query heads [kvh * group, (kvh + 1) * group) of one row; `scores` holds group * len.
-// Inlined where is_bf16 and dim are constants, so the loops over dim unroll.
-static inline __attribute__((always_inline)) void attend(
-    const float *q, const void *k_cache, const void *v_cache, int is_bf16, int64_t kv_heads,
-    int64_t dim, int64_t page_size, const int64_t *pages, int64_t len, int64_t kvh,
-    int64_t group, float scale, float *scores, float *row, float *out) {
-  float top[group], total[group];
-  for (int64_t g = 0; g < group; g++) top[g] = -INFINITY, total[g] = 0.f;
-  for (int64_t t0 = 0, p = 0; t0 < len; t0 += page_size, p++) {
-    int64_t first = pages[p] * page_size, n = len - t0 < page_size ? len - t0 : page_size;
-    for (int64_t j = 0; j < n; j++) {
-      const float *k = head(k_cache, is_bf16, ((first + j) * kv_heads + kvh) * dim, dim, row);
-      for (int64_t g = 0; g < group; g++) {
-        const float *qg = q + g * dim;
-        float s = 0.f;
-#pragma omp simd reduction(+ : s)
-        for (int64_t d = 0; d < dim; d++) s += qg[d] * k[d];
-        s *= scale;
-        scores[g * len + t0 + j] = s;
-        top[g] = s > top[g] ? s : top[g];
-      }
-    }
-  }
-  for (int64_t g = 0; g < group; g++) {
-    float *sg = scores + g * len;
-    for (int64_t t = 0; t < len; t++) total[g] += sg[t] = expf(sg[t] - top[g]);
-    memset(out + g * dim, 0, (size_t)dim * sizeof(float));
-  }
-  for (int64_t t0 = 0, p = 0; t0 < len; t0 += page_size, p++) {
-    int64_t first = pages[p] * page_size, n = len - t0 < page_size ? len - t0 : page_size;
-    for (int64_t j = 0; j < n; j++) {
-      const float *v = head(v_cache, is_bf16, ((first + j) * kv_heads + kvh) * dim, dim, row);
-      for (int64_t g = 0; g < group; g++) {
-        float w = scores[g * len + t0 + j], *og = out + g * dim;
-#pragma omp simd
-        for (int64_t d = 0; d < dim; d++) og[d] += w * v[d];
-      }
-    }
-  }
-  for (int64_t g = 0; g < group; g++) {
-    float inv = 1.f / total[g], *og = out + g * dim;
-#pragma omp simd
-    for (int64_t d = 0; d < dim; d++) og[d] *= inv;
-  }
-}
-
-// out[r] for r < rows: query row r of q attends to the first lens[r] tokens of the
-// sequence whose page ids are tables[r] (width table_width). Returns 0, or -1 when scratch
-// memory cannot be had.
-int paged_attention(const float *q, float *out, int64_t heads, int64_t kv_heads, int64_t dim,
-                    const void *k_cache, const void *v_cache, int is_bf16, int64_t page_size,
-                    const int64_t *tables, int64_t table_width, const int64_t *lens,
-                    int64_t rows, float scale) {
-  int64_t group = heads / kv_heads, longest = 0;
-  for (int64_t r = 0; r < rows; r++) longest = lens[r] > longest ? lens[r] : longest;
-  int failed = 0;
-#pragma omp parallel
-  {
-    float *scores = malloc((size_t)(group * longest + dim) * sizeof(float));
-    if (!scores) {
-#pragma omp atomic write
-      failed = 1;
-    }
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < rows * kv_heads; i++) {
-      if (!scores) continue;
-      int64_t r = i / kv_heads, kvh = i % kv_heads, at = (r * heads + kvh * group) * dim;
-      const int64_t *pages = tables + r * table_width;
-#define ATTEND(BF16, DIM)                                                                \
-  attend(q + at, k_cache, v_cache, BF16, kv_heads, DIM, page_size, pages, lens[r], kvh, \
-         group, scale, scores + dim, scores, out + at)
-      if (dim == 64)
-        is_bf16 ? ATTEND(1, 64) : ATTEND(0, 64);
-      else if (dim == 128)
-        is_bf16 ? ATTEND(1, 128) : ATTEND(0, 128);
-      else
-        is_bf16 ? ATTEND(1, dim) : ATTEND(0, dim);
-#undef ATTEND
-    }
-    free(scores);
-  }
-  return failed ? -1 : 0;
-}
-
-// One prefill chunk's attention after its context, reading the pages in place: query row
-// i (of n) is the sequence's token context - n + i and attends to tokens [0, that one], whose
-// page ids are `pages`. Rows go in blocks of BLOCK; each block passes once over its pages
-// with an online softmax (as flash attention does): a page's K and V tile of one KV head is
-// made float32 once per block and serves the block's rows times the head's query group, K
-// transposed so that a query's scores for the page's tokens are one vector. TILE query
-// vectors' scores are summed at once, each in registers: with 16-token pages, 8 of
-// AVX-512's 32 vector registers, or 4 pairs of AVX2's 16.
-//
-// Unlike the decode kernel above, this part lets the compiler fuse a * b + c (FMA): it
-// halves the arithmetic of its two products; its sums round differently from SDPA's anyway.
-#pragma GCC push_options
-#pragma GCC optimize("fp-contract=fast")
-
+// LANES: floats in a vector register. The prefill's BLOCK and TILE are below. A decode
+// row's pages are split no finer than SPLIT_PAGES a task.
 #ifdef __AVX512F__
-enum { BLOCK = 16, TILE = 8, LANES = 16 };
+enum { LANES = 16, BLOCK = 16, TILE = 8, SPLIT_PAGES = 8 };
 #else
-enum { BLOCK = 16, TILE = 4, LANES = 8 };
+enum { LANES = 8, BLOCK = 16, TILE = 4, SPLIT_PAGES = 8 };
 #endif
 
 typedef float lanes __attribute__((vector_size(LANES * sizeof(float))));  // a register
@@ -164,6 +70,160 @@ static inline __attribute__((always_inline)) lanes exp_nonpositive(lanes x) {
   p = p * r * r + r + 1.f;
   return p * (lanes)((__builtin_convertvector(n, mask) + 127) << 23);
 }
+
+// Query heads [kvh * group, (kvh + 1) * group) of one row over its tokens [begin, end),
+// begin a page's first: out gets each head's sum of e^(score - top) V, not yet divided by
+// `total`, the sum of those weights; `scores` holds group * (end - begin) rounded up to LANES.
+// Inlined where is_bf16 and dim are constants, so the loops over dim unroll.
+static inline __attribute__((always_inline)) void attend(
+    const float *q, const void *k_cache, const void *v_cache, int is_bf16, int64_t kv_heads,
+    int64_t dim, int64_t page_size, const int64_t *pages, int64_t begin, int64_t end,
+    int64_t kvh, int64_t group, float scale, float *scores, float *row, float *out, float *top,
+    float *total) {
+  int64_t len = end - begin, stride = (len + LANES - 1) / LANES * LANES;
+  for (int64_t g = 0; g < group; g++) top[g] = -INFINITY, total[g] = 0.f;
+  for (int64_t t0 = begin, p = begin / page_size; t0 < end; t0 += page_size, p++) {
+    int64_t first = pages[p] * page_size, n = end - t0 < page_size ? end - t0 : page_size;
+    for (int64_t j = 0; j < n; j++) {
+      const float *k = head(k_cache, is_bf16, ((first + j) * kv_heads + kvh) * dim, dim, row);
+      for (int64_t g = 0; g < group; g++) {
+        const float *qg = q + g * dim;
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t d = 0; d < dim; d++) s += qg[d] * k[d];
+        s *= scale;
+        scores[g * stride + t0 - begin + j] = s;
+        top[g] = s > top[g] ? s : top[g];
+      }
+    }
+  }
+  lanes index;
+  for (int l = 0; l < LANES; l++) index[l] = (float)l;
+  for (int64_t g = 0; g < group; g++) {
+    float *sg = scores + g * stride;
+    lanes sum = (lanes){0};
+    for (int64_t t = len; t < stride; t++) sg[t] = top[g];  // finite; weighs 0 below
+    for (int64_t t = 0; t < stride; t += LANES) {
+      lanes w = exp_nonpositive(load(sg + t) - top[g]);
+      w = pick(index + (float)t < (float)len, w, (lanes){0});
+      store(sg + t, w);
+      sum += w;
+    }
+    for (int l = 0; l < LANES; l++) total[g] += sum[l];
+    memset(out + g * dim, 0, (size_t)dim * sizeof(float));
+  }
+  for (int64_t t0 = begin, p = begin / page_size; t0 < end; t0 += page_size, p++) {
+    int64_t first = pages[p] * page_size, n = end - t0 < page_size ? end - t0 : page_size;
+    for (int64_t j = 0; j < n; j++) {
+      const float *v = head(v_cache, is_bf16, ((first + j) * kv_heads + kvh) * dim, dim, row);
+      for (int64_t g = 0; g < group; g++) {
+        float w = scores[g * stride + t0 - begin + j], *og = out + g * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; d++) og[d] += w * v[d];
+      }
+    }
+  }
+}
+
+// out[r] for r < rows: query row r of q attends to the first lens[r] tokens of the
+// sequence whose page ids are tables[r] (width table_width). A row's KV heads are its tasks;
+// where those are too few for the threads (a small batch), each row's pages are split among
+// more, whose sums are then merged (as flash-decoding does). Returns 0, or -1 when scratch
+// memory cannot be had.
+int paged_attention(const float *q, float *out, int64_t heads, int64_t kv_heads, int64_t dim,
+                    const void *k_cache, const void *v_cache, int is_bf16, int64_t page_size,
+                    const int64_t *tables, int64_t table_width, const int64_t *lens,
+                    int64_t rows, float scale) {
+  int64_t group = heads / kv_heads, longest = 0, tasks = rows * kv_heads;
+  for (int64_t r = 0; r < rows; r++) longest = lens[r] > longest ? lens[r] : longest;
+  int64_t splits = (4 * omp_get_max_threads() + tasks - 1) / tasks;  // 4 tasks a thread
+  int64_t most = (longest + page_size - 1) / page_size / SPLIT_PAGES;  // each split's pages
+  splits = splits > most ? most : splits;
+  splits = splits < 1 ? 1 : splits;
+  float *parts = NULL;  // each split's out, top, total: group * (dim + 2)
+  if (splits > 1 && !(parts = malloc((size_t)(tasks * splits * group * (dim + 2)) * 4)))
+    return -1;
+  int failed = 0;
+#pragma omp parallel
+  {
+    float *scores = malloc((size_t)(group * (longest + LANES) + dim) * sizeof(float));
+    if (!scores) {
+#pragma omp atomic write
+      failed = 1;
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < tasks * splits; i++) {
+      if (!scores) continue;
+      int64_t task = i / splits, split = i % splits, r = task / kv_heads, kvh = task % kv_heads;
+      int64_t at = (r * heads + kvh * group) * dim, n = (lens[r] + page_size - 1) / page_size;
+      int64_t begin = n * split / splits * page_size, end = n * (split + 1) / splits * page_size;
+      end = end > lens[r] ? lens[r] : end;
+      const int64_t *pages = tables + r * table_width;
+      float top[group], total[group], *o = out + at;
+      if (parts) o = parts + i * group * (dim + 2);
+#define ATTEND(BF16, DIM)                                                                  \
+  attend(q + at, k_cache, v_cache, BF16, kv_heads, DIM, page_size, pages, begin, end, kvh, \
+         group, scale, scores + dim, scores, o, top, total)
+      if (dim == 64)
+        is_bf16 ? ATTEND(1, 64) : ATTEND(0, 64);
+      else if (dim == 128)
+        is_bf16 ? ATTEND(1, 128) : ATTEND(0, 128);
+      else
+        is_bf16 ? ATTEND(1, dim) : ATTEND(0, dim);
+#undef ATTEND
+      if (parts) {
+        memcpy(o + group * dim, top, (size_t)group * sizeof(float));
+        memcpy(o + group * (dim + 1), total, (size_t)group * sizeof(float));
+        continue;
+      }
+      for (int64_t g = 0; g < group; g++) {
+        float inv = 1.f / total[g], *og = o + g * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; d++) og[d] *= inv;
+      }
+    }
+    free(scores);
+#pragma omp for
+    for (int64_t task = 0; task < (parts ? tasks : 0); task++) {
+      const float *part = parts + task * splits * group * (dim + 2);
+      int64_t r = task / kv_heads, kvh = task % kv_heads;
+      for (int64_t g = 0; g < group; g++) {
+        float best = -INFINITY, sum = 0.f, *og = out + (r * heads + kvh * group + g) * dim;
+        for (int64_t s = 0; s < splits; s++) {
+          float t = part[s * group * (dim + 2) + group * dim + g];
+          best = t > best ? t : best;
+        }
+        memset(og, 0, (size_t)dim * sizeof(float));
+        for (int64_t s = 0; s < splits; s++) {
+          const float *ps = part + s * group * (dim + 2);
+          float t = ps[group * dim + g], w = t == -INFINITY ? 0.f : expf(t - best);
+          sum += w * ps[group * (dim + 1) + g];
+#pragma omp simd
+          for (int64_t d = 0; d < dim; d++) og[d] += w * ps[g * dim + d];
+        }
+        float inv = 1.f / sum;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; d++) og[d] *= inv;
+      }
+    }
+  }
+  free(parts);
+  return failed ? -1 : 0;
+}
+
+// One prefill chunk's attention after its context, reading the pages in place: query row
+// i (of n) is the sequence's token context - n + i and attends to tokens [0, that one], whose
+// page ids are `pages`. Rows go in blocks of BLOCK; each block passes once over its pages
+// with an online softmax (as flash attention does): a page's K and V tile of one KV head is
+// made float32 once per block and serves the block's rows times the head's query group, K
+// transposed so that a query's scores for the page's tokens are one vector. TILE query
+// vectors' scores are summed at once, each in registers: with 16-token pages, 8 of
+// AVX-512's 32 vector registers, or 4 pairs of AVX2's 16.
+//
+// Unlike the decode kernel above, this part lets the compiler fuse a * b + c (FMA): it
+// halves the arithmetic of its two products; its sums round differently from SDPA's anyway.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")
 
 // s[u][j] = qs[u] . K[j] for TILE query vectors and each of a page's tokens, K as
 // kt[d * page_size + j]; a row of s is `width` long.

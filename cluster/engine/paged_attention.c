@@ -11,7 +11,6 @@
 // weighted sum of V.
 
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,12 +28,12 @@ static inline __attribute__((always_inline)) const float *head(const void *cache
   return to;
 }
 
-// LANES: floats in a vector register. The prefill's BLOCK and TILE are below. A decode
-// row's pages are split no finer than SPLIT_PAGES a task.
+// LANES: floats in a vector register. SPLIT_PAGES: a decode task's pages. The prefill's
+// BLOCK and TILE are below.
 #ifdef __AVX512F__
-enum { LANES = 16, BLOCK = 16, TILE = 8, SPLIT_PAGES = 8 };
+enum { LANES = 16, SPLIT_PAGES = 16, BLOCK = 16, TILE = 8 };
 #else
-enum { LANES = 8, BLOCK = 16, TILE = 4, SPLIT_PAGES = 8 };
+enum { LANES = 8, SPLIT_PAGES = 16, BLOCK = 16, TILE = 4 };
 #endif
 
 typedef float lanes __attribute__((vector_size(LANES * sizeof(float))));  // a register
@@ -126,20 +125,18 @@ static inline __attribute__((always_inline)) void attend(
 }
 
 // out[r] for r < rows: query row r of q attends to the first lens[r] tokens of the
-// sequence whose page ids are tables[r] (width table_width). A row's KV heads are its tasks;
-// where those are too few for the threads (a small batch), each row's pages are split among
-// more, whose sums are then merged (as flash-decoding does). Returns 0, or -1 when scratch
-// memory cannot be had.
+// sequence whose page ids are tables[r] (width table_width). A task is a row's KV head over
+// SPLIT_PAGES of its pages; a row longer than that has its splits' sums merged (as
+// flash-decoding does), so a small batch of long rows still has tasks for every thread. The
+// splits fall at fixed pages, so a row's output does not depend on its batch. Returns 0,
+// or -1 when scratch memory cannot be had.
 int paged_attention(const float *q, float *out, int64_t heads, int64_t kv_heads, int64_t dim,
                     const void *k_cache, const void *v_cache, int is_bf16, int64_t page_size,
                     const int64_t *tables, int64_t table_width, const int64_t *lens,
                     int64_t rows, float scale) {
   int64_t group = heads / kv_heads, longest = 0, tasks = rows * kv_heads;
   for (int64_t r = 0; r < rows; r++) longest = lens[r] > longest ? lens[r] : longest;
-  int64_t splits = (4 * omp_get_max_threads() + tasks - 1) / tasks;  // 4 tasks a thread
-  int64_t most = (longest + page_size - 1) / page_size / SPLIT_PAGES;  // each split's pages
-  splits = splits > most ? most : splits;
-  splits = splits < 1 ? 1 : splits;
+  int64_t splits = ((longest + page_size - 1) / page_size + SPLIT_PAGES - 1) / SPLIT_PAGES;
   float *parts = NULL;  // each split's out, top, total: group * (dim + 2)
   if (splits > 1 && !(parts = malloc((size_t)(tasks * splits * group * (dim + 2)) * 4)))
     return -1;
@@ -155,9 +152,10 @@ int paged_attention(const float *q, float *out, int64_t heads, int64_t kv_heads,
     for (int64_t i = 0; i < tasks * splits; i++) {
       if (!scores) continue;
       int64_t task = i / splits, split = i % splits, r = task / kv_heads, kvh = task % kv_heads;
-      int64_t at = (r * heads + kvh * group) * dim, n = (lens[r] + page_size - 1) / page_size;
-      int64_t begin = n * split / splits * page_size, end = n * (split + 1) / splits * page_size;
+      int64_t at = (r * heads + kvh * group) * dim, begin = split * SPLIT_PAGES * page_size;
+      int64_t end = begin + SPLIT_PAGES * page_size;
       end = end > lens[r] ? lens[r] : end;
+      begin = begin > end ? end : begin;  // a shorter row's last splits: empty
       const int64_t *pages = tables + r * table_width;
       float top[group], total[group], *o = out + at;
       if (parts) o = parts + i * group * (dim + 2);

@@ -157,35 +157,28 @@ def test_pages_read_in_place_attend_as_the_gathered_copy(dtype: torch.dtype) -> 
 
 
 @pytest.mark.skipif(attention_cpu._kernel() is None, reason="no C compiler here")
-@pytest.mark.parametrize("lens", [[300], [300, 10]], ids=["one-row", "a-row-of-one-page"])
-def test_a_long_decode_split_among_threads_attends_as_the_gathered_copy(lens: list[int]) -> None:
-    # A row's 19 pages are split between tasks (2 threads, 3 KV heads a row: too few tasks),
-    # a page-long row's too (one split is empty), and the splits' sums merged.
+def test_a_long_decode_is_split_merged_and_the_same_alone_or_batched() -> None:
+    # A 300-token row's 19 pages are two tasks' (16 pages a task) whose sums are merged;
+    # 10-token rows beside it have one page and an empty second split. The long row's output
+    # is the gathered copy's, and bit for bit the same alone as in a batch of four.
     g = torch.Generator().manual_seed(7)
     layout = KVLayout(1, 3, 64, 16, torch.float32)
     cache = KVCache(layout, 24, CPU)
     for t in (cache.k[0], cache.v[0]):
         t.copy_(torch.randn(t.shape, generator=g))
+    lens = [300, 10, 10, 10]
     table = scattered_pages(lens, 16, 24, seed=1)
     at = torch.tensor(lens) - 1
-    batch = StepBatch(
-        len(lens),
-        list(range(len(lens) + 1)),
-        lens,
-        table,
-        table[range(len(lens)), at // 16] * 16 + at % 16,
-        at,
-    )
-    q, k, v = (torch.randn(len(lens), h, 64, generator=g) for h in (9, 3, 3))
+    slots = table[range(4), at // 16] * 16 + at % 16
+    both = StepBatch(4, [0, 1, 2, 3, 4], lens, table, slots, at)
+    alone = StepBatch(1, [0, 1], lens[:1], table[:1], slots[:1], at[:1])
+    q, k, v = (torch.randn(4, h, 64, generator=g) for h in (9, 3, 3))
     in_place, gathered = CpuBackend(layout, CPU), CpuBackend(layout, CPU, in_place=False)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        ours = in_place.forward(0, q, k, v, cache, in_place.prepare(batch))
-    finally:
-        torch.set_num_threads(threads)
-    ref = gathered.forward(0, q, k, v, cache, gathered.prepare(batch))
+    ours = in_place.forward(0, q, k, v, cache, in_place.prepare(both))
+    ref = gathered.forward(0, q, k, v, cache, gathered.prepare(both))
     torch.testing.assert_close(ours, ref, rtol=0, atol=1e-5)
+    one = in_place.forward(0, q[:1], k[:1], v[:1], cache, in_place.prepare(alone))
+    assert torch.equal(one[0], ours[0])
 
 
 @pytest.fixture(params=["native", "haswell"], ids=["this-cpu", "avx2"])

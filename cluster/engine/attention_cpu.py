@@ -3,10 +3,11 @@
 A batch holds decode rows first (one query token each), then prefill chunks (many
 query tokens each, possibly after cached context). Where our C kernels build
 (paged_attention.c), both read the pages in place through the page table: no gather
-copy, no mask. Decodes a row at a time; each prefill chunk, its context or not, in
-blocks of rows with an online softmax (measured 1.1-3.4x faster than SDPA on 8-2,048
-new tokens after 0-4,096 cached; docs/benchmarks.md). Every prompt row takes the same
-kernel whatever the chunking, so a prompt's tokens do not depend on its batch.
+copy, no mask. Decodes in one call, a row's KV head over 16 of its pages a task (a
+row's output the same in any batch); each prefill chunk, after context or not, in blocks
+of rows with an online softmax (measured 1.1-3.1x faster than SDPA on 8-2,048 new tokens
+after 0-4,096 cached; docs/benchmarks.md). Every prompt row takes the same kernel
+whatever the chunking, so a prompt's tokens do not depend on its batch.
 Elsewhere decodes' pages are gathered (index_select: measured ~2x faster than advanced
 indexing) into a padded [batch, max_context] copy with a length mask; a prefill chunk with
 no earlier context attends to its own fresh K/V, one with context gathers its pages, and
@@ -202,7 +203,7 @@ def _prefill_in_place(
     v_cache: torch.Tensor,
     chunk: PrefillChunk,
 ) -> torch.Tensor:
-    """A chunk's attention after its context by paged_attention.c, reading the pages in place."""
+    """A prefill chunk's attention (after its context, if any) by paged_attention.c."""
     qf = q.float().contiguous()
     out = torch.empty_like(qf)
     (rows, heads, dim), (_, page_size, kv_heads, _) = q.shape, k_cache.shape

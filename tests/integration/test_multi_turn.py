@@ -138,10 +138,13 @@ def test_later_turns_prefill_on_the_decode_worker_and_recompute_nothing(
 
 async def costs_measured(router: RouterHarness) -> bool:
     """The router's loads carry each worker's measured costs (what prefill_by_cost weighs):
-    seconds per token of its steps, and of a prefill worker's pushes."""
+    seconds per token of its steps, and of a prefill worker's pushes. A fitted slope of 0.0
+    is measured (StepRate floors a noisy negative one there): only None is not."""
     snapshot = router.app.workers.snapshot()
-    decode = all(d.s_per_token for d in snapshot.decode)
-    return decode and all(p.s_per_token and p.transfer_s_per_token for p in snapshot.prefill)
+    decode = all(d.s_per_token is not None for d in snapshot.decode)
+    return decode and all(
+        p.s_per_token is not None and p.transfer_s_per_token is not None for p in snapshot.prefill
+    )
 
 
 @pytest.mark.parametrize("router", ["least_loaded"], indirect=True)

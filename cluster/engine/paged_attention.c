@@ -258,7 +258,7 @@ static inline __attribute__((always_inline)) void tile_scores(const float *restr
 static inline __attribute__((always_inline)) void weigh(float *s, int64_t width, int64_t valid,
                                                         float scale, float *top, float *total,
                                                         float *o, int64_t dim) {
-  lanes index, big = load(s) * scale;
+  lanes index, big = (lanes){0} - INFINITY;
   for (int l = 0; l < LANES; l++) index[l] = (float)l;
   for (int64_t j = 0; j < width; j += LANES) {
     lanes x = pick(index + (float)j < (float)valid, load(s + j) * scale, (lanes){0} - INFINITY);

@@ -250,3 +250,21 @@ def test_a_prefill_chunk_reads_the_pages_in_place(
     assert out.dtype == dtype and out.shape == (n, heads, dim)
     tolerance = 1e-5 if dtype == torch.float32 else 0.02
     torch.testing.assert_close(out.float(), ref, rtol=0, atol=tolerance)
+
+
+@pytest.mark.skipif(attention_cpu._kernel() is None, reason="no C compiler here")
+def test_a_later_token_s_large_score_stays_out_of_an_earlier_row_s_softmax() -> None:
+    # Token 5's key is made to score ~400 against query head 0 of every row: rows 0-4 must
+    # not see it, not even as their running max (all their weights would underflow alike).
+    g = torch.Generator().manual_seed(9)
+    n, page_size = 16, 16
+    q = torch.randn(n, 3, 64, generator=g)
+    q[:, 0] = q[0, 0]
+    k, v = (torch.randn(n, 1, 64, generator=g) for _ in "kv")
+    k[5, 0] = 50 * q[0, 0]
+    pages = torch.tensor([0])
+    k_cache, v_cache = (torch.zeros(1, page_size, 1, 64) for _ in "kv")
+    meta = CpuMetadata(torch.arange(n), 0, None, None, None, None, (PrefillChunk(0, n, n, pages),))
+    ours = paged_attention(q, k, v, k_cache, v_cache, meta, attention_cpu._kernel())
+    ref = paged_attention(q, k, v, k_cache, v_cache, meta)  # SDPA on the chunk's own K/V
+    torch.testing.assert_close(ours, ref, rtol=0, atol=1e-5)

@@ -294,12 +294,13 @@ class LLMEngine:
         self._generated_tokens = 0  # tokens sampled here
         self._grammars: Grammars | None = None  # built by the first structured request
         log.info(
-            "loaded %s (%s, %s, %s attention%s%s) in %.1fs: weights %.1f MiB resident",
+            "loaded %s (%s, %s, %s attention%s%s%s) in %.1fs: weights %.1f MiB resident",
             self.spec.name,
             describe_modes(config, self.dtype, self.quantization, self.device.type),
             self.device,
             backend,
             ", CUDA-graph decode" if self.runner.graphs else "",
+            ", layers in one C call a step" if self.runner.loop else "",
             "" if group is None else f", {group.shard.describe()}",
             time.perf_counter() - started,
             self.model.weight_bytes / 2**20,

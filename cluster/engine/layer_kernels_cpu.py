@@ -1,8 +1,8 @@
-"""The CPU twin of layer_kernels.py: the residual add with the RMSNorm after it, and RoPE
-of q and k, one C call each (layer_ops.c, built by native.py) where PyTorch takes several
-ops of a few microseconds' dispatch each; silu(gate) * up stays PyTorch's (its vectorized
-exp). The model uses them on the CPU where layer_ops.c builds (`module()`), with the same
-signatures as the Triton kernels."""
+"""The CPU twin of layer_kernels.py: the residual add with the RMSNorm after it, RoPE of q
+and k, and silu(gate) * up, one C call each (layer_ops.c, built by native.py) where PyTorch
+takes several ops of a few microseconds' dispatch each. The model uses them on the CPU
+where layer_ops.c builds (`module()`), with the same signatures as the Triton kernels; the
+runner's C layer loop (layer_loop.c) calls the same functions."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import sys
 from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 
 from cluster.engine import native
 
@@ -22,12 +21,16 @@ DTYPES = (torch.float32, torch.bfloat16)
 @functools.cache
 def _ops() -> ctypes.CDLL | None:
     lib = native.library("layer_ops.c")
-    if lib is None:
-        return None
+    return None if lib is None else bind(lib)
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """A built layer_ops.c with its signatures."""
     i64, ptr, flag = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib.add_rms_norm.restype = lib.rope.restype = None
+    lib.add_rms_norm.restype = lib.rope.restype = lib.silu_mul.restype = None
     lib.add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, flag]
     lib.rope.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, flag]
+    lib.silu_mul.argtypes = [ptr, ptr, i64, i64, flag]
     return lib
 
 
@@ -66,7 +69,12 @@ def rope_(
     )  # fmt: skip
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of gate_up [N, 2 * inner] (gate first): [N, inner]."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+def silu_mul(gate_up: torch.Tensor, ops: ctypes.CDLL | None = None) -> torch.Tensor:
+    """layer_kernels.silu_mul on the CPU: silu(gate) * up of gate_up [N, 2 * inner] (gate
+    first): [N, inner], by `ops` (a build of layer_ops.c; this CPU's by default)."""
+    ops = ops or _ops()
+    assert ops is not None and gate_up.is_contiguous()
+    rows, inner = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, inner, dtype=gate_up.dtype)
+    ops.silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, inner, int(out.dtype == torch.bfloat16))
+    return out

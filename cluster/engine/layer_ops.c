@@ -1,6 +1,6 @@
 // A decoder layer's elementwise steps on the CPU, one call each where PyTorch takes
 // several ops (and a few microseconds of dispatch per op): the residual add with the
-// RMSNorm after it, and rotate-half RoPE of q and k together, in place. The CPU twin of
+// RMSNorm after it, rotate-half RoPE of q and k together, in place, and silu(gate) * up. The CPU twin of
 // layer_kernels.py's Triton kernels, with the same arithmetic: float32 inside, the
 // residual rounded to its dtype before it is normed. Tensors are float32 or bfloat16
 // (`bf16`); rows may be strided, a row's elements are contiguous. Built on the host by
@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "bfloat16.h"
+#include "lanes.h"
 
 static inline float get(const void *p, int64_t i, int bf16) {
   return bf16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
@@ -88,4 +89,70 @@ void rope(void *x, const int64_t *positions, const void *cos, const void *signed
     rope_rows(x, positions, cos, signed_sin, tokens, heads, dim, stride_t, stride_h, stride_c, 1);
   else
     rope_rows(x, positions, cos, signed_sin, tokens, heads, dim, stride_t, stride_h, stride_c, 0);
+}
+
+// silu(g) = g / (1 + e^-g), from e = e^-|g| (never overflows): g / (1 + e) for g >= 0,
+// g e / (1 + e) below.
+static inline __attribute__((always_inline)) lanes silu(lanes g) {
+  lanes e = exp_nonpositive(pick(g < 0.f, g, -g));
+  return g * pick(g < 0.f, e, (lanes){0} + 1.f) / (1.f + e);
+}
+
+typedef uint16_t halves __attribute__((vector_size(LANES * sizeof(uint16_t))));
+typedef uint32_t words __attribute__((vector_size(LANES * sizeof(uint32_t))));
+
+static inline __attribute__((always_inline)) lanes widen(halves h) {  // bf16_to_float's
+  return (lanes)(__builtin_convertvector(h, words) << 16);
+}
+
+static inline __attribute__((always_inline)) halves narrow(lanes f) {  // float_to_bf16's
+  words u = (words)f;
+  words nearest = (u + 0x7fff + ((u >> 16) & 1)) >> 16, nan = (u >> 16) | 0x40;
+  words picked = (words)pick((mask)((u & 0x7fffffff) > 0x7f800000), (lanes)nan, (lanes)nearest);
+  return __builtin_convertvector(picked, halves);
+}
+
+// silu(gate) * up for LANES of each, as PyTorch's F.silu(gate) * up: the silu rounded to
+// the dtype, then the product.
+static inline __attribute__((always_inline)) void silu_mul_lanes(const void *gate,
+                                                                 const void *up, void *out,
+                                                                 int bf16) {
+  if (bf16) {
+    halves g, u;
+    memcpy(&g, gate, sizeof g);
+    memcpy(&u, up, sizeof u);
+    halves s = narrow(widen(narrow(silu(widen(g)))) * widen(u));
+    memcpy(out, &s, sizeof s);
+  } else {
+    store(out, silu(load(gate)) * load(up));
+  }
+}
+
+static inline __attribute__((always_inline)) void silu_mul_rows(const void *gate_up, void *out,
+                                                                int64_t rows, int64_t inner,
+                                                                int bf16) {
+  int64_t item = bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) if (rows > 4)
+  for (int64_t r = 0; r < rows; r++) {
+    const char *gate = (const char *)gate_up + r * 2 * inner * item, *up = gate + inner * item;
+    char *o = (char *)out + r * inner * item;
+    int64_t i = 0;
+    for (; i + LANES <= inner; i += LANES)
+      silu_mul_lanes(gate + i * item, up + i * item, o + i * item, bf16);
+    if (i < inner) {  // the last, partial: through a zero-padded copy
+      char g[LANES * 4] = {0}, u[LANES * 4] = {0}, y[LANES * 4];
+      memcpy(g, gate + i * item, (size_t)((inner - i) * item));
+      memcpy(u, up + i * item, (size_t)((inner - i) * item));
+      silu_mul_lanes(g, u, y, bf16);
+      memcpy(o + i * item, y, (size_t)((inner - i) * item));
+    }
+  }
+}
+
+// out [rows, inner] = silu(gate) * up of gate_up [rows, 2 * inner] (gate first), contiguous.
+void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inner, int bf16) {
+  if (bf16)
+    silu_mul_rows(gate_up, out, rows, inner, 1);
+  else
+    silu_mul_rows(gate_up, out, rows, inner, 0);
 }

@@ -4,8 +4,9 @@ The numerics follow transformers' LlamaModel step for step (RMSNorm in float32,
 rotate-half RoPE, SDPA), so greedy output is token-identical in float32. On CUDA the
 residual add with the RMSNorm after it, RoPE of q and k, and silu(gate) * up run as one
 fused Triton kernel each (cluster/engine/layer_kernels.py); the Triton attention backend
-rotates q and k itself, in its KV store. On the CPU the first two are one C call each
-(layer_kernels_cpu.py), where the C file builds.
+rotates q and k itself, in its KV store. On the CPU they are one C call each
+(layer_kernels_cpu.py), where the C file builds, and where every matrix is on our integer
+kernel the runner runs the layers in one C call (layer_loop.py) instead of `forward`.
 """
 
 from __future__ import annotations
@@ -207,10 +208,16 @@ class LlamaModel:
         added (none before layer 0), and the qkv projection of its RMSNorm)."""
         layer = self.layers[i]
         if mlp is None:
-            h = F.rms_norm(x, (self.spec.hidden_size,), layer.input_norm, self.spec.rms_norm_eps)
+            h = self.first_norm(x)
         else:
             x, h = self._add_norm(x, mlp, layer.input_norm)
         return x, layer.qkv(h)
+
+    def first_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """Layer 0's input RMSNorm (no residual to add yet)."""
+        return F.rms_norm(
+            x, (self.spec.hidden_size,), self.layers[0].input_norm, self.spec.rms_norm_eps
+        )
 
     def heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of the qkv projection: q's and k's heads side by side [n, heads +

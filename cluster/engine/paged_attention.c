@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "bfloat16.h"
+#include "lanes.h"
 
 // One token's head vector as float32: the cache's own for float32, else converted into `to`.
 static inline __attribute__((always_inline)) const float *head(const void *cache, int is_bf16,
@@ -28,47 +29,13 @@ static inline __attribute__((always_inline)) const float *head(const void *cache
   return to;
 }
 
-// LANES: floats in a vector register. SPLIT_PAGES: a decode task's pages. The prefill's
-// BLOCK and TILE are below.
+// SPLIT_PAGES: a decode task's pages. The prefill's BLOCK and TILE are below; LANES (floats
+// in a vector register) is lanes.h's.
 #ifdef __AVX512F__
-enum { LANES = 16, SPLIT_PAGES = 16, BLOCK = 16, TILE = 8 };
+enum { SPLIT_PAGES = 16, BLOCK = 16, TILE = 8 };
 #else
-enum { LANES = 8, SPLIT_PAGES = 16, BLOCK = 16, TILE = 4 };
+enum { SPLIT_PAGES = 16, BLOCK = 16, TILE = 4 };
 #endif
-
-typedef float lanes __attribute__((vector_size(LANES * sizeof(float))));  // a register
-typedef int32_t mask __attribute__((vector_size(LANES * sizeof(int32_t))));  // a comparison's
-
-static inline __attribute__((always_inline)) lanes load(const float *p) {
-  lanes v;
-  memcpy(&v, p, sizeof v);
-  return v;
-}
-
-static inline __attribute__((always_inline)) void store(float *p, lanes v) {
-  memcpy(p, &v, sizeof v);
-}
-
-static inline __attribute__((always_inline)) lanes pick(mask m, lanes a, lanes b) {
-  return (lanes)((m & (mask)a) | (~m & (mask)b));  // a where m, else b
-}
-
-// e^x for x <= 0 (a score less its row's max): x = n ln2 + r, |r| <= ln2 / 2, e^r by
-// Cephes' polynomial (within 2 ulp of expf), times 2^n made from its bits; n rounded by
-// adding and taking away 1.5 * 2^23. Below -87.3 it gives 2^-126, not the 0 it rounds to.
-static inline __attribute__((always_inline)) lanes exp_nonpositive(lanes x) {
-  x = pick(x < -87.3f, (lanes){0} - 87.3f, x);
-  lanes n = (x * 1.44269504f + 12582912.f) - 12582912.f;
-  lanes r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  lanes p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  return p * (lanes)((__builtin_convertvector(n, mask) + 127) << 23);
-}
 
 // Query heads [kvh * group, (kvh + 1) * group) of one row over its tokens [begin, end),
 // begin a page's first: out gets each head's sum of e^(score - top) V, not yet divided by

@@ -5,7 +5,8 @@ every decode, and a prefill chunk that finishes its sequence's uncomputed tokens
 those rows, the prompt positions whose logprobs a request asked for (`prompt_rows`).
 A decode-only step replays a captured CUDA graph when the engine has them; any other step
 of up to PIECEWISE_MAX_TOKENS tokens replays the graphs of the model's pieces between
-attention calls (cluster/engine/cuda_graphs.py).
+attention calls (cluster/engine/cuda_graphs.py). On the CPU, a model whose matrices are all
+on our integer kernel runs its layers in one C call a step (cluster/engine/layer_loop.py).
 """
 
 from __future__ import annotations
@@ -16,10 +17,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from cluster.engine import layer_loop
 from cluster.engine.attention import AttentionBackend, make_backend
+from cluster.engine.attention_cpu import CpuMetadata
 from cluster.engine.block_table import BlockTables
 from cluster.engine.checkpoint import ModelSpec
 from cluster.engine.kv_cache import KVCache
+from cluster.engine.layer_loop import LayerLoop
 from cluster.engine.model import LlamaModel
 from cluster.engine.page_pool import pages_for
 from cluster.engine.scheduler import Step
@@ -93,6 +97,7 @@ class ModelRunner:
         max_model_len: int,
         graphs: DecodeGraphs | None = None,
         pieces: PiecewiseGraphs | None = None,
+        loop: LayerLoop | None = None,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -101,6 +106,7 @@ class ModelRunner:
         self.tables = BlockTables(pages_for(max_model_len, cache.layout.page_size))
         self.graphs = graphs
         self.pieces = pieces
+        self.loop = loop
 
     def run(
         self, step: Step, on_layer: Callable[[int], None] | None = None
@@ -123,6 +129,10 @@ class ModelRunner:
             if logits is not None:
                 return inputs.sampled, logits
         ids = torch.tensor(inputs.ids, dtype=torch.long)
+        if self.loop is not None:
+            assert isinstance(metadata, CpuMetadata)
+            logits = self.loop.forward(ids, inputs.batch.positions, metadata, wanted, on_layer)
+            return inputs.sampled, logits
         if self.model.group is not None:  # the other ranks run the same step on theirs
             self.model.group.send_step(ids, inputs.batch, wanted)
         logits = self.model.forward(
@@ -224,7 +234,8 @@ def build_runner(
     attention = make_backend(backend, cache.layout, model.spec.num_heads, device, rope)
     decode_graphs, pieces = graph_kinds(backend, device)
     if not pieces or model.group is not None:
-        return ModelRunner(model, cache, attention, device, max_model_len)
+        loop = layer_loop.build(model, cache, attention)
+        return ModelRunner(model, cache, attention, device, max_model_len, loop=loop)
     from cluster.engine.attention_triton import TritonBackend
     from cluster.engine.cuda_graphs import (
         PIECEWISE_MAX_TOKENS,

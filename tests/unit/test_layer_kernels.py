@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cluster.engine import layer_kernels_cpu
+from cluster.engine import layer_kernels_cpu, native
 
 layer_kernels = pytest.importorskip("cluster.engine.layer_kernels")
 
@@ -32,6 +32,28 @@ def test_silu_mul_is_silu_of_the_gate_half_times_the_up_half(
     gate, up = gate_up.float().chunk(2, dim=-1)
     assert got.dtype == dtype and got.shape == (5, 70)
     torch.testing.assert_close(got.float(), F.silu(gate) * up, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("arch", ["native", "haswell"])  # this CPU's vectors, and AVX2's
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_silu_mul_is_torch_s_within_its_rounding(arch: str, dtype: torch.dtype) -> None:
+    """Rows of 70 (a partial last vector) over the whole range: exp's overflow and underflow
+    sides included, and the two roundings PyTorch's bfloat16 ops make."""
+    lib = native.library("layer_ops.c", arch)
+    if lib is None:
+        pytest.skip("layer_ops.c cannot be built here (no C compiler)")
+    ops = layer_kernels_cpu.bind(lib)
+    gate_up = torch.randn(5, 140, generator=torch.Generator().manual_seed(3)) * 4
+    gate_up[0, :8] = torch.tensor([-200.0, -88.0, -87.0, -20.0, 0.0, 20.0, 88.0, 200.0])
+    gate_up = gate_up.to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    got = layer_kernels_cpu.silu_mul(gate_up, ops)
+    assert got.dtype == dtype and got.shape == (5, 70)
+    # exp within 2 ulp of expf: float32 within a few ulp; bfloat16 at most one step of its
+    # rounding off PyTorch's. Far below -87 the exp is 2^-126 where it rounds to 0: a
+    # silu of ~1e-35 for 0.
+    rtol = 1e-6 if dtype == torch.float32 else 2**-8
+    torch.testing.assert_close(got.float(), (F.silu(gate) * up).float(), rtol=rtol, atol=1e-30)
 
 
 @pytest.fixture(params=["triton", "c"])

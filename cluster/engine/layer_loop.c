@@ -1,0 +1,150 @@
+// The decoder layers of one CPU step in one call: the sequence model.py's forward runs,
+// layer by layer, on the same kernels (qmatmul.c, paged_attention.c, layer_ops.c), called
+// through pointers the caller takes from their loaded builds. A step's numbers are
+// therefore the eager step's, bit for bit; what goes is the Python and PyTorch dispatch
+// between the kernels (about 20 calls a layer). Built on the host by native.py.
+//
+// Every matrix is one of qmatmul.c's (quantized groups); activations and the KV cache are
+// float32 or bfloat16 alike (`bf16`). Rows run decodes first, then prefill chunks, as
+// attention_cpu.py lays them out.
+
+#include <stdint.h>
+#include <string.h>
+
+#include "bfloat16.h"
+
+typedef int (*qmatmul_fn)(const void *, int, int64_t, int64_t, const uint8_t *, int64_t, int,
+                          void *, int);
+typedef int (*decode_fn)(const float *, float *, int64_t, int64_t, int64_t, const void *,
+                         const void *, int, int64_t, const int64_t *, int64_t, const int64_t *,
+                         int64_t, float);
+typedef int (*prefill_fn)(const float *, float *, int64_t, int64_t, int64_t, const void *,
+                          const void *, int, int64_t, const int64_t *, int64_t, int64_t, float);
+typedef void (*norm_fn)(void *, const void *, const void *, void *, int64_t, int64_t, int64_t,
+                        int64_t, int64_t, float, int);
+typedef void (*rope_fn)(void *, const int64_t *, const void *, const void *, int64_t, int64_t,
+                        int64_t, int64_t, int64_t, int64_t, int);
+typedef void (*silu_fn)(const void *, void *, int64_t, int64_t, int);
+
+typedef struct {  // y [n, rows] = x @ w.T (+ bias)
+  const uint8_t *packed;  // qmatmul.c's bands
+  int64_t rows, bits;
+  const void *bias;  // [rows] or NULL
+} Matrix;
+
+typedef struct {
+  const void *input_norm, *post_norm;
+  Matrix qkv, o, gate_up, down;
+  void *k_cache, *v_cache;  // [pages, page_size, kv_heads, dim]
+} Layer;
+
+typedef struct {
+  int64_t hidden, heads, kv_heads, dim, inner, page_size, bf16;
+  double eps, scale;  // RMSNorm's epsilon, attention's 1 / sqrt(dim)
+  const void *cos, *signed_sin;  // RoPE tables [positions, dim]
+  qmatmul_fn qmatmul;
+  decode_fn paged_attention;
+  prefill_fn paged_prefill;
+  norm_fn add_rms_norm;
+  rope_fn rope;
+  silu_fn silu_mul;
+  const Layer *layers;
+} Model;
+
+typedef struct {
+  int64_t n;  // rows
+  const int64_t *positions, *slots;  // [n]
+  int64_t decodes;  // rows [0, decodes) are decodes, over these pages and lengths
+  const int64_t *decode_pages, *decode_lens;
+  int64_t decode_width;
+  int64_t chunks;  // then prefill chunks: each (first row, rows, context, its pages' address)
+  const int64_t *chunk;
+  // The residual [n, hidden], in place; `h` holds layer `first`'s input norm on entry
+  // when first is 0, and `delta` the MLP output of layer first - 1 otherwise; on return
+  // `delta` holds the last layer's. The rest is scratch.
+  void *x, *h, *delta, *qkv, *a, *gate_up, *act;
+  float *qf, *af;  // [n, heads * dim] queries and attention's output, float32
+} Step;
+
+static int project(const Model *m, const Matrix *w, const void *x, int64_t n, int64_t k,
+                   void *y) {
+  int bf16 = (int)m->bf16;
+  if (m->qmatmul(x, bf16, n, k, w->packed, w->rows, (int)w->bits, y, bf16)) return -1;
+  if (w->bias) {  // as PyTorch's y + bias: the sum rounded to the dtype
+    for (int64_t r = 0; r < n; r++)
+      for (int64_t j = 0; j < w->rows; j++) {
+        int64_t at = r * w->rows + j;
+        float v = (bf16 ? bf16_to_float(((uint16_t *)y)[at]) : ((float *)y)[at]) +
+                  (bf16 ? bf16_to_float(((const uint16_t *)w->bias)[j])
+                        : ((const float *)w->bias)[j]);
+        if (bf16)
+          ((uint16_t *)y)[at] = float_to_bf16(v);
+        else
+          ((float *)y)[at] = v;
+      }
+  }
+  return 0;
+}
+
+// Layer i's K and V rows into their slots, its queries into qf as float32.
+static void store_kv(const Model *m, const Step *s, const Layer *l) {
+  int64_t item = m->bf16 ? 2 : 4, q = m->heads * m->dim, kv = m->kv_heads * m->dim;
+  int64_t row = l->qkv.rows;
+  for (int64_t t = 0; t < s->n; t++) {
+    const char *src = (const char *)s->qkv + t * row * item;
+    memcpy((char *)l->k_cache + s->slots[t] * kv * item, src + q * item, (size_t)(kv * item));
+    memcpy((char *)l->v_cache + s->slots[t] * kv * item, src + (q + kv) * item,
+           (size_t)(kv * item));
+    float *to = s->qf + t * q;
+    if (m->bf16)
+      for (int64_t j = 0; j < q; j++) to[j] = bf16_to_float(((const uint16_t *)src)[j]);
+    else
+      memcpy(to, src, (size_t)(q * 4));
+  }
+}
+
+static int attend(const Model *m, const Step *s, const Layer *l) {
+  int64_t q = m->heads * m->dim;
+  int bf16 = (int)m->bf16;
+  float scale = (float)m->scale;
+  if (s->decodes && m->paged_attention(s->qf, s->af, m->heads, m->kv_heads, m->dim, l->k_cache,
+                                       l->v_cache, bf16, m->page_size, s->decode_pages,
+                                       s->decode_width, s->decode_lens, s->decodes, scale))
+    return -1;
+  for (int64_t c = 0; c < s->chunks; c++) {
+    const int64_t *at = s->chunk + 4 * c;  // first row, rows, context, pages
+    if (m->paged_prefill(s->qf + at[0] * q, s->af + at[0] * q, m->heads, m->kv_heads, m->dim,
+                         l->k_cache, l->v_cache, bf16, m->page_size,
+                         (const int64_t *)(intptr_t)at[3], at[2], at[1], scale))
+      return -1;
+  }
+  if (bf16)
+    for (int64_t i = 0; i < s->n * q; i++) ((uint16_t *)s->a)[i] = float_to_bf16(s->af[i]);
+  return 0;
+}
+
+// Layers [first, last) of the step. Returns 0, or -1 when a kernel had no scratch memory.
+int layer_loop(const Model *m, const Step *s, int64_t first, int64_t last) {
+  int64_t n = s->n, hidden = m->hidden, q = m->heads * m->dim;
+  int bf16 = (int)m->bf16;
+  float eps = (float)m->eps;
+  void *a = bf16 ? s->a : (void *)s->af;
+  for (int64_t i = first; i < last; i++) {
+    const Layer *l = &m->layers[i];
+    if (i > 0)
+      m->add_rms_norm(s->x, s->delta, l->input_norm, s->h, n, hidden, hidden, hidden, hidden,
+                      eps, bf16);
+    if (project(m, &l->qkv, s->h, n, hidden, s->qkv)) return -1;
+    m->rope(s->qkv, s->positions, m->cos, m->signed_sin, n, m->heads + m->kv_heads, m->dim,
+            l->qkv.rows, m->dim, m->dim, bf16);
+    store_kv(m, s, l);
+    if (attend(m, s, l)) return -1;
+    if (project(m, &l->o, a, n, q, s->delta)) return -1;
+    m->add_rms_norm(s->x, s->delta, l->post_norm, s->h, n, hidden, hidden, hidden, hidden, eps,
+                    bf16);
+    if (project(m, &l->gate_up, s->h, n, hidden, s->gate_up)) return -1;
+    m->silu_mul(s->gate_up, s->act, n, m->inner, bf16);
+    if (project(m, &l->down, s->act, n, m->inner, s->delta)) return -1;
+  }
+  return 0;
+}

@@ -23,7 +23,6 @@ from cluster.engine.attention_cpu import CpuMetadata
 from cluster.engine.block_table import BlockTables
 from cluster.engine.checkpoint import ModelSpec
 from cluster.engine.kv_cache import KVCache
-from cluster.engine.layer_loop import LayerLoop
 from cluster.engine.model import LlamaModel
 from cluster.engine.page_pool import pages_for
 from cluster.engine.scheduler import Step
@@ -97,7 +96,7 @@ class ModelRunner:
         max_model_len: int,
         graphs: DecodeGraphs | None = None,
         pieces: PiecewiseGraphs | None = None,
-        loop: LayerLoop | None = None,
+        loop: layer_loop.LayerLoop | None = None,
     ) -> None:
         self.model = model
         self.cache = cache

@@ -1,6 +1,9 @@
-"""Every engine mode side by side, in one process: batch-1 decode against the memory wall
-of its own bytes, and a 1,024-token prefill; llama.cpp on the same GGUF and transformers
-in float32 as the peers (each only if installed).
+"""Every engine mode side by side: batch-1 decode against the memory wall of its own bytes,
+and a 1,024-token prefill; llama.cpp on the same GGUF and transformers in float32 as the
+peers (each only if installed). Each mode, and the peers, run in a fresh process of their
+own, as a served worker holds one engine: in one process, the last of six engines
+measured its batch-1 step ~20% slower than the same engine first (gguf 4.11 against 3.39
+ms; docs/benchmarks.md).
 
 A mode's memory wall: the bytes one batch-1 decode step must read (every weight the
 forward multiplies by, as stored: packed groups and their scales; the KV of the context)
@@ -9,14 +12,17 @@ over the best read bandwidth measured in this run. Efficiency = wall / measured 
 
 from __future__ import annotations
 
-import gc
+import multiprocessing
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 from cluster.config import EngineConfig
+from cluster.engine.checkpoint import read_spec
 from cluster.engine.engine import LLMEngine
 from cluster.engine.model_files import bundled_model_path
 from cluster.types import SamplingParams
@@ -24,6 +30,7 @@ from splitserve import workload
 from splitserve.bench import baselines, decode_cost
 from splitserve.bench.decode_cost import DecodeEfficiency, timed
 
+T = TypeVar("T")
 MODES = (
     ("float32", "none"),
     ("bfloat16", "none"),
@@ -88,38 +95,55 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def run_modes(steps: int, seed: int, bandwidths: list[float]) -> list[ModeResult]:
-    """Each (dtype, quantization) in MODES, then the peers; one engine alive at a time."""
-    rng = np.random.default_rng(seed)
+    """Each (dtype, quantization) in MODES, then the peers: each in a fresh process (the
+    module docstring says why) on this process's thread count."""
+    threads = torch.get_num_threads()
     results = []
-    for dtype, quantization in MODES:
-        engine = LLMEngine(
-            EngineConfig(
-                dtype=dtype,
-                quantization=quantization,
-                device="cpu",
-                kv_cache_gb=0.25,
-                prefix_caching=False,  # every timed prefill computes all its tokens
-                max_num_batched_tokens=PREFILL_TOKENS,
-            )
-        )
-        vocab = engine.spec.vocab_size
-        prompt = workload.random_prompt(rng, DECODE_PROMPT, vocab)
-        decode = decode_cost.batch1_decode(engine, prompt, steps, 5, bandwidths)
-        long = workload.random_prompt(rng, PREFILL_TOKENS, vocab)
-        prefill_s = _prefill_s(engine, long)
+    for i, (dtype, quantization) in enumerate(MODES):
         results.append(
-            ModeResult(
-                f"splitserve {dtype}, {quantization}",
-                engine.model.weight_bytes,
-                decode,
-                1 / decode.median_s,
-                PREFILL_TOKENS / prefill_s,
-            )
+            _in_a_process(_mode, dtype, quantization, steps, [seed, i], bandwidths, threads)
         )
-        del engine
-        gc.collect()
-    results += _peers(steps, rng)
-    return results
+    peers = [_in_a_process(_transformers, [seed, len(MODES)], threads)]
+    return results + peers + _in_a_process(_llamacpp, steps, [seed, len(MODES) + 1], threads)
+
+
+def _in_a_process(fn: Callable[..., T], *args: Any) -> T:
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
+def _mode(
+    dtype: str,
+    quantization: str,
+    steps: int,
+    seed: list[int],
+    bandwidths: list[float],
+    threads: int,
+) -> ModeResult:
+    torch.set_num_threads(threads)
+    rng = np.random.default_rng(seed)
+    engine = LLMEngine(
+        EngineConfig(
+            dtype=dtype,
+            quantization=quantization,
+            device="cpu",
+            kv_cache_gb=0.25,
+            prefix_caching=False,  # every timed prefill computes all its tokens
+            max_num_batched_tokens=PREFILL_TOKENS,
+        )
+    )
+    vocab = engine.spec.vocab_size
+    prompt = workload.random_prompt(rng, DECODE_PROMPT, vocab)
+    decode = decode_cost.batch1_decode(engine, prompt, steps, 5, bandwidths)
+    long = workload.random_prompt(rng, PREFILL_TOKENS, vocab)
+    prefill_s = _prefill_s(engine, long)
+    return ModeResult(
+        f"splitserve {dtype}, {quantization}",
+        engine.model.weight_bytes,
+        decode,
+        1 / decode.median_s,
+        PREFILL_TOKENS / prefill_s,
+    )
 
 
 def _prefill_s(engine: LLMEngine, prompt: list[int]) -> float:
@@ -129,26 +153,30 @@ def _prefill_s(engine: LLMEngine, prompt: list[int]) -> float:
     return min(timed(lambda: engine.generate([prompt], one)) for _ in range(2))
 
 
-def _peers(steps: int, rng: np.random.Generator) -> list[ModeResult]:
-    from splitserve.bench import llamacpp
-
-    gguf = bundled_model_path()
-    model = baselines.load_transformers(gguf, torch.float32)
-    vocab = model.config.vocab_size
-    long = workload.random_prompt(rng, PREFILL_TOKENS, vocab)
+def _transformers(seed: list[int], threads: int) -> ModeResult:
+    torch.set_num_threads(threads)
+    rng = np.random.default_rng(seed)
+    model = baselines.load_transformers(bundled_model_path(), torch.float32)
+    long = workload.random_prompt(rng, PREFILL_TOKENS, model.config.vocab_size)
     prefill_s = _hf_prefill_s(model, long)
     resident = sum(p.numel() * p.element_size() for p in model.parameters())
-    peers = [ModeResult("transformers float32", resident, None, 0.0, PREFILL_TOKENS / prefill_s)]
-    del model
-    gc.collect()
-    if llamacpp.available():
-        prompt = workload.random_prompt(rng, DECODE_PROMPT, vocab)
-        tok_s, prefill_tok_s = llamacpp.decode_and_prefill(
-            gguf, prompt, steps, long, torch.get_num_threads()
-        )
-        size = gguf.stat().st_size
-        peers.append(ModeResult("llama.cpp, GGUF as stored", size, None, tok_s, prefill_tok_s))
-    return peers
+    return ModeResult("transformers float32", resident, None, 0.0, PREFILL_TOKENS / prefill_s)
+
+
+def _llamacpp(steps: int, seed: list[int], threads: int) -> list[ModeResult]:
+    """llama.cpp's row, if it is installed."""
+    from splitserve.bench import llamacpp
+
+    if not llamacpp.available():
+        return []
+    rng = np.random.default_rng(seed)
+    gguf = bundled_model_path()
+    vocab = read_spec(gguf).vocab_size
+    prompt = workload.random_prompt(rng, DECODE_PROMPT, vocab)
+    long = workload.random_prompt(rng, PREFILL_TOKENS, vocab)
+    tok_s, prefill_tok_s = llamacpp.decode_and_prefill(gguf, prompt, steps, long, threads)
+    size = gguf.stat().st_size
+    return [ModeResult("llama.cpp, GGUF as stored", size, None, tok_s, prefill_tok_s)]
 
 
 @torch.inference_mode()

@@ -27,18 +27,31 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+@pytest.fixture(
+    scope="module", params=["bundled-float32", "bundled-bfloat16", "qwen2-int8-float32"]
+)
 def engine(request: pytest.FixtureRequest) -> Iterator[LLMEngine]:
-    """32-token steps, so long prompts come in chunks after their context."""
+    """32-token steps, so long prompts come in chunks after their context. The bundled
+    model over its GGUF blocks; a tiny Qwen2 quantized to 8 bits at load, whose qkv bias
+    (zero as transformers initialises it) is made random here, so the loop adds it too."""
+    model, dtype = request.param.rsplit("-", 1)
+    where = {}
+    if model.startswith("qwen2"):
+        where = {"model": str(request.getfixturevalue("tiny_qwen2_dir")), "quantization": "int8"}
     e = LLMEngine(
         EngineConfig(
-            dtype=request.param,
-            quantization="gguf",
+            **{"quantization": "gguf", **where},
+            dtype=dtype,
             device="cpu",
             kv_cache_gb=0.1,
             max_num_batched_tokens=32,
         )
     )
+    if e.spec.qkv_bias:
+        g = torch.Generator().manual_seed(5)
+        for layer in e.model.layers:
+            assert layer.qkv.bias is not None
+            layer.qkv.bias.copy_(torch.randn(layer.qkv.bias.shape, generator=g))
     yield e
     assert_no_leak(e)
 

@@ -70,19 +70,10 @@ static int project(const Model *m, const Matrix *w, const void *x, int64_t n, in
                    void *y) {
   int bf16 = (int)m->bf16;
   if (m->qmatmul(x, bf16, n, k, w->packed, w->rows, (int)w->bits, y, bf16)) return -1;
-  if (w->bias) {  // as PyTorch's y + bias: the sum rounded to the dtype
+  if (w->bias)  // as PyTorch's y + bias: the sum rounded to the dtype
     for (int64_t r = 0; r < n; r++)
-      for (int64_t j = 0; j < w->rows; j++) {
-        int64_t at = r * w->rows + j;
-        float v = (bf16 ? bf16_to_float(((uint16_t *)y)[at]) : ((float *)y)[at]) +
-                  (bf16 ? bf16_to_float(((const uint16_t *)w->bias)[j])
-                        : ((const float *)w->bias)[j]);
-        if (bf16)
-          ((uint16_t *)y)[at] = float_to_bf16(v);
-        else
-          ((float *)y)[at] = v;
-      }
-  }
+      for (int64_t j = 0; j < w->rows; j++)
+        put(y, r * w->rows + j, get(y, r * w->rows + j, bf16) + get(w->bias, j, bf16), bf16);
   return 0;
 }
 
@@ -95,11 +86,10 @@ static void store_kv(const Model *m, const Step *s, const Layer *l) {
     memcpy((char *)l->k_cache + s->slots[t] * kv * item, src + q * item, (size_t)(kv * item));
     memcpy((char *)l->v_cache + s->slots[t] * kv * item, src + (q + kv) * item,
            (size_t)(kv * item));
-    float *to = s->qf + t * q;
     if (m->bf16)
-      for (int64_t j = 0; j < q; j++) to[j] = bf16_to_float(((const uint16_t *)src)[j]);
+      widen((const uint16_t *)src, s->qf + t * q, q);
     else
-      memcpy(to, src, (size_t)(q * 4));
+      memcpy(s->qf + t * q, src, (size_t)(q * 4));
   }
 }
 
@@ -118,8 +108,7 @@ static int attend(const Model *m, const Step *s, const Layer *l) {
                          (const int64_t *)(intptr_t)at[3], at[2], at[1], scale))
       return -1;
   }
-  if (bf16)
-    for (int64_t i = 0; i < s->n * q; i++) ((uint16_t *)s->a)[i] = float_to_bf16(s->af[i]);
+  if (bf16) narrow(s->af, (uint16_t *)s->a, s->n * q);
   return 0;
 }
 

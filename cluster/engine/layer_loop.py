@@ -211,8 +211,8 @@ def build(model: LlamaModel, cache: KVCache, attention: AttentionBackend) -> Lay
     mats = [m for layer in model.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     if (
         model.group is not None
+        or model.kernels is None  # the C layer ops, built for the cache's dtype
         or model.kernels is not layer_kernels_cpu.module(cache.layout.dtype)
-        or model.kernels is None
         or not isinstance(attention, CpuBackend)
         or attention.kernel is None
         or not all(isinstance(m, BlockLinear) for m in mats)

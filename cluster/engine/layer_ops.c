@@ -1,7 +1,7 @@
 // A decoder layer's elementwise steps on the CPU, one call each where PyTorch takes
 // several ops (and a few microseconds of dispatch per op): the residual add with the
-// RMSNorm after it, rotate-half RoPE of q and k together, in place, and silu(gate) * up. The CPU twin of
-// layer_kernels.py's Triton kernels, with the same arithmetic: float32 inside, the
+// RMSNorm after it, rotate-half RoPE of q and k together, in place, and silu(gate) * up.
+// The CPU twin of layer_kernels.py's Triton kernels, with the same arithmetic: float32 inside, the
 // residual rounded to its dtype before it is normed. Tensors are float32 or bfloat16
 // (`bf16`); rows may be strided, a row's elements are contiguous. Built on the host by
 // cluster/engine/native.py; loops left to the compiler to vectorize.
@@ -12,21 +12,6 @@
 
 #include "bfloat16.h"
 #include "lanes.h"
-
-static inline float get(const void *p, int64_t i, int bf16) {
-  return bf16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
-static inline void put(void *p, int64_t i, float f, int bf16) {
-  if (bf16)
-    ((uint16_t *)p)[i] = float_to_bf16(f);
-  else
-    ((float *)p)[i] = f;
-}
-
-static inline float rounded(float f, int bf16) {  // f as its dtype holds it
-  return bf16 ? bf16_to_float(float_to_bf16(f)) : f;
-}
 
 static inline __attribute__((always_inline)) void add_rms_norm_rows(
     void *x, const void *delta, const void *weight, void *h, int64_t rows, int64_t hidden,
@@ -101,11 +86,11 @@ static inline __attribute__((always_inline)) lanes silu(lanes g) {
 typedef uint16_t halves __attribute__((vector_size(LANES * sizeof(uint16_t))));
 typedef uint32_t words __attribute__((vector_size(LANES * sizeof(uint32_t))));
 
-static inline __attribute__((always_inline)) lanes widen(halves h) {  // bf16_to_float's
+static inline __attribute__((always_inline)) lanes widen_lanes(halves h) {  // bf16_to_float's
   return (lanes)(__builtin_convertvector(h, words) << 16);
 }
 
-static inline __attribute__((always_inline)) halves narrow(lanes f) {  // float_to_bf16's
+static inline __attribute__((always_inline)) halves narrow_lanes(lanes f) {  // float_to_bf16's
   words u = (words)f;
   words nearest = (u + 0x7fff + ((u >> 16) & 1)) >> 16, nan = (u >> 16) | 0x40;
   words picked = (words)pick((mask)((u & 0x7fffffff) > 0x7f800000), (lanes)nan, (lanes)nearest);
@@ -121,7 +106,7 @@ static inline __attribute__((always_inline)) void silu_mul_lanes(const void *gat
     halves g, u;
     memcpy(&g, gate, sizeof g);
     memcpy(&u, up, sizeof u);
-    halves s = narrow(widen(narrow(silu(widen(g)))) * widen(u));
+    halves s = narrow_lanes(widen_lanes(narrow_lanes(silu(widen_lanes(g)))) * widen_lanes(u));
     memcpy(out, &s, sizeof s);
   } else {
     store(out, silu(load(gate)) * load(up));

@@ -178,10 +178,11 @@ int paged_attention(const float *q, float *out, int64_t heads, int64_t kv_heads,
 
 // One prefill chunk's attention, after cached context or not, reading the pages in place
 // (the chunk's own K and V written there first): query row i (of n) is the sequence's token
-// context - n + i and attends to tokens [0, that one], whose page ids are `pages`. Rows go in blocks of BLOCK; each block passes once over its pages
-// with an online softmax (as flash attention does): a page's K and V tile of one KV head is
-// made float32 once per block and serves the block's rows times the head's query group, K
-// transposed so that a query's scores for the page's tokens are one vector. TILE query
+// context - n + i and attends to tokens [0, that one], whose page ids are `pages`. Rows go
+// in blocks of BLOCK; each block passes once over its pages with an online softmax (as
+// flash attention does): a page's K and V tile of one KV head is made float32 once per
+// block and serves the block's rows times the head's query group, K transposed so that a
+// query's scores for the page's tokens are one vector. TILE query
 // vectors' scores are summed at once, each in registers: with 16-token pages, 8 of
 // AVX-512's 32 vector registers, or 4 pairs of AVX2's 16.
 //

@@ -229,16 +229,6 @@ static inline __attribute__((always_inline)) void band(const uint8_t *b, int64_t
 
 int qmatmul_isa(void) { return ISA; }
 
-static void widen(const uint16_t *from, float *to, int64_t count) {
-#pragma omp simd
-  for (int64_t i = 0; i < count; i++) to[i] = bf16_to_float(from[i]);
-}
-
-static void narrow(const float *from, uint16_t *to, int64_t count) {
-#pragma omp simd
-  for (int64_t i = 0; i < count; i++) to[i] = float_to_bf16(from[i]);
-}
-
 #if ISA
 // y [rows, n] = x [rows, k] @ w.T, w in bands as above with `bits` 4 or 8; k a multiple of
 // GROUP; x and y float32, or bfloat16 where x_bf16 / y_bf16 say so. Returns 0, or -1 when

@@ -20,8 +20,8 @@ T = TypeVar("T")
 
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
-QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")  # cluster/engine/quantization.py
-ATTENTION_BACKENDS = ("auto", "cpu", "triton", "flashinfer")  # cluster/engine/attention.py
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")  # cluster/engine/model/quantization.py
+ATTENTION_BACKENDS = ("auto", "cpu", "triton", "flashinfer")  # cluster/engine/kernels/attention.py
 ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/\s]+")
 
 
@@ -49,7 +49,7 @@ class EngineConfig:
     prefix_caching: bool = True
     max_model_len: int | None = None  # None: the model's own context length
     threads: int | None = None  # CPU threads for torch; None: torch's default
-    # Ranks the model is split across (cluster/engine/tensor_parallel.py): Ray actors on one
+    # Ranks the model is split across (cluster/engine/model/tensor_parallel.py): Ray actors on one
     # node, a CPU (or a GPU) each; 1: the whole model in this engine.
     tensor_parallel_size: int = 1
     cpu_cores: tuple[int, ...] | None = None  # pin the engine's threads to these cores (Linux)

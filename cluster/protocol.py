@@ -125,7 +125,7 @@ class KVEvent:
 
 @dataclass(frozen=True)
 class KVEvents:
-    """A worker's prefix-cache changes for one reader (cluster/engine/kv_events.py): the
+    """A worker's prefix-cache changes for one reader (cluster/engine/sched/kv_events.py): the
     events since the reader's cursor, or, when `snapshot`, one STORED run of every hash
     the worker holds, to replace all the reader had for it. Ask from `next_seq` next,
     with this `epoch` (a new epoch: the worker restarted, its cache is another)."""

@@ -18,8 +18,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.actor_options import actor_options, rank_bundles
 from cluster.config import EngineConfig, TransferConfig
-from cluster.engine.checkpoint import Progress
 from cluster.engine.engine import LLMEngine
+from cluster.engine.model.checkpoint import Progress
 from cluster.transfer.endpoint import KVEndpoint, Pending, TransferError
 from cluster.transfer.wire import RankPages, compat_hash
 from cluster.types import PageId

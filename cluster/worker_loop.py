@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from cluster.engine.tensor_parallel import GroupLost
+from cluster.engine.model.tensor_parallel import GroupLost
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -11,8 +11,8 @@ from pathlib import Path
 from aiohttp import web
 
 from cluster.config import ConfigError, RouterConfig
-from cluster.engine.model_files import model_path
-from cluster.engine.tokenizer import Tokenizer
+from cluster.engine.model.model_files import model_path
+from cluster.engine.model.tokenizer import Tokenizer
 from cluster.protocol import DecodeHandle, PrefillHandle
 from cluster.types import ModelInfo
 from router.auth import api_key

@@ -34,7 +34,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from cluster.engine.tokenizer import Tokenizer
+from cluster.engine.model.tokenizer import Tokenizer
 from cluster.types import (
     MAX_TOP_LOGPROBS,
     FinishReason,

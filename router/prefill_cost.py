@@ -1,5 +1,5 @@
 """Whether a prompt's prefill is cheaper on its decode worker or on a prefill worker, from
-the costs the workers measure (each engine's seconds per token, cluster/engine/step_rate.py,
+the costs the workers measure (each engine's seconds per token, cluster/engine/sched/step_rate.py,
 and each prefill worker's seconds per token pushed).
 
 For a request whose decode worker d lacks U_d of the prompt's tokens and whose prefill

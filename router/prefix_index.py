@@ -1,7 +1,7 @@
 """Which worker holds which prefix: a global index of block hashes, fed by KV events.
 
 Each worker's page pool logs the hashes of the full pages it stores and evicts
-(cluster/engine/kv_events.py); the WorkerRegistry reads each worker's log every poll and
+(cluster/engine/sched/kv_events.py); the WorkerRegistry reads each worker's log every poll and
 `apply`s the reply here. A worker that restarted (new epoch) or whose log dropped events
 this reader had not read answers with a snapshot, which replaces all the index had for
 it; a worker that is gone is `remove`d. The index is a function of the replies alone, so
@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from cluster.engine.page_pool import hash_pages
+from cluster.engine.sched.page_pool import hash_pages
 from cluster.protocol import KVEventKind, KVEvents
 from cluster.types import BlockHash
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from google.protobuf.message import Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
-from cluster.engine.tokenizer import Tokenizer
+from cluster.engine.model.tokenizer import Tokenizer
 from cluster.request_checks import refuse_long_prompt, refuse_past_context
 from cluster.types import InvalidRequestError, ModelInfo, RequestId, SamplingParams, Structured
 from router.token_count import CHUNK_CHARS, count_tokens

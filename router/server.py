@@ -21,7 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from cluster.config import RouterConfig
-from cluster.engine.tokenizer import Tokenizer
+from cluster.engine.model.tokenizer import Tokenizer
 from cluster.protocol import DecodeStats
 from cluster.types import FinishReason, InvalidRequestError, ModelInfo, TokenDelta
 from router.auth import GrpcKeyCheck

@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 
-from cluster.engine.tokenizer import Tokenizer
+from cluster.engine.model.tokenizer import Tokenizer
 
 CHUNK_CHARS = 4096
 _CUT = re.compile(r"(?<=\S) ")  # a space after a non-space: a pre-token starts there

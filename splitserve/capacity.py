@@ -27,7 +27,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from cluster.engine.checkpoint import ModelSpec
+from cluster.engine.model.checkpoint import ModelSpec
 from splitserve.hardware import Hardware
 
 BITS = {"float32": 32, "bfloat16": 16, "float16": 16, "int8": 8, "int4": 4}

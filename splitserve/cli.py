@@ -26,7 +26,7 @@ from cluster.config import (
     engine_config_from_dict,
     load_engine_config,
 )
-from cluster.engine.model_files import ModelLoadError
+from cluster.engine.model.model_files import ModelLoadError
 from cluster.types import InvalidRequestError, SamplingParams
 from splitserve.serve_flags import API_KEY, BY_NAME, add_serve_flags, serve_config
 
@@ -143,8 +143,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from cluster.engine.checkpoint import read_spec
-    from cluster.engine.model_files import model_path
+    from cluster.engine.model.checkpoint import read_spec
+    from cluster.engine.model.model_files import model_path
     from splitserve.capacity import ARCHITECTURES
     from splitserve.hardware import GPUS, measure
 

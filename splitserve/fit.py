@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 
 from cluster.config import ConfigError, EngineConfig, ServeConfig
-from cluster.engine.checkpoint import ModelSpec, read_spec
 from cluster.engine.engine import pick_device, pick_dtype, pick_quantization
 from cluster.engine.memory import device_memory, fits, kv_share
-from cluster.engine.model_files import model_path
+from cluster.engine.model.checkpoint import ModelSpec, read_spec
+from cluster.engine.model.model_files import model_path
 from splitserve.capacity import BITS, weight_bytes
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from cluster.engine.cpu_isa import cpu, fast_dtype, isa
+from cluster.engine.kernels.cpu_isa import cpu, fast_dtype, isa
 
 Clock = Callable[[], float]
 

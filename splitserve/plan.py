@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from cluster.config import ConfigError, PoolConfig, ServeConfig, load_serve_config
-from cluster.engine.checkpoint import ModelSpec
+from cluster.engine.model.checkpoint import ModelSpec
 from router.policy import PolicyConfig, PolicyName
 from splitserve.arrivals import send_offsets
 from splitserve.capacity import (

@@ -30,7 +30,7 @@ import numpy as np
 import yaml
 
 from cluster.config import ConfigError
-from cluster.engine.page_pool import hash_pages
+from cluster.engine.sched.page_pool import hash_pages
 from cluster.types import BlockHash
 from splitserve.workload import LengthDist, random_prompt
 

@@ -47,9 +47,9 @@ from typing import Any
 import numpy as np
 
 from cluster.config import EngineConfig, ScalingConfig
-from cluster.engine.page_pool import PagePool, pages_for
-from cluster.engine.scheduler import Scheduler, Step
-from cluster.engine.sequence import Sequence
+from cluster.engine.sched.page_pool import PagePool, pages_for
+from cluster.engine.sched.scheduler import Scheduler, Step
+from cluster.engine.sched.sequence import Sequence
 from cluster.types import BlockHash, FinishReason, RequestId, SamplingParams
 from router.policy import (
     DecodeLoad,

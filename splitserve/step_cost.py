@@ -26,7 +26,7 @@ from typing import Protocol
 
 import numpy as np
 
-from cluster.engine.checkpoint import ModelSpec
+from cluster.engine.model.checkpoint import ModelSpec
 from splitserve.capacity import allreduce_s, kv_bytes_per_token, num_params, weight_bytes
 from splitserve.hardware import Hardware, cache_path
 

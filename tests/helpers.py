@@ -11,9 +11,9 @@ from collections.abc import Awaitable, Callable
 import pytest
 import torch
 
-from cluster.engine.cpu_isa import cpu, native_bf16
 from cluster.engine.engine import LLMEngine
-from cluster.engine.page_pool import pages_for
+from cluster.engine.kernels.cpu_isa import cpu, native_bf16
+from cluster.engine.sched.page_pool import pages_for
 
 POLL_S = 0.02
 

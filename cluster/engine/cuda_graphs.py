@@ -30,12 +30,12 @@ from typing import Any
 
 import torch
 
-from cluster.engine.attention import AttentionBackend
-from cluster.engine.attention_triton import TritonBackend, TritonMetadata
-from cluster.engine.kv_cache import KVCache
-from cluster.engine.model import LlamaModel
-from cluster.engine.page_pool import pages_for
-from cluster.engine.step_batch import StepBatch
+from cluster.engine.kernels.attention import AttentionBackend
+from cluster.engine.kernels.attention_triton import TritonBackend, TritonMetadata
+from cluster.engine.kernels.kv_cache import KVCache
+from cluster.engine.kernels.step_batch import StepBatch
+from cluster.engine.model.model import LlamaModel
+from cluster.engine.sched.page_pool import pages_for
 
 PADDING_SLOT = -1
 PIECEWISE_MAX_TOKENS = 512  # the widest step whose pieces are captured (vLLM's default)

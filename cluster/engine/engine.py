@@ -21,29 +21,29 @@ from typing import TYPE_CHECKING
 import torch
 
 from cluster.config import ConfigError, EngineConfig
-from cluster.engine import qmatmul
-from cluster.engine.attention import resolve_backend
-from cluster.engine.checkpoint import (
+from cluster.engine.kernels import qmatmul
+from cluster.engine.kernels.attention import resolve_backend
+from cluster.engine.kernels.cpu_isa import BF16_FLAGS, cpu, fast_dtype, isa, native_bf16
+from cluster.engine.kernels.kv_cache import KVCache, KVLayout
+from cluster.engine.kv_sink import KVSink, PageHolds, PromptDone, layer_hook
+from cluster.engine.memory import device_memory, fits, kv_share
+from cluster.engine.model.checkpoint import (
     ModelSpec,
     Progress,
     gguf_blocks_servable,
     load_checkpoint,
     read_sampling_defaults,
 )
-from cluster.engine.cpu_isa import BF16_FLAGS, cpu, fast_dtype, isa, native_bf16
-from cluster.engine.kv_cache import KVCache, KVLayout
-from cluster.engine.kv_sink import KVSink, PageHolds, PromptDone, layer_hook
-from cluster.engine.memory import device_memory, fits, kv_share
-from cluster.engine.model import LlamaModel
-from cluster.engine.model_files import model_name, model_path
-from cluster.engine.page_pool import PagePool
-from cluster.engine.quantization import QuantizationError
+from cluster.engine.model.model import LlamaModel
+from cluster.engine.model.model_files import model_name, model_path
+from cluster.engine.model.quantization import QuantizationError
+from cluster.engine.model.tokenizer import TextStream, Tokenizer
 from cluster.engine.runner import build_runner, prompt_rows, workspace_bytes
 from cluster.engine.sampler import History, adjust, sample, skip_draws, top_logprobs
-from cluster.engine.scheduler import Scheduler
-from cluster.engine.sequence import Sequence
-from cluster.engine.step_rate import StepRate
-from cluster.engine.tokenizer import TextStream, Tokenizer
+from cluster.engine.sched.page_pool import PagePool
+from cluster.engine.sched.scheduler import Scheduler
+from cluster.engine.sched.sequence import Sequence
+from cluster.engine.sched.step_rate import StepRate
 from cluster.protocol import EngineCounts
 from cluster.request_checks import refuse_in_flight, refuse_long_prompt, refuse_past_context
 from cluster.types import (
@@ -64,7 +64,7 @@ if TYPE_CHECKING:  # xgrammar loads only for structured output, torch.distribute
     from xgrammar import GrammarMatcher
 
     from cluster.engine.grammar import Grammars
-    from cluster.engine.tensor_parallel import Rank, Ranks, TensorGroup
+    from cluster.engine.model.tensor_parallel import Rank, Ranks, TensorGroup
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def _load_model(
         spec, weights = load_checkpoint(path, keep, load_dtype, device, progress)
         if split is None:
             return spec, LlamaModel(spec, weights, dtype, device, quantization)
-        from cluster.engine.tensor_parallel import ShardedWeights
+        from cluster.engine.model.tensor_parallel import ShardedWeights
 
         group = split(spec)
         sharded = ShardedWeights(weights, group.shard, spec.head_dim)
@@ -132,7 +132,7 @@ def _nvidia_gpus() -> int:
 def pick_dtype(name: str, device: torch.device) -> str:
     """The dtype `engine.dtype: name` means on `device`. auto: bfloat16 on CUDA (half the
     weight bytes, tensor cores) and on a CPU with native bf16 arithmetic; float32 on any
-    other CPU, where torch emulates bf16 several times slower (cluster/engine/cpu_isa.py).
+    other CPU, where torch emulates bf16 several times slower (cluster/engine/kernels/cpu_isa.py).
     The rule reads the CPU's flags, never a timing, so every worker on a host resolves it
     alike: their KV must match. Every user of an engine's dtype (its KV layout, the
     compatibility hash, the fit check) reads this resolved name, never "auto"."""
@@ -222,7 +222,7 @@ class LLMEngine:
         memory = device_memory(self.device)  # before the weights: what other processes left
         split = None
         if config.tensor_parallel_size > 1:
-            from cluster.engine.tensor_parallel import join
+            from cluster.engine.model.tensor_parallel import join
 
             def split(spec: ModelSpec) -> TensorGroup:
                 group, self.ranks = join(
@@ -317,7 +317,7 @@ class LLMEngine:
         """Stop this engine's other ranks (a model on one rank has none)."""
         if self.ranks is None:
             return
-        from cluster.engine.tensor_parallel import GroupLost
+        from cluster.engine.model.tensor_parallel import GroupLost
 
         ranks, self.ranks = self.ranks, None
         try:

@@ -19,8 +19,8 @@ from collections.abc import Iterable, Sequence
 import torch
 import xgrammar as xgr
 
+from cluster.engine.model.tokenizer import Tokenizer
 from cluster.engine.sampler import to_device
-from cluster.engine.tokenizer import Tokenizer
 from cluster.types import InvalidRequestError, Structured
 
 

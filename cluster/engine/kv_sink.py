@@ -28,8 +28,8 @@ from typing import NamedTuple, Protocol
 import torch
 
 from cluster.engine.layer_ready import LayerReady
-from cluster.engine.page_pool import PagePool, pages_for
-from cluster.engine.scheduler import Step
+from cluster.engine.sched.page_pool import PagePool, pages_for
+from cluster.engine.sched.scheduler import Step
 from cluster.types import PageId, RequestId, TopLogprobs
 
 

@@ -24,12 +24,12 @@ from typing import Any
 
 import torch
 
-from cluster.engine import layer_kernels_cpu, native, qmatmul
-from cluster.engine.attention import AttentionBackend
-from cluster.engine.attention_cpu import CpuBackend, CpuMetadata
-from cluster.engine.kv_cache import KVCache
-from cluster.engine.model import LlamaModel
-from cluster.engine.quantization import BlockLinear
+from cluster.engine.kernels import layer_kernels_cpu, native, qmatmul
+from cluster.engine.kernels.attention import AttentionBackend
+from cluster.engine.kernels.attention_cpu import CpuBackend, CpuMetadata
+from cluster.engine.kernels.kv_cache import KVCache
+from cluster.engine.model.model import LlamaModel
+from cluster.engine.model.quantization import BlockLinear
 
 i64, ptr = ctypes.c_int64, ctypes.c_void_p
 

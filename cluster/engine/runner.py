@@ -18,16 +18,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from cluster.engine import layer_loop
-from cluster.engine.attention import AttentionBackend, make_backend
-from cluster.engine.attention_cpu import CpuMetadata
-from cluster.engine.block_table import BlockTables
-from cluster.engine.checkpoint import ModelSpec
-from cluster.engine.kv_cache import KVCache
-from cluster.engine.model import LlamaModel
-from cluster.engine.page_pool import pages_for
-from cluster.engine.scheduler import Step
-from cluster.engine.sequence import Sequence
-from cluster.engine.step_batch import StepBatch
+from cluster.engine.kernels.attention import AttentionBackend, make_backend
+from cluster.engine.kernels.attention_cpu import CpuMetadata
+from cluster.engine.kernels.kv_cache import KVCache
+from cluster.engine.kernels.step_batch import StepBatch
+from cluster.engine.model.checkpoint import ModelSpec
+from cluster.engine.model.model import LlamaModel
+from cluster.engine.sched.block_table import BlockTables
+from cluster.engine.sched.page_pool import pages_for
+from cluster.engine.sched.scheduler import Step
+from cluster.engine.sched.sequence import Sequence
 
 if TYPE_CHECKING:  # it imports triton, which a CPU-only install may lack
     from cluster.engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs
@@ -201,11 +201,11 @@ def workspace_bytes(
     logits = 2 * max_num_seqs * spec.vocab_size * 4
     scratch = 0
     if backend == "triton":
-        from cluster.engine.attention_triton import MAX_SPLITS
+        from cluster.engine.kernels.attention_triton import MAX_SPLITS
 
         scratch = max_num_seqs * spec.num_heads * MAX_SPLITS * (spec.head_dim + 2) * 4
     elif backend == "flashinfer":
-        from cluster.engine.attention_flashinfer import WORKSPACE_BYTES
+        from cluster.engine.kernels.attention_flashinfer import WORKSPACE_BYTES
 
         scratch = WORKSPACE_BYTES
     eager = max(max_num_batched_tokens, max_num_seqs) * per_row + logits + scratch
@@ -235,13 +235,13 @@ def build_runner(
     if not pieces or model.group is not None:
         loop = layer_loop.build(model, cache, attention)
         return ModelRunner(model, cache, attention, device, max_model_len, loop=loop)
-    from cluster.engine.attention_triton import TritonBackend
     from cluster.engine.cuda_graphs import (
         PIECEWISE_MAX_TOKENS,
         DecodeGraphs,
         PiecewiseGraphs,
         cuda_capture,
     )
+    from cluster.engine.kernels.attention_triton import TritonBackend
 
     graphs = None
     if decode_graphs:

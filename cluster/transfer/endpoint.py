@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from cluster.config import ConfigError
-from cluster.engine.kv_cache import KVCache
+from cluster.engine.kernels.kv_cache import KVCache
 from cluster.transfer.wire import Handshake, IncompatiblePeerError, Notice, RankPages, WireError
 from cluster.types import PageId
 

@@ -13,7 +13,7 @@ import hashlib
 import struct
 from dataclasses import dataclass
 
-from cluster.engine.checkpoint import ModelSpec
+from cluster.engine.model.checkpoint import ModelSpec
 from cluster.types import PageId, RequestId, TopLogprobs
 
 MAGIC = b"SPKV"

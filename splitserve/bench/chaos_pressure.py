@@ -51,11 +51,11 @@ from splitserve.serve_workload import VOCAB_SIZE
 
 def token_checked_weights() -> str:
     """The weights of a server whose every stream is checked against the same request served
-    alone: the GGUF's own blocks on our kernel (cluster/engine/qmatmul.c), whose every
+    alone: the GGUF's own blocks on our kernel (cluster/engine/kernels/qmatmul.c), whose every
     row's result depends on that row alone, so a request's tokens are the same whatever its
     batch (and it decodes ~4x faster than on float weights); float weights where that kernel
     does not build, as torch's int4 kernel rounds differently with the batch's rows."""
-    from cluster.engine import qmatmul
+    from cluster.engine.kernels import qmatmul
 
     return "gguf" if qmatmul.available() else "none"
 

@@ -74,8 +74,8 @@ from typing import Any
 
 import numpy as np
 
-from cluster.engine.cpu_isa import cpu, fast_dtype, isa
-from cluster.engine.model_files import bundled_model_path
+from cluster.engine.kernels.cpu_isa import cpu, fast_dtype, isa
+from cluster.engine.model.model_files import bundled_model_path
 from splitserve.arrivals import send_offsets
 from splitserve.bench import RESULTS, vllm_peer
 from splitserve.bench.process import splitserve
@@ -296,7 +296,7 @@ def transformers_service(conversations: list[Conversation]) -> list[list[float]]
     import torch
     from transformers import AutoModelForCausalLM
 
-    from cluster.engine.model_files import bundled_model_path
+    from cluster.engine.model.model_files import bundled_model_path
 
     torch.set_num_threads(2)
     path = bundled_model_path()

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.engine.attention_cpu import CpuBackend
 from cluster.engine.engine import LLMEngine
-from cluster.engine.kv_cache import KVCache
-from cluster.engine.page_pool import pages_for
-from cluster.engine.step_batch import StepBatch
+from cluster.engine.kernels.attention_cpu import CpuBackend
+from cluster.engine.kernels.kv_cache import KVCache
+from cluster.engine.kernels.step_batch import StepBatch
+from cluster.engine.sched.page_pool import pages_for
 from cluster.types import SamplingParams
 
 

@@ -64,7 +64,7 @@ def reference(
 
 def check_kernels(case: Case, lens: list[int], splits: int, block: int, dev: str) -> str:
     """Decode and prefill of a ragged batch against `reference`: one line, OK or WRONG."""
-    from cluster.engine import paged_kernels as pk
+    from cluster.engine.kernels import paged_kernels as pk
 
     dt, page = case.dtype, 16
     k_cache = torch.randn(case.pages, page, case.kv_heads, case.head_dim, device=dev, dtype=dt)
@@ -111,7 +111,7 @@ def check_kernels(case: Case, lens: list[int], splits: int, block: int, dev: str
 
 def split_cost(dev: str) -> Iterator[str]:
     """paged_decode's time per layer at 1, 8 and 32 splits (decode_splits picks 1 here)."""
-    from cluster.engine import paged_kernels as pk
+    from cluster.engine.kernels import paged_kernels as pk
 
     batch, n, heads, kv_heads, dim = 64, 2048, 32, 8, 128
     kc = torch.randn(batch * 128, 16, kv_heads, dim, device=dev, dtype=torch.bfloat16)

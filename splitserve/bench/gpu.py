@@ -128,11 +128,11 @@ class Rig:
     checkpoint, scheduler or tokenizer, stepped directly."""
 
     def __init__(self, spec: Any, device: torch.device, sizes: Sizes) -> None:
-        from cluster.engine.attention import resolve_backend
-        from cluster.engine.kv_cache import KVCache, KVLayout
-        from cluster.engine.model import LlamaModel
-        from cluster.engine.page_pool import pages_for
+        from cluster.engine.kernels.attention import resolve_backend
+        from cluster.engine.kernels.kv_cache import KVCache, KVLayout
+        from cluster.engine.model.model import LlamaModel
         from cluster.engine.runner import build_runner
+        from cluster.engine.sched.page_pool import pages_for
 
         dtype = torch.bfloat16
         self.spec, self.device = spec, device
@@ -154,8 +154,8 @@ class Rig:
 
     def sequences(self, batch: int, context: int) -> list[Any]:
         """`batch` sequences whose next token is at position context - 1, on pages of their own."""
-        from cluster.engine.page_pool import pages_for
-        from cluster.engine.sequence import Sequence
+        from cluster.engine.sched.page_pool import pages_for
+        from cluster.engine.sched.sequence import Sequence
         from cluster.types import PageId, RequestId, SamplingParams
 
         ids = torch.randint(0, self.spec.vocab_size, (context,)).tolist()
@@ -175,7 +175,7 @@ class Rig:
     def decode_step(self, seqs: list[Any]) -> list[int]:
         """One decode step and its greedy tokens on the device (one copy back)."""
         from cluster.engine.sampler import sample
-        from cluster.engine.scheduler import Step
+        from cluster.engine.sched.scheduler import Step
 
         sampled, logits = self.runner.run(Step(decodes=seqs))
         return sample(logits, [s.sampling for s in sampled], [None] * len(sampled))[0]
@@ -239,7 +239,7 @@ def decode(rig: Rig, name: str, sizes: Sizes) -> list[Decode]:
 
 
 def prefill(rig: Rig, name: str, tokens: int) -> Prefill:
-    from cluster.engine.scheduler import Step
+    from cluster.engine.sched.scheduler import Step
 
     s = rig.spec
     (seq,) = rig.sequences(1, tokens)
@@ -291,9 +291,9 @@ def greedy_agreement(device: torch.device, tokens: int) -> dict[str, Any]:
 
 def transfer(device: torch.device, tokens: int) -> float:
     """NIXL WRITE GB/s of a prompt's KV (bundled layout) into another process's cache."""
-    from cluster.engine.checkpoint import read_spec
-    from cluster.engine.kv_cache import KVLayout
-    from cluster.engine.model_files import bundled_model_path
+    from cluster.engine.kernels.kv_cache import KVLayout
+    from cluster.engine.model.checkpoint import read_spec
+    from cluster.engine.model.model_files import bundled_model_path
     from cluster.transfer.wire import compat_hash
     from splitserve.bench.transfer import PAGE_SIZE, kv_bandwidth
 

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from cluster.engine.grammar import apply_bitmask
-from cluster.engine.model_files import bundled_model_path
-from cluster.engine.tokenizer import Tokenizer
+from cluster.engine.model.model_files import bundled_model_path
+from cluster.engine.model.tokenizer import Tokenizer
 from splitserve.hardware import host_line
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cluster.engine.page_pool import pages_for
+from cluster.engine.sched.page_pool import pages_for
 from splitserve.workload import Request
 
 

@@ -32,8 +32,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from cluster.engine.model_files import bundled_model_path
-from cluster.engine.tokenizer import Tokenizer
+from cluster.engine.model.model_files import bundled_model_path
+from cluster.engine.model.tokenizer import Tokenizer
 from splitserve.bench import RESULTS
 from splitserve.bench.serve import parse_args, sweep
 from splitserve.serve_metrics import Slo, summarize

@@ -29,9 +29,9 @@ import numpy as np
 import torch
 
 from cluster.config import DTYPES, QUANTIZATIONS, EngineConfig
-from cluster.engine.checkpoint import read_spec
 from cluster.engine.engine import LLMEngine
-from cluster.engine.model_files import bundled_model_path
+from cluster.engine.model.checkpoint import read_spec
+from cluster.engine.model.model_files import bundled_model_path
 from cluster.types import SamplingParams
 from splitserve import workload
 from splitserve.bench import (

@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 from cluster.config import EngineConfig, serve_config_from_dict
-from cluster.engine.checkpoint import read_spec
-from cluster.engine.model_files import bundled_model_path
+from cluster.engine.model.checkpoint import read_spec
+from cluster.engine.model.model_files import bundled_model_path
 from router.policy import PolicyConfig, PolicyName
 from splitserve.arrivals import send_offsets
 from splitserve.bench import RESULTS

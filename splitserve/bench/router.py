@@ -86,8 +86,8 @@ from ray.actor import ActorHandle
 
 from cluster.config import EngineConfig, RouterConfig, TransferConfig
 from cluster.engine.engine import LLMEngine
-from cluster.engine.model_files import bundled_model_path
-from cluster.engine.tokenizer import Tokenizer
+from cluster.engine.model.model_files import bundled_model_path
+from cluster.engine.model.tokenizer import Tokenizer
 from cluster.protocol import (
     DecodeHandle,
     DecodeStats,

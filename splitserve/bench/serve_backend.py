@@ -30,7 +30,7 @@ import aiohttp
 import grpc
 from google.protobuf import json_format
 
-from cluster.engine.tokenizer import Tokenizer
+from cluster.engine.model.tokenizer import Tokenizer
 from splitserve.client import Client
 from splitserve.serve_metrics import OK, RequestRecord, ServerTiming
 

@@ -34,11 +34,11 @@ from typing import Any
 import torch
 
 from cluster.config import EngineConfig
-from cluster.engine.checkpoint import load_checkpoint
 from cluster.engine.engine import LLMEngine
-from cluster.engine.kv_cache import KVCache, KVLayout
-from cluster.engine.model_files import bundled_model_path
-from cluster.engine.tensor_parallel import split
+from cluster.engine.kernels.kv_cache import KVCache, KVLayout
+from cluster.engine.model.checkpoint import load_checkpoint
+from cluster.engine.model.model_files import bundled_model_path
+from cluster.engine.model.tensor_parallel import split
 from cluster.transfer.endpoint import KVEndpoint
 from cluster.transfer.wire import Handshake, Notice, NoticeKind, compat_hash
 from cluster.types import KVTarget, PageId, RequestId, SamplingParams

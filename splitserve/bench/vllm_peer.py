@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from cluster.engine.tokenizer import Tokenizer
+from cluster.engine.model.tokenizer import Tokenizer
 from splitserve.bench import baselines
 from splitserve.bench.baselines import WARMUP, Run
 from splitserve.bench.process import DidNotStart, child

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from cluster.config import EngineConfig
-from cluster.engine import qmatmul
 from cluster.engine.engine import LLMEngine
-from cluster.engine.model_files import bundled_model_path
-from cluster.engine.tokenizer import Tokenizer
+from cluster.engine.kernels import qmatmul
+from cluster.engine.model.model_files import bundled_model_path
+from cluster.engine.model.tokenizer import Tokenizer
 from tests.helpers import assert_no_leak
 
 # Eight varied prompts: chat turns, code, prose, a list, numbers, non-English, a long one.
@@ -47,7 +47,7 @@ def engines() -> Iterator[dict[str, LLMEngine]]:
 EXACT = {"dtype": "float32", "quantization": "none"}
 # What tests of our own paths against each other run (the workers, and the engine they are
 # checked against): float32 activations over the GGUF's own blocks on our kernel
-# (cluster/engine/qmatmul.c), whose every row's result depends on that row alone, so a
+# (cluster/engine/kernels/qmatmul.c), whose every row's result depends on that row alone, so a
 # request's tokens are the same whatever its batch or worker; its steps run ~4x faster
 # than float weights' on one thread. Prefill and decode attention round differently and
 # its input rounding can widen that (logprobs of tokens prefilled rather than decoded

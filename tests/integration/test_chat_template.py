@@ -7,8 +7,8 @@ import copy
 
 from tokenizers.processors import TemplateProcessing
 
-from cluster.engine.model_files import bundled_model_path
-from cluster.engine.tokenizer import Tokenizer
+from cluster.engine.model.model_files import bundled_model_path
+from cluster.engine.model.tokenizer import Tokenizer
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
 

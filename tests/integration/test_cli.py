@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 from cluster.config import EngineConfig
-from cluster.engine.cpu_isa import fast_dtype
 from cluster.engine.engine import LLMEngine
+from cluster.engine.kernels.cpu_isa import fast_dtype
 from cluster.types import SamplingParams
 from splitserve.plan import SHORT_DTYPE
 
@@ -62,7 +62,7 @@ def test_a_mode_the_model_cannot_take_exits_2_naming_the_field(tiny_llama_dir: P
 def test_plan_capacity_reads_a_model_file_and_measures_this_machine(tmp_path: Path) -> None:
     import os
 
-    from cluster.engine.model_files import bundled_model_path
+    from cluster.engine.model.model_files import bundled_model_path
 
     done = subprocess.run(
         [sys.executable, "-m", "splitserve.cli", "plan", "capacity", "--model",

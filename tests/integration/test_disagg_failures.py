@@ -13,9 +13,9 @@ import pytest
 import ray
 import torch
 
-from cluster.engine.checkpoint import read_spec
-from cluster.engine.kv_cache import KVCache, KVLayout
-from cluster.engine.model_files import bundled_model_path
+from cluster.engine.kernels.kv_cache import KVCache, KVLayout
+from cluster.engine.model.checkpoint import read_spec
+from cluster.engine.model.model_files import bundled_model_path
 from cluster.transfer.endpoint import KVEndpoint
 from cluster.transfer.wire import Notice, NoticeKind, compat_hash
 from cluster.types import (

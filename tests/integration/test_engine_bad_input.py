@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from cluster.config import ConfigError, EngineConfig
-from cluster.engine.checkpoint import load_checkpoint
 from cluster.engine.engine import LLMEngine
-from cluster.engine.model_files import ModelLoadError, bundled_model_path
+from cluster.engine.model.checkpoint import load_checkpoint
+from cluster.engine.model.model_files import ModelLoadError, bundled_model_path
 from cluster.types import InvalidRequestError, SamplingParams
 from tests.integration.conftest import INVARIANT
 

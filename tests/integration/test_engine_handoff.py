@@ -13,7 +13,7 @@ import pytest
 
 from cluster.engine.engine import LLMEngine, Reservation
 from cluster.engine.kv_sink import KVStored, PromptDone
-from cluster.engine.page_pool import pages_for
+from cluster.engine.sched.page_pool import pages_for
 from cluster.types import (
     FinishReason,
     InvalidRequestError,

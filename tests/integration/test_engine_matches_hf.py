@@ -9,9 +9,9 @@ from typing import Any
 import torch
 
 from cluster.engine.engine import LLMEngine
-from cluster.engine.page_pool import pages_for
-from cluster.engine.scheduler import Step
-from cluster.engine.sequence import Sequence
+from cluster.engine.sched.page_pool import pages_for
+from cluster.engine.sched.scheduler import Step
+from cluster.engine.sched.sequence import Sequence
 from cluster.types import RequestId, SamplingParams
 from tests.integration.conftest import MAX_NEW
 

@@ -11,9 +11,9 @@ import torch
 
 from cluster.config import EngineConfig
 from cluster.engine.engine import LLMEngine
-from cluster.engine.page_pool import pages_for
-from cluster.engine.scheduler import Step
-from cluster.engine.sequence import Sequence
+from cluster.engine.sched.page_pool import pages_for
+from cluster.engine.sched.scheduler import Step
+from cluster.engine.sched.sequence import Sequence
 from cluster.types import RequestId, SamplingParams
 from tests.helpers import assert_no_leak
 
@@ -82,8 +82,8 @@ _LOAD_AND_MEASURE = """
 import sys
 from pathlib import Path
 import safetensors, tqdm, torch
-from cluster.engine.checkpoint import load_checkpoint
-from cluster.engine.model import LlamaModel
+from cluster.engine.model.checkpoint import load_checkpoint
+from cluster.engine.model.model import LlamaModel
 
 def kib(field):
     return int(Path("/proc/self/status").read_text().split(field + ":")[1].split()[0])

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from cluster.config import ConfigError
-from cluster.engine.checkpoint import ModelSpec
-from cluster.engine.kv_cache import KVCache, KVLayout
+from cluster.engine.kernels.kv_cache import KVCache, KVLayout
+from cluster.engine.model.checkpoint import ModelSpec
 from cluster.transfer.endpoint import KVEndpoint
 from cluster.transfer.wire import Handshake, IncompatiblePeerError, Notice, NoticeKind, compat_hash
 from cluster.types import PageId, RequestId

@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from cluster.config import EngineConfig
-from cluster.engine import layer_loop, native, qmatmul
+from cluster.engine import layer_loop
 from cluster.engine.engine import LLMEngine
-from cluster.engine.scheduler import Step
-from cluster.engine.sequence import Sequence
+from cluster.engine.kernels import native, qmatmul
+from cluster.engine.sched.scheduler import Step
+from cluster.engine.sched.sequence import Sequence
 from cluster.types import SamplingParams
 from tests.helpers import assert_no_leak
 from tests.integration.conftest import RAW_PROMPTS
@@ -129,6 +130,6 @@ def test_a_loop_that_cannot_be_built_leaves_the_eager_forward_with_one_warning(
     finally:
         layer_loop._library.cache_clear()
         native.library.cache_clear()
-    warnings = [r.getMessage() for r in caplog.records if r.name == "cluster.engine.native"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "cluster.engine.kernels.native"]
     assert len(warnings) == 1 and "layer_loop.c" in warnings[0], warnings
     assert "no loop today" in warnings[0]

@@ -14,8 +14,8 @@ import ray
 
 from cluster import role_worker
 from cluster.config import PoolConfig, TransferConfig
-from cluster.engine.checkpoint import open_gguf
-from cluster.engine.model_files import bundled_model_path
+from cluster.engine.model.checkpoint import open_gguf
+from cluster.engine.model.model_files import bundled_model_path
 from splitserve import pool as pool_module
 from splitserve.load_bars import LoadBars
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from cluster.engine.tokenizer import Tokenizer
+from cluster.engine.model.tokenizer import Tokenizer
 from cluster.types import SamplingParams
 from router.dispatch import Dispatcher
 from splitserve.client import Client, Reply

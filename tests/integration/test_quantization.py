@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from cluster.config import ConfigError, EngineConfig
-from cluster.engine import qmatmul
-from cluster.engine.attention_cpu import CpuBackend
 from cluster.engine.engine import LLMEngine
-from cluster.engine.kv_cache import KVCache
-from cluster.engine.page_pool import pages_for
-from cluster.engine.quantization import BlockLinear, DenseLinear, GroupQuant, Int4Linear
-from cluster.engine.step_batch import StepBatch
+from cluster.engine.kernels import qmatmul
+from cluster.engine.kernels.attention_cpu import CpuBackend
+from cluster.engine.kernels.kv_cache import KVCache
+from cluster.engine.kernels.step_batch import StepBatch
+from cluster.engine.model.quantization import BlockLinear, DenseLinear, GroupQuant, Int4Linear
+from cluster.engine.sched.page_pool import pages_for
 from cluster.types import SamplingParams
 from tests.integration.conftest import TINY, _save_tiny
 

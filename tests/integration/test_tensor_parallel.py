@@ -19,7 +19,7 @@ import torch
 
 from cluster.config import ConfigError, EngineConfig, PoolConfig, RouterConfig, ServeConfig
 from cluster.engine.engine import LLMEngine
-from cluster.engine.tensor_parallel import GroupLost
+from cluster.engine.model.tensor_parallel import GroupLost
 from cluster.types import RequestOutput, SamplingParams
 from tests.helpers import wait_until
 from tests.integration.conftest import EXACT, RAW_PROMPTS

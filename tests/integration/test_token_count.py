@@ -8,7 +8,7 @@ import string
 
 import pytest
 
-from cluster.engine.tokenizer import Tokenizer
+from cluster.engine.model.tokenizer import Tokenizer
 from router.token_count import CHUNK_CHARS, chunks, chunks_exact, count_tokens
 
 

@@ -14,19 +14,19 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
 from cluster.config import ConfigError
-from cluster.engine import attention_cpu, native
-from cluster.engine.attention import resolve_backend
-from cluster.engine.attention_cpu import (
+from cluster.engine.kernels import attention_cpu, native
+from cluster.engine.kernels.attention import resolve_backend
+from cluster.engine.kernels.attention_cpu import (
     CpuBackend,
     CpuMetadata,
     PrefillChunk,
     _decode_attention,
     paged_attention,
 )
-from cluster.engine.cpu_isa import cpu
-from cluster.engine.kv_cache import KVCache, KVLayout
-from cluster.engine.page_pool import pages_for
-from cluster.engine.step_batch import StepBatch
+from cluster.engine.kernels.cpu_isa import cpu
+from cluster.engine.kernels.kv_cache import KVCache, KVLayout
+from cluster.engine.kernels.step_batch import StepBatch
+from cluster.engine.sched.page_pool import pages_for
 from tests.helpers import scattered_pages
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")

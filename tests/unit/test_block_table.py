@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cluster.engine.block_table import BlockTables
-from cluster.engine.sequence import Sequence
+from cluster.engine.sched.block_table import BlockTables
+from cluster.engine.sched.sequence import Sequence
 from cluster.types import PageId, RequestId, SamplingParams
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.engine.kv_cache import KVLayout
+from cluster.engine.kernels.kv_cache import KVLayout
 from splitserve.capacity import (
     ARCHITECTURES,
     decode_bound,

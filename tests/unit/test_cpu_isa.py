@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cluster.engine.cpu_isa import fast_dtype, isa, native_bf16, parse_cpuinfo
+from cluster.engine.kernels.cpu_isa import fast_dtype, isa, native_bf16, parse_cpuinfo
 
 EPYC_AVX2 = """processor\t: 0
 vendor_id\t: AuthenticAMD

@@ -11,7 +11,6 @@ import torch
 
 pytest.importorskip("triton")
 
-from cluster.engine.attention_triton import MAX_SPLITS, TritonBackend, TritonMetadata, decode_splits
 from cluster.engine.cuda_graphs import (
     PADDING_SLOT,
     PiecewiseGraphs,
@@ -22,8 +21,14 @@ from cluster.engine.cuda_graphs import (
     fill,
     token_buckets,
 )
-from cluster.engine.kv_cache import KVCache, KVLayout
-from cluster.engine.step_batch import StepBatch
+from cluster.engine.kernels.attention_triton import (
+    MAX_SPLITS,
+    TritonBackend,
+    TritonMetadata,
+    decode_splits,
+)
+from cluster.engine.kernels.kv_cache import KVCache, KVLayout
+from cluster.engine.kernels.step_batch import StepBatch
 
 
 def test_buckets_are_powers_of_two_up_to_max_num_seqs() -> None:
@@ -179,8 +184,8 @@ def test_piecewise_pieces_around_eager_attention_give_the_model_steps_logits_and
     its store; with the cpu backend (FlashInfer's case: a backend that does not) the
     pieces rotate them. The pieces run as they are, and on a GPU also captured in CUDA
     graphs and replayed."""
-    from cluster.engine.attention import make_backend
-    from cluster.engine.model import LlamaModel
+    from cluster.engine.kernels.attention import make_backend
+    from cluster.engine.model.model import LlamaModel
     from splitserve.bench.gpu import random_weights, spec_of
 
     device = kernel_device if backend == "triton" else torch.device("cpu")

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from cluster.config import EngineConfig
-from cluster.engine import qmatmul, quantization
-from cluster.engine.cpu_isa import cpu, fast_dtype, native_bf16
 from cluster.engine.engine import describe_modes, pick_dtype, pick_quantization
-from cluster.engine.model_files import bundled_model_path
+from cluster.engine.kernels import qmatmul
+from cluster.engine.kernels.cpu_isa import cpu, fast_dtype, native_bf16
+from cluster.engine.model import quantization
+from cluster.engine.model.model_files import bundled_model_path
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
-from cluster.engine.checkpoint import open_gguf
-from cluster.engine.gguf_file import GGUFFile
-from cluster.engine.model_files import ModelLoadError, bundled_model_path
+from cluster.engine.model.checkpoint import open_gguf
+from cluster.engine.model.gguf_file import GGUFFile
+from cluster.engine.model.model_files import ModelLoadError, bundled_model_path
 
 
 def test_the_bundled_model_reads_as_ggufs_own_reader_reads_it() -> None:

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from cluster.engine.grammar import Grammars
-from cluster.engine.model_files import bundled_model_path
-from cluster.engine.tokenizer import Tokenizer
+from cluster.engine.model.model_files import bundled_model_path
+from cluster.engine.model.tokenizer import Tokenizer
 from cluster.types import InvalidRequestError, Structured
 
 VOCAB = 49152

@@ -8,7 +8,7 @@ import itertools
 import json
 from pathlib import Path
 
-from cluster.engine.cpu_isa import fast_dtype
+from cluster.engine.kernels.cpu_isa import fast_dtype
 from splitserve.hardware import Hardware, matmul_tflops, measure
 
 

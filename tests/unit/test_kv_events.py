@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 
-from cluster.engine.page_pool import PagePool, hash_pages
+from cluster.engine.sched.page_pool import PagePool, hash_pages
 from cluster.protocol import KVEvent, KVEventKind, KVEvents
 from cluster.types import BlockHash, PageId
 from tests.unit.test_page_pool import PS, cached_pages

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from cluster.engine.kv_sink import KVStored, PageHolds, PromptDone, layer_hook
-from cluster.engine.page_pool import PagePool
-from cluster.engine.scheduler import Scheduler
-from cluster.engine.sequence import Sequence
+from cluster.engine.sched.page_pool import PagePool
+from cluster.engine.sched.scheduler import Scheduler
+from cluster.engine.sched.sequence import Sequence
 from cluster.types import FinishReason, PageId, RequestId, SamplingParams
 
 PAGE, LAYERS = 4, 2

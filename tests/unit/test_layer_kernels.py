@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cluster.engine import layer_kernels_cpu, native
+from cluster.engine.kernels import layer_kernels_cpu, native
 
-layer_kernels = pytest.importorskip("cluster.engine.layer_kernels")
+layer_kernels = pytest.importorskip("cluster.engine.kernels.layer_kernels")
 
 # bfloat16 keeps 8 bits of mantissa: relative error up to 2^-8 per rounding.
 TOLERANCE = {
@@ -92,7 +92,7 @@ def test_rope_rotates_q_and_k_in_place_as_the_model_does(
 ) -> None:
     """q (3 heads) and k (1 head) side by side in a fused qkv row, as the model has them."""
     kernels, kernel_device = fused
-    from cluster.engine.model import rotate
+    from cluster.engine.model.model import rotate
 
     g = torch.Generator().manual_seed(2)
     dim, positions = 16, torch.tensor([0, 5, 9], device=kernel_device)

@@ -30,6 +30,12 @@ of a name the test cannot read this way fails too: an arrow it cannot see is not
 Every top-level directory or module with Python files (tracked or not, unless ignored by
 git) is one of PACKAGES or of NOT_PACKAGES: a new one fails until it is given a floor.
 
+Inside the engine (cluster.engine), its rooms are floors of their own, lowest first:
+sched (scheduling over plain data), kernels (KV tensors, attention, C and Triton),
+model (layers, checkpoints, quantization, TP), then the engine's own modules (the step,
+the runner and its compiled steps, sampling). A module of a room imports its own room and
+the rooms below.
+
 Within a floor, the imports that run form no cycle: those inside functions count (a
 deferred import still ties the two modules together), those under `if TYPE_CHECKING:`,
 which never run, do not.
@@ -59,6 +65,12 @@ PACKAGES = {
     "splitserve.bench": 5,
 }
 TOP_LEVEL = {package.split(".")[0] for package in PACKAGES}
+ROOMS = {  # cluster.engine's rooms, lowest first
+    "cluster.engine.sched": 1,
+    "cluster.engine.kernels": 2,
+    "cluster.engine.model": 3,
+    "cluster.engine": 4,
+}
 NOT_PACKAGES = {"tests"}  # may import any floor; nothing imports it
 STRANGERS = {"decode_worker", "prefill_worker", "router"}  # none imports another
 FLOOR_NAMES = {1: "ground", 2: "workers", 3: "router", 4: "control plane", 5: "bench"}
@@ -71,6 +83,13 @@ def floor(module: str) -> int | None:
     parts = module.split(".")
     heads = (".".join(parts[:n]) for n in range(len(parts), 0, -1))
     return next((PACKAGES[h] for h in heads if h in PACKAGES), None)
+
+
+def room(module: str) -> int | None:
+    """The engine room a module lies in (ROOMS), None outside the engine."""
+    parts = module.split(".")
+    heads = (".".join(parts[:n]) for n in range(len(parts), 0, -1))
+    return next((ROOMS[h] for h in heads if h in ROOMS), None)
 
 
 def python_files() -> list[Path]:
@@ -160,6 +179,17 @@ def violations(module: str, path: Path) -> Iterator[str]:
             yield f"{module}:{line} ({FLOOR_NAMES[here]}) imports {target} ({FLOOR_NAMES[there]})"
 
 
+def room_violations(module: str, path: Path) -> Iterator[str]:
+    """Each import in an engine module that points up a room (ROOMS)."""
+    here = room(module)
+    if here is None:
+        return
+    for line, target in imports(module, path):
+        there = room(target)
+        if there is not None and there > here:
+            yield f"{module}:{line} imports {target}, a room above its own"
+
+
 def _typing_only(path: Path) -> set[int]:
     """The lines of the imports under `if TYPE_CHECKING:`, which never run."""
     lines: set[int] = set()
@@ -204,6 +234,33 @@ def unknown(names: set[str]) -> list[str]:
 def test_no_module_imports_a_floor_above_its_own() -> None:
     found = [v for module, path in sources() for v in violations(module, path)]
     assert found == []
+
+
+def test_no_engine_module_imports_a_room_above_its_own() -> None:
+    found = [v for module, path in sources() for v in room_violations(module, path)]
+    assert found == []
+    assert {m for m, _ in sources() if room(m) is not None} >= ROOMS.keys()
+
+
+def test_an_upward_import_between_rooms_is_caught(tmp_path: Path) -> None:
+    """The check itself: the scheduler importing a kernel, a kernel importing the model
+    (under TYPE_CHECKING too) or the engine; the model importing kernels and sched, the
+    engine importing any room, and code outside the engine, pass."""
+    e = "cluster.engine"
+    cases = [  # (module, its text, points up a room)
+        (f"{e}.sched.scheduler", f"from {e}.kernels.kv_cache import KVCache\n", True),
+        (f"{e}.kernels.kv_cache", f"if TYPE_CHECKING:\n    import {e}.model.model\n", True),
+        (f"{e}.kernels.attention", f"from {e}.engine import LLMEngine\n", True),
+        (f"{e}.model.model", f"from {e} import runner\n", True),
+        (f"{e}.model.model", f"from {e}.kernels import attention\n", False),
+        (f"{e}.kernels.attention_cpu", f"from {e}.sched.page_pool import pages_for\n", False),
+        (f"{e}.runner", f"from {e}.model.model import LlamaModel\n", False),
+        ("cluster.transfer.endpoint", f"from {e}.engine import LLMEngine\n", False),
+    ]
+    path = tmp_path / "m.py"
+    for module, text, up in cases:
+        path.write_text(text)
+        assert bool(list(room_violations(module, path))) == up, (module, text)
 
 
 def test_no_import_cycle() -> None:
@@ -317,7 +374,7 @@ def test_the_router_loads_without_torch_the_engine_or_a_worker() -> None:
     router reads worker stats from cluster.protocol and tokenizes without torch."""
     code = (
         "import sys, router.app, router.server, router.router\n"
-        "heavy = ('torch', 'cluster.engine.engine', 'cluster.engine.model', "
+        "heavy = ('torch', 'cluster.engine.engine', 'cluster.engine.model.model', "
         "'cluster.engine.runner', 'decode_worker', 'prefill_worker')\n"
         "print(sorted(m for m in sys.modules if m in heavy or m.startswith("
         "('decode_worker.', 'prefill_worker.', 'torch.'))))\n"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.engine.model_files import ModelLoadError, hf_cache, model_name, model_path
+from cluster.engine.model.model_files import ModelLoadError, hf_cache, model_name, model_path
 
 
 def _cached(cache: Path, repo: str, revisions: list[str], main: str | None) -> Path:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.engine.page_pool import PagePool, hash_pages
+from cluster.engine.sched.page_pool import PagePool, hash_pages
 from cluster.types import PageId
 
 PS = 4  # tokens per page in these tests

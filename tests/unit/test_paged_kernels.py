@@ -12,7 +12,7 @@ import torch
 
 from tests.helpers import scattered_pages
 
-paged_kernels = pytest.importorskip("cluster.engine.paged_kernels")
+paged_kernels = pytest.importorskip("cluster.engine.kernels.paged_kernels")
 
 PAGE, HEADS, KV_HEADS, DIM, NUM_PAGES = 16, 6, 2, 32, 40
 
@@ -125,7 +125,7 @@ def test_rope_store_rotates_q_and_k_and_stores_k_and_v_in_their_slots_skipping_p
     """q, k, v side by side in the fused qkv rows (strided), as the model hands them over:
     q rotated in place as model.rotate does, k rotated into its slot, v copied; slot -1 (a
     graph's padding row) writes nothing."""
-    from cluster.engine.model import rotate
+    from cluster.engine.model.model import rotate
 
     caches = torch.zeros(2, 4, PAGE, KV_HEADS, DIM, dtype=dtype, device=kernel_device)
     k_cache, v_cache = caches.unbind()

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import random
 
-from cluster.engine.page_pool import PagePool
-from cluster.engine.sequence import Sequence
+from cluster.engine.sched.page_pool import PagePool
+from cluster.engine.sched.sequence import Sequence
 from cluster.types import RequestId, SamplingParams
 from router.prefix_index import PrefixIndex, prompt_hashes
 

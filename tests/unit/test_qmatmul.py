@@ -1,4 +1,4 @@
-"""Our integer kernel for quantized weights (cluster/engine/qmatmul.c): what it computes,
+"""Our integer kernel for quantized weights (cluster/engine/kernels/qmatmul.c): what it computes,
 held to a numpy model of its rounding, in both its builds (AVX-512 VNNI and AVX2, each
 where this CPU runs it); rows independent of their batch; and the fallback to torch's
 kernel where it cannot be built."""
@@ -13,9 +13,16 @@ import numpy as np
 import pytest
 import torch
 
-from cluster.engine import native, qmatmul
-from cluster.engine.cpu_isa import cpu
-from cluster.engine.quantization import GROUP, BlockLinear, GroupQuant, Int4Linear, linear, quantize
+from cluster.engine.kernels import native, qmatmul
+from cluster.engine.kernels.cpu_isa import cpu
+from cluster.engine.model.quantization import (
+    GROUP,
+    BlockLinear,
+    GroupQuant,
+    Int4Linear,
+    linear,
+    quantize,
+)
 
 needs_kernel = pytest.mark.skipif(
     not qmatmul.available(), reason="the kernel needs AVX2 or AVX-512 VNNI (torch's is used)"
@@ -110,7 +117,7 @@ def test_without_a_compiler_torch_kernel_multiplies(
         layer = linear(quantize(torch.randn(16, GROUP), "int4"), None, torch.float32)
         assert isinstance(layer, Int4Linear)
         linear(quantize(torch.randn(16, GROUP), "int4"), None, torch.float32)
-    warnings = [r.getMessage() for r in caplog.records if r.name == "cluster.engine.native"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "cluster.engine.kernels.native"]
     assert len(warnings) == 1 and "/nonexistent/cc" in warnings[0], warnings
     assert qmatmul.describe() == "torch's int4 kernel"
 

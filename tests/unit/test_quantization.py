@@ -10,7 +10,7 @@ from gguf.constants import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from cluster.engine.quantization import (
+from cluster.engine.model.quantization import (
     GROUP,
     DenseLinear,
     GroupQuant,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import gguf
 
-from cluster.engine.checkpoint import open_gguf, read_sampling_defaults
+from cluster.engine.model.checkpoint import open_gguf, read_sampling_defaults
 
 
 def test_an_hf_checkpoints_generation_config_gives_its_sampling_fields(tmp_path: Path) -> None:

@@ -6,9 +6,9 @@ sequence whose last token was computed a made-up next token, finish at max_token
 
 from __future__ import annotations
 
-from cluster.engine.page_pool import PagePool
-from cluster.engine.scheduler import Scheduler, Step
-from cluster.engine.sequence import Sequence
+from cluster.engine.sched.page_pool import PagePool
+from cluster.engine.sched.scheduler import Scheduler, Step
+from cluster.engine.sched.sequence import Sequence
 from cluster.types import FinishReason, RequestId, RequestStatus, SamplingParams
 
 PS = 4  # tokens per page in these tests

@@ -17,7 +17,7 @@ import torch
 
 from cluster.engine.kv_sink import KVStored, PageHolds, PromptDone
 from cluster.engine.layer_ready import LayerReady
-from cluster.engine.page_pool import PagePool
+from cluster.engine.sched.page_pool import PagePool
 from cluster.transfer.endpoint import KVEndpoint
 from cluster.transfer.wire import Notice, NoticeKind
 from cluster.types import KVTarget, PageId, RequestId

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.engine.shared_collectives import PeerLost, SharedExchange
+from cluster.engine.model.shared_collectives import PeerLost, SharedExchange
 
 CALLS = 200
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.engine.step_rate import StepRate
+from cluster.engine.sched.step_rate import StepRate
 
 
 def test_the_slope_of_steps_on_a_line() -> None:

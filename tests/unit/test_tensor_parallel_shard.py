@@ -9,9 +9,9 @@ import torch
 
 from cluster.actor_options import rank_bundles
 from cluster.config import ConfigError
-from cluster.engine.checkpoint import ModelSpec
-from cluster.engine.quantization import GroupQuant, quantize
-from cluster.engine.tensor_parallel import Shard, ShardedWeights, split
+from cluster.engine.model.checkpoint import ModelSpec
+from cluster.engine.model.quantization import GroupQuant, quantize
+from cluster.engine.model.tensor_parallel import Shard, ShardedWeights, split
 
 SMOL = ModelSpec(  # SmolLM2-135M's shape
     vocab_size=49152,

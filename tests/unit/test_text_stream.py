@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cluster.engine.tokenizer import TextStream
+from cluster.engine.model.tokenizer import TextStream
 
 # Token id -> the bytes it stands for, as a byte-level BPE vocabulary would have it.
 PIECES: dict[int, bytes] = {

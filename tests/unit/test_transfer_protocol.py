@@ -15,7 +15,7 @@ import torch
 
 from cluster.engine.kv_sink import KVStored, PageHolds, PromptDone
 from cluster.engine.layer_ready import LayerReady
-from cluster.engine.page_pool import PagePool
+from cluster.engine.sched.page_pool import PagePool
 from cluster.transfer import inbound
 from cluster.transfer.inbound import Terms
 from cluster.transfer.wire import Notice, NoticeKind

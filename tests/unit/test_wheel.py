@@ -76,11 +76,11 @@ def test_the_license_the_proto_the_example_config_and_the_lab_page_ship(
 def test_every_c_kernel_and_header_ships_to_be_built_where_it_runs(
     wheel: zipfile.ZipFile,
 ) -> None:
-    engine = ROOT / "cluster" / "engine"
+    engine = ROOT / "cluster" / "engine" / "kernels"
     sources = sorted([*engine.glob("*.c"), *engine.glob("*.h")])
     assert {"qmatmul.c", "paged_attention.c", "layer_ops.c"} <= {p.name for p in sources}
     for path in sources:
-        assert wheel.read(f"cluster/engine/{path.name}") == path.read_bytes(), path.name
+        assert wheel.read(f"cluster/engine/kernels/{path.name}") == path.read_bytes(), path.name
 
 
 def test_results_default_to_the_current_directory() -> None:

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from cluster.engine.checkpoint import ModelSpec
+from cluster.engine.model.checkpoint import ModelSpec
 from cluster.transfer.endpoint import page_runs
 from cluster.transfer.wire import (
     Handshake,

@@ -1,13 +1,13 @@
 """The attention backend seam: what one step's attention needs, and who computes it.
 
 Once per step the runner lays the batch out on the host (`StepBatch`, in
-cluster/engine/step_batch.py) and the backend turns it into its own metadata (`prepare`:
+cluster/engine/kernels/step_batch.py) and the backend turns it into its own metadata (`prepare`:
 device tensors, workspaces, plans). Then every layer calls
 `forward(layer, q, k, v, cache, metadata)`, which writes the new K/V into their page
 slots and returns the attention output. A backend that `fuses_rope` takes q and k before
 RoPE and rotates them as it stores (one kernel); the others take them rotated. Backends:
 
-- `cpu`: PyTorch SDPA and matmuls over gathered pages (cluster/engine/attention_cpu.py);
+- `cpu`: PyTorch SDPA and matmuls over gathered pages (cluster/engine/kernels/attention_cpu.py);
 - `triton`: our own Triton kernels reading pages in place (attention_triton.py);
 - `flashinfer`: FlashInfer's paged kernels, on CUDA when installed (attention_flashinfer.py).
 """
@@ -20,8 +20,8 @@ from typing import Any, Protocol
 import torch
 
 from cluster.config import ConfigError
-from cluster.engine.kv_cache import KVCache, KVLayout
-from cluster.engine.step_batch import StepBatch
+from cluster.engine.kernels.kv_cache import KVCache, KVLayout
+from cluster.engine.kernels.step_batch import StepBatch
 
 
 class AttentionBackend(Protocol):
@@ -81,14 +81,14 @@ def make_backend(
 ) -> AttentionBackend:
     """The backend named by `resolve_backend`, built for this engine's cache."""
     if name == "cpu":
-        from cluster.engine.attention_cpu import CpuBackend
+        from cluster.engine.kernels.attention_cpu import CpuBackend
 
         return CpuBackend(layout, device)
     if name == "triton":
-        from cluster.engine.attention_triton import TritonBackend
+        from cluster.engine.kernels.attention_triton import TritonBackend
 
         return TritonBackend(device, layout.num_kv_heads, rope)
     assert name == "flashinfer", name
-    from cluster.engine.attention_flashinfer import FlashInferBackend
+    from cluster.engine.kernels.attention_flashinfer import FlashInferBackend
 
     return FlashInferBackend(layout, num_heads, device)

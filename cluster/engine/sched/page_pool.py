@@ -6,7 +6,7 @@ tokens (its hash is registered) and is reused by a later request with the same
 prefix, or evicted, least recently freed first, when someone needs a page.
 Callers free exactly the pages they allocated or matched, once.
 Every hash registered or evicted is also an event in its change log
-(cluster/engine/kv_events.py), which routers read to know what each worker holds.
+(cluster/engine/sched/kv_events.py), which routers read to know what each worker holds.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cluster.engine.kv_events import KVEventLog
+from cluster.engine.sched.kv_events import KVEventLog
 from cluster.protocol import KVEvents
 from cluster.types import BlockHash, PageId
 

@@ -1,5 +1,5 @@
 """StepBatch: one step's attention layout on the host, as the runner builds it and every
-attention backend (cluster/engine/attention.py) reads it."""
+attention backend (cluster/engine/kernels/attention.py) reads it."""
 
 from __future__ import annotations
 

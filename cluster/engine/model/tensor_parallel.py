@@ -37,11 +37,11 @@ import torch
 import torch.distributed as dist
 
 from cluster.config import ConfigError, EngineConfig
-from cluster.engine.checkpoint import ModelSpec, Weights
-from cluster.engine.kv_cache import KVCache
-from cluster.engine.quantization import GROUP, GroupQuant
-from cluster.engine.shared_collectives import SHM, PeerLost, SharedExchange
-from cluster.engine.step_batch import StepBatch
+from cluster.engine.kernels.kv_cache import KVCache
+from cluster.engine.kernels.step_batch import StepBatch
+from cluster.engine.model.checkpoint import ModelSpec, Weights
+from cluster.engine.model.quantization import GROUP, GroupQuant
+from cluster.engine.model.shared_collectives import SHM, PeerLost, SharedExchange
 from cluster.types import PageId
 
 if TYPE_CHECKING:

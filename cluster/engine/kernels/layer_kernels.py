@@ -7,7 +7,7 @@ where PyTorch takes two or three (and a round trip through memory between them):
 - `rope_`: rotate-half RoPE of q and k together, in place (PyTorch: four ops); the
   Triton attention backend does it in its KV store instead (paged_kernels.rope_store_kv).
 
-The model uses them on CUDA (cluster/engine/model.py); on a CPU tensor they run under
+The model uses them on CUDA (cluster/engine/model/model.py); on a CPU tensor they run under
 Triton's interpreter, as the tests do.
 """
 

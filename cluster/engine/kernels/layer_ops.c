@@ -4,7 +4,7 @@
 // The CPU twin of layer_kernels.py's Triton kernels, with the same arithmetic: float32 inside, the
 // residual rounded to its dtype before it is normed. Tensors are float32 or bfloat16
 // (`bf16`); rows may be strided, a row's elements are contiguous. Built on the host by
-// cluster/engine/native.py; loops left to the compiler to vectorize.
+// cluster/engine/kernels/native.py; loops left to the compiler to vectorize.
 
 #include <math.h>
 #include <stdint.h>

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.engine.sequence import Sequence
+from cluster.engine.sched.sequence import Sequence
 from cluster.types import PageId
 
 

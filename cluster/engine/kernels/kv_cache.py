@@ -10,11 +10,22 @@ from __future__ import annotations
 import ctypes
 import sys
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from cluster.engine.checkpoint import ModelSpec
-from cluster.engine.page_pool import pages_for
+from cluster.engine.sched.page_pool import pages_for
+
+
+class KVShape(Protocol):
+    """What a model's spec tells the cache (model.checkpoint.ModelSpec has these)."""
+
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -26,7 +37,7 @@ class KVLayout:
     dtype: torch.dtype
 
     @staticmethod
-    def of(spec: ModelSpec, page_size: int, dtype: torch.dtype) -> KVLayout:
+    def of(spec: KVShape, page_size: int, dtype: torch.dtype) -> KVLayout:
         return KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, page_size, dtype)
 
     @property

@@ -3,7 +3,7 @@
 The numerics follow transformers' LlamaModel step for step (RMSNorm in float32,
 rotate-half RoPE, SDPA), so greedy output is token-identical in float32. On CUDA the
 residual add with the RMSNorm after it, RoPE of q and k, and silu(gate) * up run as one
-fused Triton kernel each (cluster/engine/layer_kernels.py); the Triton attention backend
+fused Triton kernel each (cluster/engine/kernels/layer_kernels.py); the Triton attention backend
 rotates q and k itself, in its KV store. On the CPU they are one C call each
 (layer_kernels_cpu.py), where the C file builds, and where every matrix is on our integer
 kernel the runner runs the layers in one C call (layer_loop.py) instead of `forward`.
@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from cluster.engine import layer_kernels_cpu
-from cluster.engine.attention import AttentionBackend
-from cluster.engine.checkpoint import ModelSpec, Weights
-from cluster.engine.kv_cache import KVCache
-from cluster.engine.model_files import ModelLoadError
-from cluster.engine.quantization import (
+from cluster.engine.kernels import layer_kernels_cpu
+from cluster.engine.kernels.attention import AttentionBackend
+from cluster.engine.kernels.kv_cache import KVCache
+from cluster.engine.model.checkpoint import ModelSpec, Weights
+from cluster.engine.model.model_files import ModelLoadError
+from cluster.engine.model.quantization import (
     DenseLinear,
     Embedding,
     GroupQuant,
@@ -34,7 +34,7 @@ from cluster.engine.quantization import (
 )
 
 if TYPE_CHECKING:  # torch.distributed loads only for a model split across ranks
-    from cluster.engine.tensor_parallel import TensorGroup
+    from cluster.engine.model.tensor_parallel import TensorGroup
 
 
 @dataclass
@@ -81,7 +81,7 @@ class LlamaModel:
         # on the CPU where it builds; else PyTorch's ops.
         self.kernels: ModuleType | None = None
         if device.type == "cuda":
-            from cluster.engine import layer_kernels
+            from cluster.engine.kernels import layer_kernels
 
             self.kernels = layer_kernels
         else:  # built only here: a GPU host compiles nothing for it

@@ -20,9 +20,9 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from cluster.engine.gguf_file import GGUFFile
-from cluster.engine.model_files import ModelLoadError
-from cluster.engine.quantization import (
+from cluster.engine.model.gguf_file import GGUFFile
+from cluster.engine.model.model_files import ModelLoadError
+from cluster.engine.model.quantization import (
     GGUF_BLOCKS,
     GroupQuant,
     QuantizationError,

@@ -25,8 +25,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from cluster.engine.page_pool import PagePool, pages_for
-from cluster.engine.sequence import Sequence
+from cluster.engine.sched.page_pool import PagePool, pages_for
+from cluster.engine.sched.sequence import Sequence
 from cluster.types import FinishReason, RequestId, RequestStatus
 
 S = TypeVar("S", bound=Sequence)  # the engine's request record: a Sequence and more

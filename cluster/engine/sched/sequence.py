@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cluster.engine.page_pool import hash_pages
+from cluster.engine.sched.page_pool import hash_pages
 from cluster.types import BlockHash, FinishReason, PageId, RequestId, RequestStatus, SamplingParams
 
 

@@ -12,7 +12,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from cluster.engine import native
+from cluster.engine.kernels import native
 
 GROUP = 32
 BAND = 16  # output rows a band interleaves (qmatmul.c)

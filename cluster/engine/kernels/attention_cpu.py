@@ -23,10 +23,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from cluster.engine import native
-from cluster.engine.kv_cache import KVCache, KVLayout
-from cluster.engine.page_pool import pages_for
-from cluster.engine.step_batch import StepBatch
+from cluster.engine.kernels import native
+from cluster.engine.kernels.kv_cache import KVCache, KVLayout
+from cluster.engine.kernels.step_batch import StepBatch
+from cluster.engine.sched.page_pool import pages_for
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from types import ModuleType
 
 import torch
 
-from cluster.engine import native
+from cluster.engine.kernels import native
 
 DTYPES = (torch.float32, torch.bfloat16)
 

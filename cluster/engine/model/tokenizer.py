@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from cluster.engine.model_files import ModelLoadError
+from cluster.engine.model.model_files import ModelLoadError
 from cluster.types import InvalidRequestError
 
 log = logging.getLogger(__name__)

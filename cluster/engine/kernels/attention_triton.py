@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.engine import paged_kernels
-from cluster.engine.kv_cache import KVCache
-from cluster.engine.step_batch import StepBatch
+from cluster.engine.kernels import paged_kernels
+from cluster.engine.kernels.kv_cache import KVCache
+from cluster.engine.kernels.step_batch import StepBatch
 
 
 @dataclass(frozen=True)

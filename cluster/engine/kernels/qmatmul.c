@@ -2,7 +2,7 @@
 // 16 output rows at once, one per 32-bit lane (llama.cpp's repacked layouts do the same).
 // AVX-512 VNNI (vpdpbusd over a band at once), else AVX2 (vpmaddubsw + vpmaddwd over each
 // half of a band); built on the host that runs it (-march=native) by
-// cluster/engine/native.py. Where the CPU has neither, qmatmul_isa() says 0 and torch's
+// cluster/engine/kernels/native.py. Where the CPU has neither, qmatmul_isa() says 0 and torch's
 // kernel is used.
 //
 // Weights: groups of 32 inputs, w = q * d + m, stored in bands of 16 output rows; a band

@@ -14,9 +14,9 @@ import itertools
 
 import torch
 
-from cluster.engine.kv_cache import KVCache, KVLayout
-from cluster.engine.page_pool import pages_for
-from cluster.engine.step_batch import StepBatch
+from cluster.engine.kernels.kv_cache import KVCache, KVLayout
+from cluster.engine.kernels.step_batch import StepBatch
+from cluster.engine.sched.page_pool import pages_for
 
 WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's scratch for split-K partials
 

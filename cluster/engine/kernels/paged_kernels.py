@@ -1,6 +1,6 @@
 """Triton kernels that read and write KV pages where they lie, through the page table.
 
-Layout (cluster/engine/kv_cache.py): one layer's cache is [pages, page_size, kv_heads,
+Layout (cluster/engine/kernels/kv_cache.py): one layer's cache is [pages, page_size, kv_heads,
 head_dim], so token slot `page * page_size + offset` holds kv_heads * head_dim contiguous
 values. Keys are found through `table[seq, pos // page_size]`: no gather copy, no mask
 tensor. Scores, softmax and accumulators are float32 whatever the input dtype; float32
@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cluster.engine.layer_kernels import rotated
+from cluster.engine.kernels.layer_kernels import rotated
 
 LOG2E = math.log2(math.e)  # scores times this: exp(x) = exp2(x * log2 e)
 

@@ -10,7 +10,7 @@
   float. The served model is the file's, not a float copy of it.
 
 Where the CPU has AVX-512 VNNI or AVX2, our integer kernel multiplies every quantized
-matrix (cluster/engine/qmatmul.c, `BlockLinear`): each input row is rounded per group of
+matrix (cluster/engine/kernels/qmatmul.c, `BlockLinear`): each input row is rounded per group of
 32 to int8 steps (as llama.cpp does) plus int8 remainders, and the groups' dot products are
 the CPU's byte dot products; measured 1.3-4x faster than torch's int4 kernel on the bundled
 model's shapes at 1, 16 and 256 rows (README). Elsewhere (or with no C compiler) PyTorch's
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cluster.engine import qmatmul
+from cluster.engine.kernels import qmatmul
 
 GROUP = 32  # weights per scale, along the input dimension
 KERNEL_DTYPE = torch.bfloat16  # what the int4 kernel computes in

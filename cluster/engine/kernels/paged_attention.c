@@ -1,6 +1,6 @@
 // Paged attention on the CPU, reading K and V where they lie in their pages: no gather
 // copy, no mask. Decode rows here; prefill chunks (`paged_prefill`) below. Built on the host
-// that runs it (-march=native) by cluster/engine/native.py.
+// that runs it (-march=native) by cluster/engine/kernels/native.py.
 //
 // Each decode row attends to the first `len` tokens of its sequence, whose page ids are a
 // row of `tables`: token t lies in page tables[t / page_size], slot t % page_size. A decode

@@ -22,7 +22,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from cluster.engine.cpu_isa import cpu
+from cluster.engine.kernels.cpu_isa import cpu
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ calls of any other step per token-count bucket.
 A decode step of n sequences runs the graph of the smallest bucket >= n. Its inputs
 are one int32 buffer on the device (ids, positions, slots, context lengths, query
 offsets, page table, each a segment sized for the largest bucket), filled from a
-pinned host copy in one transfer of the part the step reads; the graph writes its
+pinned host copy (`Staging`) in one transfer of the part the step reads; the graph writes its
 logits into a buffer of its own. Rows past n are padding: slot -1 (the store kernel
 writes nothing, so no page is touched) and context length 0 (attention yields zeros).
 Sampling runs after the replay, on the device (cluster/engine/sampler.py).
@@ -90,6 +90,30 @@ class Segments:
         return self.offsets()["table"] + (rows - 1) * self.width + width
 
 
+class Staging:
+    """A pinned host buffer a step fills and copies to the device without waiting: `ready`
+    blocks until the previous step's copy has read it (an event recorded after that copy),
+    so a refill never overwrites bytes a copy still in flight reads. A buffer that is not
+    pinned copies synchronously and has nothing to wait for."""
+
+    def __init__(self, host: torch.Tensor) -> None:
+        self.host = host
+        self.copied = torch.cuda.Event() if host.is_pinned() else None
+
+    def ready(self) -> torch.Tensor:
+        """The host buffer, free to refill."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host
+
+    def copy_to(self, device_buffer: torch.Tensor, n: int | None = None) -> None:
+        """The first `n` values (all, None) to `device_buffer`, on the current stream."""
+        src, dst = (self.host, device_buffer) if n is None else (self.host[:n], device_buffer[:n])
+        dst.copy_(src, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+
+
 def fill(
     buffer: torch.Tensor,  # [Segments.size] int32, host
     seg: Segments,
@@ -132,12 +156,11 @@ class DecodeGraphs:
         assert device.type == "cuda" and torch.cuda.is_available()
         self.buckets = bucket_sizes(max_num_seqs)
         self.seg = Segments(self.buckets[-1], pages_for(max_model_len, cache.layout.page_size))
-        self.host = torch.zeros(self.seg.size, dtype=torch.int32).pin_memory()
         self.inputs = torch.zeros(self.seg.size, dtype=torch.int32, device=device)
         off = self.seg.offsets()
         self.inputs[off["slots"] : off["lens"]] = PADDING_SLOT  # capture writes no page
         self.inputs[off["starts"] : off["table"]] = torch.arange(self.seg.rows + 1)
-        self.host.copy_(self.inputs)
+        self.staging = Staging(self.inputs.cpu().pin_memory())
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         pool = torch.cuda.graph_pool_handle()
@@ -177,10 +200,8 @@ class DecodeGraphs:
         bucket = bucket_for(len(ids), self.buckets)
         if bucket is None or batch.page_table.shape[1] > self.seg.width:
             return None
-        # The previous step's copy has landed: its sampled tokens came back to the host.
-        fill(self.host, self.seg, batch, ids, bucket)
-        read = self.seg.read(len(ids), batch.page_table.shape[1])
-        self.inputs[:read].copy_(self.host[:read], non_blocking=True)
+        fill(self.staging.ready(), self.seg, batch, ids, bucket)
+        self.staging.copy_to(self.inputs, self.seg.read(len(ids), batch.page_table.shape[1]))
         self.graphs[bucket].replay()
         return self.logits[bucket][: len(ids)]
 
@@ -221,7 +242,8 @@ class PiecewiseGraphs:
         self.buckets = token_buckets(max_tokens)
         rows = self.buckets[-1]
         # The step's token ids and positions: one copy to the device a step.
-        self.host = torch.zeros(2, rows, dtype=torch.long, pin_memory=device.type == "cuda")
+        pinned = device.type == "cuda"
+        self.staging = Staging(torch.zeros(2, rows, dtype=torch.long, pin_memory=pinned))
         self.inputs = torch.zeros(2, rows, dtype=torch.long, device=device)
         self.x = torch.zeros(rows, s.hidden_size, dtype=dtype, device=device)  # residual
         self.mlp = torch.zeros_like(self.x)  # the last layer's MLP output
@@ -276,10 +298,10 @@ class PiecewiseGraphs:
         bucket = bucket_for(n, self.buckets)
         if bucket is None:
             return None
-        # The previous step's copy has landed: its sampled tokens came back to the host.
-        self.host[0, :n] = torch.tensor(ids)
-        self.host[1, :n] = batch.positions
-        self.inputs.copy_(self.host, non_blocking=True)  # 16 bytes a row: all of it
+        host = self.staging.ready()
+        host[0, :n] = torch.tensor(ids)
+        host[1, :n] = batch.positions
+        self.staging.copy_to(self.inputs)  # 16 bytes a row: all of it
         m, heads = self.model, self.model.spec.num_heads
         *layers, last = self.replays[bucket]
         for i, replay in enumerate(layers):

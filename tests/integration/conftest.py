@@ -43,8 +43,9 @@ def engines() -> Iterator[dict[str, LLMEngine]]:
 
 
 # Exact by default: tests compare tokens with transformers and between paths, in float32
-# on float weights; a test of another mode names it.
-EXACT = {"dtype": "float32", "quantization": "none"}
+# on float weights; a test of another mode names it. On the CPU, GPU host or not: a GPU
+# test compares its engine against these (`auto` would make them GPU engines too).
+EXACT = {"dtype": "float32", "quantization": "none", "device": "cpu"}
 # What tests of our own paths against each other run (the workers, and the engine they are
 # checked against): float32 activations over the GGUF's own blocks on our kernel
 # (cluster/engine/kernels/qmatmul.c), whose every row's result depends on that row alone, so a
@@ -53,7 +54,11 @@ EXACT = {"dtype": "float32", "quantization": "none"}
 # its input rounding can widen that (logprobs of tokens prefilled rather than decoded
 # moved by up to 6e-4): a test comparing logprobs across that seam keeps EXACT. Torch's
 # int4 kernel (no C compiler) promises no such thing: float weights then.
-INVARIANT = {"dtype": "float32", "quantization": "gguf" if qmatmul.available() else "none"}
+INVARIANT = {
+    "dtype": "float32",
+    "quantization": "gguf" if qmatmul.available() else "none",
+    "device": "cpu",
+}
 
 
 def _build(engines: dict[str, LLMEngine], name: str, **overrides: Any) -> LLMEngine:

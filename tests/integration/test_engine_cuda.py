@@ -32,3 +32,8 @@ def test_cuda_runs_bfloat16_by_default(prompts: list[list[int]]):
     [out] = gpu.generate([prompts[0]], SamplingParams(max_tokens=8, ignore_eos=True))
     assert len(out.token_ids) == 8
     assert_no_leak(gpu)
+
+
+def test_the_reference_engines_run_on_the_cpu_on_any_host(engine: LLMEngine, twin: LLMEngine):
+    """What the GPU tests compare against is the CPU engine, GPU host or not."""
+    assert engine.device.type == twin.device.type == "cpu"

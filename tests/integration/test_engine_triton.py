@@ -35,7 +35,7 @@ def test_triton_backend_greedy_tokens_equal_the_cpu_backend(tiny_llama_dir: Path
     triton = LLMEngine(
         EngineConfig(model=str(tiny_llama_dir), attention_backend="triton", device="cpu", **ENGINE)
     )
-    cpu = LLMEngine(EngineConfig(model=str(tiny_llama_dir), **ENGINE))
+    cpu = LLMEngine(EngineConfig(model=str(tiny_llama_dir), device="cpu", **ENGINE))
     assert triton.runner.attention.name == "triton"
     assert triton.dtype == "float32"  # auto on the CPU: exact, as transformers
     assert cpu.runner.attention.name == "cpu"

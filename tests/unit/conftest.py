@@ -1,4 +1,6 @@
-"""What the unit tests of `splitserve serve`'s start-up share."""
+"""What the unit tests of `splitserve serve`'s start-up share. The cluster is imported where a
+fixture needs it: the kernel tests collect on a GPU image without Ray, Redis or gRPC
+(scripts/gpu-first-run)."""
 
 from __future__ import annotations
 
@@ -6,12 +8,12 @@ from typing import Any
 
 import pytest
 
-import splitserve.launch
-
 
 @pytest.fixture
 def started(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """What reached the start of Redis, Ray and the workers (a refused start: nothing)."""
+    import splitserve.launch
+
     calls: list[Any] = []
 
     async def _serve(config: Any) -> None:

@@ -3,7 +3,7 @@ of GPU, and the bytes a decode step really reads."""
 
 from __future__ import annotations
 
-from splitserve.bench.gpu import Decode, decode_bytes, profile_of
+from splitserve.bench.gpu import DRY, FULL, PAGE, Decode, decode_bytes, profile_of
 from splitserve.capacity import ARCHITECTURES, weight_bytes
 
 GB = 10**9
@@ -41,3 +41,10 @@ def test_a_decode_step_reads_an_untied_embedding_table_one_row_at_a_time() -> No
     smol = ARCHITECTURES["smollm2-135m"]  # tied: the table is read whole, as the head
     assert smol.tie_embeddings
     assert decode_bytes(smol, 10**8, kv, 2) == 10**8 + kv
+
+
+def test_the_dry_run_prefills_past_its_decode_context_as_the_full_run_does() -> None:
+    """The rig's page table must hold its longest prefill, not only a decode context: a
+    dry run that never prefills past its context missed that (8k prompts on 2k contexts)."""
+    for sizes in (FULL, DRY):
+        assert sizes.prefill > sizes.context + PAGE

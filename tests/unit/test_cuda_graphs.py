@@ -15,6 +15,7 @@ from cluster.engine.cuda_graphs import (
     PADDING_SLOT,
     PiecewiseGraphs,
     Segments,
+    Staging,
     bucket_for,
     bucket_sizes,
     cuda_capture,
@@ -82,6 +83,29 @@ def test_a_replay_copies_the_part_of_the_buffer_its_step_reads() -> None:
     assert seg.size == 5 * 64 + 1 + 64 * 8192
     assert seg.read(3, 128) == 321 + 2 * 8192 + 128
     assert seg.read(64, 8192) == seg.size
+
+
+def test_staging_copies_the_leading_values_it_is_asked_for(kernel_device: torch.device) -> None:
+    staging = Staging(torch.arange(6, dtype=torch.int32))
+    device_buffer = torch.zeros(6, dtype=torch.int32, device=kernel_device)
+    staging.copy_to(device_buffer, 4)
+    assert device_buffer.tolist() == [0, 1, 2, 3, 0, 0]
+    staging.ready()[:] = 7
+    staging.copy_to(device_buffer)
+    assert device_buffer.tolist() == [7] * 6
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_refill_waits_for_the_copy_still_reading_the_pinned_buffer() -> None:
+    """A copy queued behind a long kernel has not read its pinned source when the host
+    refills it: without the event the device would get the second step's values."""
+    staging = Staging(torch.full((1 << 20,), 1, dtype=torch.int32).pin_memory())
+    device_buffer = torch.zeros(1 << 20, dtype=torch.int32, device="cuda")
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of a spinning kernel ahead of the copy
+    staging.copy_to(device_buffer)
+    staging.ready().fill_(2)
+    torch.cuda.synchronize()
+    assert device_buffer.min().item() == device_buffer.max().item() == 1
 
 
 def test_padding_rows_write_no_page_and_attend_to_nothing(kernel_device: torch.device) -> None:

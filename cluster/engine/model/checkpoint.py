@@ -15,12 +15,11 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
-from cluster.engine.model.gguf_file import GGUFFile
 from cluster.engine.model.model_files import ModelLoadError
 from cluster.engine.model.quantization import (
     GGUF_BLOCKS,
@@ -28,6 +27,9 @@ from cluster.engine.model.quantization import (
     QuantizationError,
     from_gguf_blocks,
 )
+
+if TYPE_CHECKING:  # gguf is imported where a GGUF is read: an HF checkpoint needs no gguf
+    from cluster.engine.model.gguf_file import GGUFFile
 
 HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 GGUF_ARCHITECTURES = ("llama", "qwen2")
@@ -247,6 +249,8 @@ def open_gguf(path: Path) -> GGUFFile:
 
 @functools.lru_cache(maxsize=2)
 def _parsed_gguf(path: Path, size: int, mtime_ns: int) -> GGUFFile:
+    from cluster.engine.model.gguf_file import GGUFFile
+
     return GGUFFile(path)
 
 

@@ -1,7 +1,7 @@
 """`splitserve serve`'s memory check, before any worker starts: one worker of each pool must
-hold its weights and its KV cache (`kv_cache_gb`) in its device's memory, or its weights
-in its share of the GPU (`gpu_memory_utilization`) with room left for KV
-(cluster/engine/memory.py has the rules).
+hold its weights, its runner's workspace and its KV cache (`kv_cache_gb`) in its device's
+memory, or its weights and workspace in its share of the GPU (`gpu_memory_utilization`)
+with room left for KV (cluster/engine/memory.py has the rules), as the engine checks.
 
 The weights are estimated from the model's shape alone (no weights are read), at the pool's
 dtype or quantization. The check runs where the device is known: with a local Ray (no
@@ -18,9 +18,11 @@ import torch
 
 from cluster.config import ConfigError, EngineConfig, ServeConfig
 from cluster.engine.engine import pick_device, pick_dtype, pick_quantization
+from cluster.engine.kernels.attention import resolve_backend
 from cluster.engine.memory import device_memory, fits, kv_share
 from cluster.engine.model.checkpoint import ModelSpec, read_spec
 from cluster.engine.model.model_files import model_path
+from cluster.engine.runner import workspace_bytes
 from splitserve.capacity import BITS, weight_bytes
 
 
@@ -38,6 +40,19 @@ def engine_weight_bytes(spec: ModelSpec, engine: EngineConfig, path: Path) -> fl
     )
 
 
+def engine_workspace_bytes(
+    spec: ModelSpec, engine: EngineConfig, device: torch.device, backend: str | None = None
+) -> int:
+    """What the engine's runner allocates besides weights and KV (runner.workspace_bytes), on
+    `backend` or the one its attention_backend resolves to on `device`."""
+    dtype = pick_dtype(engine.dtype, device)
+    backend = backend or resolve_backend(engine.attention_backend, device, dtype)
+    item = getattr(torch, dtype).itemsize
+    return workspace_bytes(
+        spec, item, backend, device, engine.max_num_seqs, engine.max_num_batched_tokens
+    )
+
+
 def check_fit(config: ServeConfig) -> None:
     """ModelLoadError if the model is not here (the router reads its tokenizer from it, so
     it must be, even on a cluster's head); ConfigError, naming the pool and the numbers,
@@ -52,15 +67,16 @@ def check_fit(config: ServeConfig) -> None:
         if device.type == "cuda" and not torch.cuda.is_available():
             continue  # the workers fail on their own, saying so
         weights = engine_weight_bytes(spec, engine, path)
+        workspace = engine_workspace_bytes(spec, engine, device)
         memory = device_memory(device)
         share = engine.gpu_memory_utilization
         if share is not None:  # kv_cache_gb null: the KV cache is what the share leaves
             try:
-                kv_share(share, device, memory, weights)
+                kv_share(share, device, memory, weights, workspace)
             except ConfigError as e:
                 raise ConfigError(f"{phase}.engine.{e}") from None
             continue
         assert engine.kv_cache_gb is not None  # EngineConfig: one of the two
-        too_big = fits(weights, engine.kv_cache_gb * 2**30, memory)
+        too_big = fits(weights, engine.kv_cache_gb * 2**30, memory, workspace_bytes=workspace)
         if too_big:
             raise ConfigError(f"{phase}.engine.kv_cache_gb: one {phase} worker: {too_big}")

@@ -13,6 +13,7 @@ across hosts over RDMA or TCP, and CUDA pages GPU to GPU (cuda_ipc, GPUDirect RD
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 from collections.abc import Sequence
@@ -28,6 +29,14 @@ from cluster.transfer.wire import Handshake, IncompatiblePeerError, Notice, Rank
 from cluster.types import PageId
 
 log = logging.getLogger(__name__)
+
+
+def nixl_package(torch_cuda: str | None) -> str:
+    """The NIXL build for torch's CUDA major version (`torch.version.cuda`; None: a CPU
+    torch): UCX's CUDA memory hooks load that version's libcudart, so a CUDA 13 torch
+    needs nixl-cu13. A CPU torch takes the CUDA 12 build, which runs without CUDA."""
+    major = 12 if torch_cuda is None else int(torch_cuda.split(".")[0])
+    return f"nixl_cu{major}"
 
 
 class TransferError(RuntimeError):
@@ -112,7 +121,19 @@ class KVEndpoint:
         thread, UCX moves only inside `finished`, `notices` and the posting calls: the owner
         must call one of them regularly (workers do every tick). `heads`: the model's KV
         heads this cache holds (all of them without tensor parallelism)."""
-        from nixl_cu12._api import nixl_agent, nixl_agent_config
+        import torch
+
+        package = nixl_package(torch.version.cuda)
+        try:
+            api = importlib.import_module(f"{package}._api")
+        except ModuleNotFoundError:
+            pip = package.replace("_", "-")
+            raise ConfigError(
+                f"transfer: this torch is built for CUDA {torch.version.cuda}: KV moves over "
+                f"NIXL's matching build, {pip} (pip install {pip}==1.5.1, or splitserve's "
+                f"extra: pip install 'splitserve[{pip.removeprefix('nixl-')}]')"
+            ) from None
+        nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
 
         self.name = name
         self.cache = cache

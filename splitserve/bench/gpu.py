@@ -129,14 +129,15 @@ class Rig:
     """A model of random weights with a KV cache and a runner: an engine without a
     checkpoint, scheduler or tokenizer, stepped directly."""
 
-    def __init__(self, spec: Any, device: torch.device, sizes: Sizes) -> None:
+    def __init__(
+        self, spec: Any, device: torch.device, sizes: Sizes, dtype: torch.dtype = torch.bfloat16
+    ) -> None:
         from cluster.engine.kernels.attention import resolve_backend
         from cluster.engine.kernels.kv_cache import KVCache, KVLayout
         from cluster.engine.model.model import LlamaModel
         from cluster.engine.runner import build_runner
         from cluster.engine.sched.page_pool import pages_for
 
-        dtype = torch.bfloat16
         self.spec, self.device = spec, device
         self.profile = (
             profile_of(torch.cuda.get_device_name(device), torch.cuda.mem_get_info(device)[1])
@@ -151,10 +152,13 @@ class Rig:
         pages = max(max_seqs * pages_for(decode_len, PAGE), pages_for(sizes.prefill, PAGE))
         self.max_model_len = max(decode_len, sizes.prefill)
         self.cache = KVCache(self.layout, pages, device)
-        backend = resolve_backend("auto", device, "bfloat16") if device.type == "cuda" else "triton"
+        name = str(dtype).removeprefix("torch.")
+        backend = resolve_backend("auto", device, name) if device.type == "cuda" else "triton"
+        started = time.perf_counter()
         self.runner = build_runner(
             self.model, self.cache, backend, max_seqs, self.max_model_len, sizes.prefill, device
         )
+        self.build_s = time.perf_counter() - started  # CUDA graphs' capture, on a GPU
 
     def sequences(self, batch: int, context: int) -> list[Any]:
         """`batch` sequences whose next token is at position context - 1, on pages of their own."""

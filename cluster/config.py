@@ -52,6 +52,9 @@ class EngineConfig:
     # Ranks the model is split across (cluster/engine/model/tensor_parallel.py): Ray actors on one
     # node, a CPU (or a GPU) each; 1: the whole model in this engine.
     tensor_parallel_size: int = 1
+    # A step's collective that waits longer for another rank fails (GroupLost: the worker
+    # ends and its pool replaces it), on NCCL as on the CPU's shared memory.
+    collective_timeout_s: float = 120.0
     cpu_cores: tuple[int, ...] | None = None  # pin the engine's threads to these cores (Linux)
     # The worker that runs this engine serves its own Prometheus /metrics on host:port
     # (cluster/worker_metrics.py; its URL is in the worker's stats and log); 0: any free
@@ -124,6 +127,11 @@ class EngineConfig:
             _is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1,
             "tensor_parallel_size",
             f"must be an integer >= 1, got {self.tensor_parallel_size!r}",
+        )
+        _check(
+            _is_number(self.collective_timeout_s) and self.collective_timeout_s > 0,
+            "collective_timeout_s",
+            f"must be a number of seconds > 0, got {self.collective_timeout_s!r}",
         )
         cores = self.cpu_cores
         _check(

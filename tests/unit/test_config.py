@@ -39,6 +39,7 @@ def test_the_defaults_are_valid() -> None:
         ("max_num_batched_tokens", 0),
         ("max_model_len", 1),
         ("threads", 0),
+        ("collective_timeout_s", 0),
         ("gpu_memory_utilization", 0),
         ("gpu_memory_utilization", 1.5),
         ("gpu_memory_utilization", 0.9),  # beside kv_cache_gb's 1.0: one sizes the cache

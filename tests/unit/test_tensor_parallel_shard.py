@@ -1,6 +1,6 @@
 """How a model splits across ranks (pure): ranges, shards of the bundled model's shape, the
-refusals naming tensor_parallel_size, matrices cut by rows and columns, and the placement
-group a split worker asks Ray for."""
+refusals naming tensor_parallel_size, matrices cut by rows and columns, the placement
+group a split worker asks Ray for, and how long its ranks wait on one another."""
 
 from __future__ import annotations
 
@@ -8,10 +8,16 @@ import pytest
 import torch
 
 from cluster.actor_options import rank_bundles
-from cluster.config import ConfigError
+from cluster.config import ConfigError, EngineConfig
 from cluster.engine.model.checkpoint import ModelSpec
 from cluster.engine.model.quantization import GroupQuant, quantize
-from cluster.engine.model.tensor_parallel import Shard, ShardedWeights, split
+from cluster.engine.model.tensor_parallel import (
+    IDLE_TIMEOUT,
+    Shard,
+    ShardedWeights,
+    group_settings,
+    split,
+)
 
 SMOL = ModelSpec(  # SmolLM2-135M's shape
     vocab_size=49152,
@@ -93,3 +99,25 @@ def test_a_split_workers_placement_group_has_a_bundle_per_rank() -> None:
     ]
     gpu = {"num_cpus": 1.0, "num_gpus": 1.0, "resources": {}}
     assert rank_bundles(gpu, 2) == [{"CPU": 1.0, "GPU": 1.0}] * 2
+
+
+def test_an_nccl_collective_waits_the_engines_timeout_not_a_followers_idle_days() -> None:
+    """A rank lost mid-step fails its peers' collectives after collective_timeout_s (the
+    group once waited 7 days on NCCL, hanging rank 0): a blocking wait raises in the caller
+    (GroupLost) and the watchdog aborts a communicator a kernel still waits on."""
+    timeout_s = EngineConfig().collective_timeout_s
+    assert timeout_s == 120
+    nccl = group_settings(torch.device("cuda"), timeout_s)
+    assert nccl.backend == "nccl" and nccl.timeout.total_seconds() == 120
+    assert dict(nccl.env) == {
+        "TORCH_NCCL_BLOCKING_WAIT": "1",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+    }
+    assert nccl.control_timeout == IDLE_TIMEOUT  # the wait for the next step: gloo's
+    gloo = group_settings(torch.device("cpu"), timeout_s)  # a dead peer's socket ends a wait
+    assert (gloo.backend, gloo.timeout, gloo.control_timeout, gloo.env) == (
+        "gloo",
+        IDLE_TIMEOUT,
+        None,
+        (),
+    )

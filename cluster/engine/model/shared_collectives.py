@@ -12,7 +12,7 @@ The segment is a file in /dev/shm that rank 0 creates once the ranks have met an
 as soon as all have mapped it (2 x ranks x 8 MiB; with no room for it, every collective goes
 through gloo); a tensor larger than a slot goes through gloo too (every rank sees the
 same shapes, so all choose alike). A rank waiting long checks its peers'
-processes: a dead one, or COLLECTIVE_TIMEOUT passed, is GroupLost.
+processes: a dead one, or engine.collective_timeout_s passed, is GroupLost.
 """
 
 from __future__ import annotations

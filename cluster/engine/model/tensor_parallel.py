@@ -50,7 +50,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 PROGRESS_NAP_S = 0.002  # between two UCX polls of a rank whose pages peers WRITE into
-COLLECTIVE_TIMEOUT = timedelta(seconds=120)  # a rank that stops answering fails its step
 IDLE_TIMEOUT = timedelta(days=7)  # gloo's: a follower waits this long for the next step
 T = TypeVar("T")
 HEADER = 6  # op, tokens, sequences, page table width, logits rows, decodes
@@ -188,8 +187,31 @@ class ShardedWeights:
 
 class GroupLost(BaseException):
     """A rank of this model's group is gone (its process died, or stopped answering within
-    COLLECTIVE_TIMEOUT): no step can run again. Not an Exception, so that no handler of one
+    engine.collective_timeout_s): no step can run again. Not an Exception, so that no handler of one
     step's failure takes it for a request's: the worker ends, and its pool replaces it."""
+
+
+@dataclass(frozen=True)
+class GroupSettings:
+    """How a group's ranks wait on one another."""
+
+    backend: str  # the default group's: the step's collectives
+    timeout: timedelta  # a collective of the default group that waits longer fails
+    control_timeout: timedelta | None  # the gloo group of the steps' layouts; None: no group
+    env: tuple[tuple[str, str], ...]  # set before the group starts (unless already set)
+
+
+def group_settings(device: torch.device, collective_timeout_s: float) -> GroupSettings:
+    """On a CPU, gloo: its default group also carries a follower's wait for the next step,
+    as long as rank 0 lives (a dead peer's closed socket ends any wait at once). On CUDA,
+    NCCL, whose kernels would wait for a lost rank forever: its collectives time out after
+    `collective_timeout_s`, a blocking wait raising in the caller (GroupLost: the worker ends
+    and its pool replaces it) and the watchdog's asynchronous error handling aborting the
+    communicator and the process where a kernel waits still; the layouts go through gloo."""
+    if device.type != "cuda":
+        return GroupSettings("gloo", IDLE_TIMEOUT, None, ())
+    env = (("TORCH_NCCL_BLOCKING_WAIT", "1"), ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"))
+    return GroupSettings("nccl", timedelta(seconds=collective_timeout_s), IDLE_TIMEOUT, env)
 
 
 class TensorGroup:
@@ -200,10 +222,12 @@ class TensorGroup:
     too large for it through gloo; on CUDA through NCCL. The step's layout goes through
     shared memory too, or a gloo group (NCCL's watchdog would end a rank idle too long).
     A rank waiting for the next step waits as long as rank 0 lives; one inside a step
-    waits COLLECTIVE_TIMEOUT for the others (gloo: a dead peer's closed socket ends it
-    at once)."""
+    waits `collective_timeout_s` for the others (`group_settings`; gloo: a dead peer's
+    closed socket ends it at once)."""
 
-    def __init__(self, shard: Shard, store: str, device: torch.device) -> None:
+    def __init__(
+        self, shard: Shard, store: str, device: torch.device, collective_timeout_s: float
+    ) -> None:
         """Join the group (blocks until every rank has); `store` is a file all ranks see,
         in a directory of this group's own."""
         self.shard, self.device = shard, device
@@ -212,14 +236,19 @@ class TensorGroup:
         # Loopback only: the ranks share a node, and gloo's and NCCL's sockets stay on it.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        settings = group_settings(device, collective_timeout_s)
+        for name, value in settings.env:
+            os.environ.setdefault(name, value)
         dist.init_process_group(
-            "nccl" if device.type == "cuda" else "gloo",
+            settings.backend,
             init_method=f"file://{store}",
             rank=shard.rank,
             world_size=shard.size,
-            timeout=IDLE_TIMEOUT,
+            timeout=settings.timeout,
         )
-        self.control = dist.new_group(backend="gloo") if device.type == "cuda" else None
+        self.control = None
+        if settings.control_timeout is not None:
+            self.control = dist.new_group(backend="gloo", timeout=settings.control_timeout)
         self.shared = None
         # The segment lives in /dev/shm only between two barriers: made, mapped, unlinked.
         segment = SHM / Path(store).parent.name
@@ -228,8 +257,7 @@ class TensorGroup:
                 log.warning("no room in %s for the ranks' shared memory: gloo carries all", SHM)
             dist.barrier(self.control)  # rank 0 has made it, or found no room
             if segment.exists():
-                timeout_s = COLLECTIVE_TIMEOUT.total_seconds()
-                self.shared = SharedExchange(segment, shard.rank, shard.size, timeout_s)
+                self.shared = SharedExchange(segment, shard.rank, shard.size, collective_timeout_s)
             dist.barrier(self.control)  # every rank has mapped it
         except BaseException:
             dist.destroy_process_group()  # so that another engine here can join anew
@@ -505,4 +533,4 @@ def join(
     if rank is None:
         ranks = Ranks(config, build)
         rank = ranks.rank0
-    return TensorGroup(shard, rank.store, device), ranks
+    return TensorGroup(shard, rank.store, device, config.collective_timeout_s), ranks

@@ -15,8 +15,10 @@ from cluster.engine.model.tensor_parallel import (
     IDLE_TIMEOUT,
     Shard,
     ShardedWeights,
+    driver_bundles,
     group_settings,
     split,
+    torch_index,
 )
 
 SMOL = ModelSpec(  # SmolLM2-135M's shape
@@ -121,3 +123,17 @@ def test_an_nccl_collective_waits_the_engines_timeout_not_a_followers_idle_days(
         None,
         (),
     )
+
+
+def test_the_drivers_own_split_engine_reserves_a_gpu_for_every_rank_its_own_included() -> None:
+    """`splitserve generate --tensor-parallel-size 3` on CUDA: rank 0 runs in the driver,
+    and once reserved nothing, so Ray gave its GPU to a follower too."""
+    bundles = driver_bundles(3, "10.0.0.5")
+    assert [b["GPU"] for b in bundles] == [1, 1, 1]  # three distinct devices
+    assert bundles[0]["node:10.0.0.5"] > 0  # on the driver's node (STRICT_PACK: all)
+
+
+def test_rank_0_takes_the_index_torch_gives_its_reserved_gpu() -> None:
+    assert torch_index("2", None) == 2
+    assert torch_index("5", "4,5,6") == 1  # a node whose visible GPUs are 4-6
+    assert torch_index("6", "4, 5, 6") == 2

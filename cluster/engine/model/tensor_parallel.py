@@ -451,14 +451,37 @@ class TensorRank:
             return str(e)
 
 
+def driver_bundles(size: int, node: str) -> list[dict[str, float]]:
+    """The placement group an engine of the driver's own reserves on CUDA: a GPU for every
+    rank, rank 0's (the driver's) included, all on the driver's node (Ray's `node:<ip>`
+    resource), so that no two ranks share a device."""
+    return [{"GPU": 1, f"node:{node}": 0.001}] + [{"GPU": 1} for _ in range(size - 1)]
+
+
+def torch_index(ray_gpu_id: str, visible: str | None) -> int:
+    """The index torch gives the GPU Ray calls `ray_gpu_id`, in a process whose
+    CUDA_VISIBLE_DEVICES is `visible` (Ray's ids are those of the node's visible list)."""
+    if not visible:
+        return int(ray_gpu_id)
+    return [d.strip() for d in visible.split(",")].index(str(ray_gpu_id))
+
+
+def _gpu_id() -> str:
+    """The GPU Ray gave the task that runs this (in bundle 0: the driver's rank's)."""
+    import ray
+
+    return str(ray.get_gpu_ids()[0])
+
+
 class Ranks:
     """Rank 0's hold on the other ranks: their actors, where they met, their follow loops."""
 
-    def __init__(self, config: EngineConfig, build: Build) -> None:
-        """Start ranks 1.. (each an engine `build` makes) on this node: in bundles 1.. of
-        the placement group this engine runs in (the pool's STRICT_PACK group of one bundle
-        per rank), or, outside one (an engine of the driver's own), pinned to this node, a
-        CPU each (or a GPU)."""
+    def __init__(self, config: EngineConfig, build: Build, device: torch.device) -> None:
+        """Start ranks 1.. (each an engine `build` makes, on rank 0's resolved `device`) on
+        this node: in bundles 1.. of the placement group this engine runs in (the pool's
+        STRICT_PACK group of one bundle per rank), or, outside one (an engine of the
+        driver's own), on a CPU each, or on CUDA in a group of its own that reserves a GPU
+        for every rank: rank 0 takes bundle 0's (`device_index`)."""
         import ray
         from ray.util import get_current_placement_group
         from ray.util.scheduling_strategies import (
@@ -469,9 +492,14 @@ class Ranks:
         if not ray.is_initialized():
             ray.init()
         size = config.tensor_parallel_size
+        config = dataclasses.replace(config, device=device.type)  # auto resolved: as rank 0
         self.dir = StoreDir()
         self.rank0 = Rank(0, size, self.dir.store)
         group = get_current_placement_group()
+        self.reserved: Any = None  # the driver's own placement group, on CUDA
+        self.device_index: int | None = None  # rank 0's GPU in it
+        if group is None and device.type == "cuda":
+            group = self.reserved = self._reserve(size)
         actor: Any = ray.remote(TensorRank)
         self.actors = []
         for r in range(1, size):
@@ -483,11 +511,10 @@ class Ranks:
                     "num_gpus": bundle.get("GPU", 0),
                     "scheduling_strategy": PlacementGroupSchedulingStrategy(group, r),
                 }
-            else:
+            else:  # the driver's own engine on a CPU
                 node = ray.get_runtime_context().get_node_id()
                 options = {
-                    "num_cpus": 0 if config.device == "cuda" else 1,
-                    "num_gpus": 1 if config.device == "cuda" else 0,
+                    "num_cpus": 1,
                     "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False),
                 }
             rank = Rank(r, size, self.dir.store)
@@ -496,6 +523,27 @@ class Ranks:
             options["max_concurrency"] = 3
             self.actors.append(actor.options(**options).remote(build, config, rank))
         self._following: list[Any] = []
+
+    def _reserve(self, size: int) -> Any:
+        """A GPU for every rank on this node; rank 0's, bundle 0's, found by a task run
+        there and made this process's current device."""
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundles = driver_bundles(size, ray.util.get_node_ip_address())
+        group = placement_group(bundles, strategy="STRICT_PACK")
+        if not group.wait(timeout_seconds=60):
+            ray.util.remove_placement_group(group)
+            raise ConfigError(
+                f"tensor_parallel_size: {size} ranks need {size} GPUs of this node; Ray has "
+                f"not got them free ({ray.available_resources().get('GPU', 0):g} available)"
+            )
+        at = PlacementGroupSchedulingStrategy(group, 0)
+        gpu = ray.get(ray.remote(_gpu_id).options(num_gpus=1, scheduling_strategy=at).remote())
+        self.device_index = torch_index(gpu, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        torch.cuda.set_device(self.device_index)
+        return group
 
     def follow(self) -> None:
         """Every rank has joined and built its cache: set them following rank 0's steps."""
@@ -513,6 +561,8 @@ class Ranks:
         finally:
             for a in self.actors:
                 ray.kill(a)
+            if self.reserved is not None:
+                ray.util.remove_placement_group(self.reserved)
             self.dir.remove()
 
 
@@ -531,6 +581,6 @@ def join(
     shard = Shard.of(spec, 0 if rank is None else rank.rank, size, quantization != "none")
     ranks = None
     if rank is None:
-        ranks = Ranks(config, build)
+        ranks = Ranks(config, build, device)
         rank = ranks.rank0
     return TensorGroup(shard, rank.store, device, config.collective_timeout_s), ranks

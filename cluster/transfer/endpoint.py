@@ -13,7 +13,6 @@ across hosts over RDMA or TCP, and CUDA pages GPU to GPU (cuda_ipc, GPUDirect RD
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
 import os
 from collections.abc import Sequence
@@ -125,15 +124,17 @@ class KVEndpoint:
 
         package = nixl_package(torch.version.cuda)
         try:
-            api = importlib.import_module(f"{package}._api")
+            if package == "nixl_cu13":
+                from nixl_cu13._api import nixl_agent, nixl_agent_config
+            else:
+                from nixl_cu12._api import nixl_agent, nixl_agent_config
         except ModuleNotFoundError:
             pip = package.replace("_", "-")
             raise ConfigError(
-                f"transfer: this torch is built for CUDA {torch.version.cuda}: KV moves over "
-                f"NIXL's matching build, {pip} (pip install {pip}==1.5.1, or splitserve's "
-                f"extra: pip install 'splitserve[{pip.removeprefix('nixl-')}]')"
+                f"transfer: this torch is built for CUDA {torch.version.cuda or '(none)'}: "
+                f"KV moves over NIXL's build for it, {pip} (pip install {pip}==1.5.1; "
+                "scripts/setup picks it)"
             ) from None
-        nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
 
         self.name = name
         self.cache = cache

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from splitserve.bench.first_run import Figures, device_of, published, share
+from splitserve.bench.first_run_figures import Figures, device_of, published, share
 
 
 def engine(f: Figures) -> None:

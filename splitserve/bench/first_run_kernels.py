@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from cluster.engine.kernels.kv_cache import KVCache, KVLayout
 from cluster.engine.kernels.step_batch import StepBatch
-from splitserve.bench.first_run import Figures, device_of, seconds_per_call, share
+from splitserve.bench.first_run_figures import Figures, device_of, seconds_per_call, share
 
 PAGE = 16
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -100,11 +101,15 @@ def checkpoint_engine(f: Figures, device: torch.device) -> None:
     if lack:
         f.add("checkpoint engine", skipped=f"no {' '.join(lack)} here (carry them in .whl/)")
         return
+    with tempfile.TemporaryDirectory(prefix="first-run-") as where:  # not in OUT: ~1 GB
+        run_checkpoint_engine(f, device, write_checkpoint(Path(where), tiny=f.dry))
+
+
+def run_checkpoint_engine(f: Figures, device: torch.device, path: Path) -> None:
     from cluster.config import EngineConfig
     from cluster.engine.engine import LLMEngine
     from cluster.types import SamplingParams
 
-    path = write_checkpoint(f.out / "checkpoint", tiny=f.dry)
     small = EngineConfig(
         model=str(path),
         dtype="float32",

@@ -20,8 +20,9 @@ class Figures:
     """One step's figures: each appended to OUT/figures.jsonl as one JSON line (flushed, so a
     step killed by its timeout keeps what it measured) and printed."""
 
-    def __init__(self, out: Path, step: str, dry: bool) -> None:
+    def __init__(self, out: Path, step: str, dry: bool, deadline: float) -> None:
         self.out, self.step, self.dry = out, step, dry
+        self.deadline = deadline  # time.monotonic()'s, a little before the step's limit
         out.mkdir(parents=True, exist_ok=True)
 
     def add(self, figure: str, **values: Any) -> None:

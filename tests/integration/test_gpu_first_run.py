@@ -88,7 +88,7 @@ def test_the_dry_run_returns_every_steps_figures_without_the_serving_packages(
     assert (out / "profile-b1.txt").read_text().strip()
     assert one("engine", "host syncs")["syncs"] == ["tolist"]
     assert one("engine", "checkpoint engine")["greedy_equal"]
-    pytest_figure = one("tests", "pytest")
+    pytest_figure = one("tests", "tests/unit/test_cuda_graphs.py")
     assert pytest_figure["passed"] > 0 and pytest_figure["failed"] == 0
     heads = [one("nixl", f"nixl into {n}")["heads"] for n in ("1 rank", "2 ranks", "3 ranks")]
     assert heads == [[3], [2, 1], [1, 1, 1]]

@@ -49,9 +49,11 @@ def reference(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor, n: int
 ) -> torch.Tensor:
     """Attention of q's rows, the last q.shape[0] of an n-token context, in float32 math."""
-    group = q.shape[1] // k_cache.shape[2]
+    from cluster.engine.kernels.kv_cache import gather_tokens
+
+    group = q.shape[1] // k_cache.shape[1]
     k, v = (
-        c[pages].flatten(0, 1)[:n].float().repeat_interleave(group, 1) for c in (k_cache, v_cache)
+        gather_tokens(c, pages, n).float().repeat_interleave(group, 1) for c in (k_cache, v_cache)
     )
     s = torch.einsum("qhd,khd->hqk", q.float(), k) / math.sqrt(q.shape[2])
     at = q.device
@@ -67,7 +69,7 @@ def check_kernels(case: Case, lens: list[int], splits: int, block: int, dev: str
     from cluster.engine.kernels import paged_kernels as pk
 
     dt, page = case.dtype, 16
-    k_cache = torch.randn(case.pages, page, case.kv_heads, case.head_dim, device=dev, dtype=dt)
+    k_cache = torch.randn(case.pages, case.kv_heads, page, case.head_dim, device=dev, dtype=dt)
     v_cache = torch.randn_like(k_cache)
     width, batch = -(-max(lens) // page), len(lens)
     # Pages drawn from the whole cache: with 140000 pages some lie past 2^31 elements.

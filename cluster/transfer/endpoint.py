@@ -102,8 +102,9 @@ class KVEndpoint:
     lists every rank, its `write` has the other ranks post theirs (`followers`), and only
     it sends and reads notices. A WRITE copies each head range straight from the rank
     that holds it into the peer rank that holds it, whatever the two sides' TP sizes:
-    whole pages where the two ranks hold the same heads, else one run per token of the
-    heads they share (a page is [page_size, heads, head_dim]); nothing is gathered."""
+    runs of whole pages where the two ranks hold the same heads, else one run per page of
+    the heads they share (a page is head-major, [heads, page_size, head_dim]: kv_cache's
+    KVLayout); nothing is gathered."""
 
     def __init__(
         self,
@@ -147,8 +148,8 @@ class KVEndpoint:
         self._on_gpu = cache.k.is_cuda
         self._dev = cache.k.device.index or 0
         self._regs = [self._agent.register_memory(t) for t in (cache.k, cache.v)]
-        self.page_bytes = cache.k[0, 0].numel() * cache.k.element_size()
-        self.head_bytes = self.page_bytes // len(self.heads)  # one head of one page
+        self.page_bytes = cache.layout.page_bytes
+        self.head_bytes = cache.layout.head_bytes  # one head of one page: one run
         self.followers: list[RankWriter] = []  # this model's other ranks, on rank 0
         self._peers: dict[str, Peer] = {}
         self._inbox: list[Notice] = []
@@ -270,23 +271,19 @@ class KVEndpoint:
             lengths = np.broadcast_to(runs[:, 2] * pb, (len(lay), len(runs))).ravel()
             local_at = ((lay * here + runs[:, 0]) * pb).ravel()
             remote_at = ((lay * there + runs[:, 1]) * pb).ravel()
-        else:  # the shared heads of each token's row
-            page_size = self.cache.layout.page_size
-            token = np.arange(page_size, dtype=np.uint64)[None, None, :]
-            s = np.asarray(src, dtype=np.uint64)[None, :, None]
-            d = np.asarray(dst, dtype=np.uint64)[None, :, None]
-            hb = self.head_bytes // page_size  # one head of one token
+        else:  # the shared heads of each page: one run
+            s = np.asarray(src, dtype=np.uint64)[None, :]
+            d = np.asarray(dst, dtype=np.uint64)[None, :]
+            hb = np.uint64(self.head_bytes)
             local_at = (
-                (lay[:, :, None] * here + s) * np.uint64(self.page_bytes)
-                + token * np.uint64(hb * len(self.heads))
-                + np.uint64(hb * (heads.start - self.heads.start))
+                (lay * here + s) * np.uint64(self.page_bytes)
+                + hb * np.uint64(heads.start - self.heads.start)
             ).ravel()
             remote_at = (
-                (lay[:, :, None] * there + d) * np.uint64(rank.page_bytes)
-                + token * np.uint64(hb * len(rank.heads))
-                + np.uint64(hb * (heads.start - rank.heads.start))
+                (lay * there + d) * np.uint64(rank.page_bytes)
+                + hb * np.uint64(heads.start - rank.heads.start)
             ).ravel()
-            lengths = np.full(len(local_at), hb * len(heads), dtype=np.uint64)
+            lengths = np.full(len(local_at), self.head_bytes * len(heads), dtype=np.uint64)
         local = [np.uint64(t.data_ptr()) + local_at for t in (self.cache.k, self.cache.v)]
         remote = [np.uint64(base) + remote_at for base in (rank.k_base, rank.v_base)]
         both = np.concatenate([lengths, lengths])

@@ -13,6 +13,9 @@ import hashlib
 import struct
 from dataclasses import dataclass
 
+import torch
+
+from cluster.engine.kernels.kv_cache import KVLayout
 from cluster.engine.model.checkpoint import ModelSpec
 from cluster.types import PageId, RequestId, TopLogprobs
 
@@ -20,7 +23,6 @@ MAGIC = b"SPKV"
 # 2: STARTED, RENEW, ACK and REVOKE, a STARTED with its handshake; 3: DONE with top logprobs;
 # 4: a handshake lists every rank of the model, each with its KV heads
 VERSION = 4
-LAYOUT = "layers,pages,page_size,kv_heads,head_dim;k,v"  # the KVCache tensor layout
 
 
 class WireError(ValueError):
@@ -33,11 +35,13 @@ class IncompatiblePeerError(ConnectionError):
 
 
 def compat_hash(spec: ModelSpec, dtype: str, page_size: int, quantization: str) -> bytes:
-    """16 bytes that two peers must share before one writes KV pages into the other
-    (the weights' quantization too: KV from other weights is another model's KV)."""
+    """16 bytes that two peers must share before one writes KV pages into the other: the
+    model, the weights' quantization (KV from other weights is another model's KV) and the
+    page format as KVLayout defines it (order, page size, dtype)."""
+    page = KVLayout.of(spec, page_size, getattr(torch, dtype)).hash_input
     key = (
         f"{spec.name}|{spec.num_layers}|{spec.num_kv_heads}|{spec.head_dim}|{spec.vocab_size}|"
-        f"{dtype}|{quantization}|{page_size}|{LAYOUT}"
+        f"{dtype}|{quantization}|{page}"
     )
     return hashlib.blake2b(key.encode(), digest_size=16).digest()
 
@@ -89,7 +93,7 @@ def _raw(b: bytes) -> bytes:
 class RankPages:
     """One rank's KV cache as a peer writes into it: its transfer agent, where its pages
     are, and which of the model's KV heads they hold (a page of one layer is
-    [page_size, len(heads), head_dim])."""
+    [len(heads), page_size, head_dim]: kv_cache.KVLayout)."""
 
     agent: str  # the rank's transfer agent name
     agent_metadata: bytes  # opaque to us: the transport's own connection blob

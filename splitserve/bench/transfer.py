@@ -8,8 +8,9 @@ Three measurements in one run, on one machine, between two processes:
 2. splitserve: the KV of 512-, 2048- and 8192-token prompts (the bundled model's layout,
    all layers, K and V) written by KVEndpoint into another process's pages; bytes over
    the time from posting to the receiver reading the last notice. Again into a receiver
-   whose model is split over two ranks (its 3 KV heads 2 + 1, a NIXL agent each): each
-   rank's heads of each token are one run, so many small descriptors.
+   whose model is split over two ranks (its 3 KV heads 2 + 1, a NIXL agent each): pages
+   are head-major, so each rank's heads of each page are one run (one descriptor a page,
+   where the equal split merges a run of pages into one).
 3. Exposure: real prefills on the bundled model pushing into a receiver. Exposed
    transfer = time until the receiver holds all KV (DONE plus every WRITE notice)
    minus the same prefill's time with no transfer at all (medians, interleaved runs).
@@ -59,7 +60,7 @@ class Bandwidth:
     perftest_whole_gbps: float  # one message of the prompt's KV size
     perftest_descriptor_gbps: float  # messages of one descriptor's size (cache-warm)
     # the same KV into a receiver whose model is split over two ranks (tensor parallelism):
-    # each rank's heads of each token, a run each
+    # each rank's heads of each page, a run each
     split_gbps: float
 
     @property

@@ -112,8 +112,8 @@ def _receive_ranks(conn: Any, splits: list[range]) -> None:
         for rank in eps[1:]:  # as a worker's other ranks do (TensorRank.progress_kv)
             rank.progress()
         time.sleep(0.001)
-    k = torch.cat([c.k for c in caches], dim=3)
-    v = torch.cat([c.v for c in caches], dim=3)
+    k = torch.cat([c.k for c in caches], dim=2)  # [layers, pages, heads, page_size, dim]
+    v = torch.cat([c.v for c in caches], dim=2)
     conn.send((notices, k.numpy(), v.numpy()))
 
 
@@ -145,13 +145,13 @@ def test_each_ranks_heads_land_in_the_peer_rank_holding_them_and_one_notice_foll
     receiver = ctx.Process(target=_receive_ranks, args=(there, receivers))
     receiver.start()
     try:
-        full_k = torch.randn(SPEC3.num_layers, 12, 16, 3, SPEC3.head_dim)
+        full_k = torch.randn(SPEC3.num_layers, 12, 3, 16, SPEC3.head_dim)
         full_v = torch.randn(full_k.shape)
         eps = []
         for r, heads in enumerate(senders):
             cache = _cache(heads, 12)
-            cache.k.copy_(full_k[:, :, :, heads.start : heads.stop])
-            cache.v.copy_(full_v[:, :, :, heads.start : heads.stop])
+            cache.k.copy_(full_k[:, :, heads.start : heads.stop])
+            cache.v.copy_(full_v[:, :, heads.start : heads.stop])
             eps.append(KVEndpoint(f"sender-rank{r}", cache, COMPAT3, "lo", heads=heads))
         ep = eps[0]
         ep.followers = [_LocalRank(other) for other in eps[1:]]

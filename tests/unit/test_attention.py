@@ -24,7 +24,7 @@ from cluster.engine.kernels.attention_cpu import (
     paged_attention,
 )
 from cluster.engine.kernels.cpu_isa import cpu
-from cluster.engine.kernels.kv_cache import KVCache, KVLayout
+from cluster.engine.kernels.kv_cache import KVCache, KVLayout, gather_tokens
 from cluster.engine.kernels.step_batch import StepBatch
 from cluster.engine.sched.page_pool import pages_for
 from tests.helpers import scattered_pages
@@ -95,8 +95,8 @@ def test_prefill_runs_the_fused_kernel_and_matches_reference(
     k = torch.randn(n, kv_heads, dim, generator=g).to(dtype)
     v = torch.randn(n, kv_heads, dim, generator=g).to(dtype)
     pages = pages_for(context, page_size)
-    k_cache = torch.randn(pages, page_size, kv_heads, dim, generator=g).to(dtype)
-    v_cache = torch.randn(pages, page_size, kv_heads, dim, generator=g).to(dtype)
+    k_cache = torch.randn(pages, kv_heads, page_size, dim, generator=g).to(dtype)
+    v_cache = torch.randn(pages, kv_heads, page_size, dim, generator=g).to(dtype)
     chosen: list[SDPBackend] = []
     sdpa = F.scaled_dot_product_attention
 
@@ -111,8 +111,9 @@ def test_prefill_runs_the_fused_kernel_and_matches_reference(
     assert chosen == [SDPBackend.FLASH_ATTENTION]
 
     # Reference: the whole context in float32, each query row masked causally.
-    keys = k_cache.flatten(0, 1)[:context].float().repeat_interleave(3, 1)
-    values = v_cache.flatten(0, 1)[:context].float().repeat_interleave(3, 1)
+    every = torch.arange(pages)
+    keys = gather_tokens(k_cache, every, context).float().repeat_interleave(3, 1)
+    values = gather_tokens(v_cache, every, context).float().repeat_interleave(3, 1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * dim**-0.5
     causal = torch.arange(context)[None, :] <= torch.arange(cached, context)[:, None]
     weights = scores.masked_fill(~causal, float("-inf")).softmax(-1)
@@ -216,7 +217,7 @@ def test_a_prefill_chunk_reads_the_pages_in_place(
     width = pages_for(context, page_size)
     pages = torch.randperm(2 * width, generator=g)[:width]
     k_cache, v_cache = (
-        torch.randn(2 * width, page_size, kv_heads, dim, generator=g).to(dtype) for _ in "kv"
+        torch.randn(2 * width, kv_heads, page_size, dim, generator=g).to(dtype) for _ in "kv"
     )
     q = torch.randn(n, heads, dim, generator=g).to(dtype)
     k, v = (torch.randn(n, kv_heads, dim, generator=g).to(dtype) for _ in "kv")
@@ -240,8 +241,8 @@ def test_a_prefill_chunk_reads_the_pages_in_place(
 
     # Reference: the pages gathered in float32, each query row masked causally.
     group = heads // kv_heads
-    keys = k_cache[pages].flatten(0, 1)[:context].float().repeat_interleave(group, 1)
-    values = v_cache[pages].flatten(0, 1)[:context].float().repeat_interleave(group, 1)
+    keys = gather_tokens(k_cache, pages, context).float().repeat_interleave(group, 1)
+    values = gather_tokens(v_cache, pages, context).float().repeat_interleave(group, 1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * dim**-0.5
     causal = torch.arange(context)[None, :] <= at[:, None]
     ref = torch.einsum(
@@ -263,7 +264,7 @@ def test_a_later_token_s_large_score_stays_out_of_an_earlier_row_s_softmax() -> 
     k, v = (torch.randn(n, 1, 64, generator=g) for _ in "kv")
     k[5, 0] = 50 * q[0, 0]
     pages = torch.tensor([0])
-    k_cache, v_cache = (torch.zeros(1, page_size, 1, 64) for _ in "kv")
+    k_cache, v_cache = (torch.zeros(1, 1, page_size, 64) for _ in "kv")
     meta = CpuMetadata(torch.arange(n), 0, None, None, None, None, (PrefillChunk(0, n, n, pages),))
     ours = paged_attention(q, k, v, k_cache, v_cache, meta, attention_cpu._kernel())
     ref = paged_attention(q, k, v, k_cache, v_cache, meta)  # SDPA on the chunk's own K/V

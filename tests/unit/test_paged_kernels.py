@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from cluster.engine.kernels.kv_cache import gather_tokens
 from tests.helpers import scattered_pages
 
 paged_kernels = pytest.importorskip("cluster.engine.kernels.paged_kernels")
@@ -21,7 +22,7 @@ def _cache(
     dtype: torch.dtype, seed: int, device: torch.device, kv_heads: int = KV_HEADS
 ) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    shape = (NUM_PAGES, PAGE, kv_heads, DIM)
+    shape = (NUM_PAGES, kv_heads, PAGE, DIM)
     k, v = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
     return k.to(device, dtype), v.to(device, dtype)
 
@@ -34,9 +35,11 @@ def _reference(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor, n: int
 ) -> torch.Tensor:
     """q [rows, heads, dim], the last rows of a context of n tokens, in float32 math."""
-    group = q.shape[1] // k_cache.shape[2]
-    keys = k_cache[pages.long()].flatten(0, 1)[:n].float().repeat_interleave(group, 1)
-    values = v_cache[pages.long()].flatten(0, 1)[:n].float().repeat_interleave(group, 1)
+    group = q.shape[1] // k_cache.shape[1]
+    keys, values = (
+        gather_tokens(c, pages.long(), n).float().repeat_interleave(group, 1)
+        for c in (k_cache, v_cache)
+    )
     scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * DIM**-0.5
     rows, at = q.shape[0], q.device
     causal = torch.arange(n, device=at)[None, :] <= torch.arange(n - rows, n, device=at)[:, None]
@@ -127,7 +130,7 @@ def test_rope_store_rotates_q_and_k_and_stores_k_and_v_in_their_slots_skipping_p
     graph's padding row) writes nothing."""
     from cluster.engine.model.model import rotate
 
-    caches = torch.zeros(2, 4, PAGE, KV_HEADS, DIM, dtype=dtype, device=kernel_device)
+    caches = torch.zeros(2, 4, KV_HEADS, PAGE, DIM, dtype=dtype, device=kernel_device)
     k_cache, v_cache = caches.unbind()
     g = torch.Generator().manual_seed(4)
     qkv = torch.randn(3, (HEADS + 2 * KV_HEADS) * DIM, generator=g).to(kernel_device, dtype)
@@ -145,12 +148,14 @@ def test_rope_store_rotates_q_and_k_and_stores_k_and_v_in_their_slots_skipping_p
     paged_kernels.rope_store_kv(q, k, v, k_cache, v_cache, slots, positions, cos, sin)
     tolerance = {"atol": TOLERANCE[dtype], "rtol": TOLERANCE[dtype]}
     torch.testing.assert_close(q.float(), want_q, **tolerance)  # padding's q too
-    flat_k, flat_v = k_cache.view(-1, KV_HEADS, DIM), v_cache.view(-1, KV_HEADS, DIM)
-    torch.testing.assert_close(flat_k[[37, 5]].float(), want_k[[0, 2]], **tolerance)
-    assert torch.equal(flat_v[[37, 5]], want_v[[0, 2]])
-    written = torch.zeros(flat_k.shape[0], dtype=torch.bool, device=kernel_device)
-    written[[37, 5]] = True
-    assert not flat_k[~written].any() and not flat_v[~written].any()
+    # Slot 37 is page 2's token 5, slot 5 page 0's: each head in its page's run of that head.
+    got_k, got_v = (c[[2, 0], :, [5, 5]] for c in (k_cache, v_cache))
+    torch.testing.assert_close(got_k.float(), want_k[[0, 2]], **tolerance)
+    assert torch.equal(got_v, want_v[[0, 2]])
+    written = torch.zeros(4, PAGE, dtype=torch.bool, device=kernel_device)
+    written[[2, 0], [5, 5]] = True
+    for c in (k_cache, v_cache):
+        assert not c.transpose(1, 2)[~written].any()
 
 
 def _unspecialised(kernel: Any) -> tuple[set[str], set[str]]:

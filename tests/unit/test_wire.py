@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import pytest
 
@@ -78,6 +79,19 @@ def test_dtype_and_page_size_change_the_compatibility_hash() -> None:
     assert compat_hash(SPEC, "bfloat16", 16, "none") != OURS
     assert compat_hash(SPEC, "float32", 16, "int4") != OURS
     assert compat_hash(SPEC, "float32", 32, "none") != OURS
+
+
+def test_a_peer_with_the_token_major_page_layout_is_refused() -> None:
+    """A layer's pages were [pages, page_size, kv_heads, head_dim] before they became
+    head-major (kv_cache.KVLayout): a peer built before hashes that layout, and is refused."""
+    s = SPEC
+    key = (
+        f"{s.name}|{s.num_layers}|{s.num_kv_heads}|{s.head_dim}|{s.vocab_size}|float32|none|16|"
+        "layers,pages,page_size,kv_heads,head_dim;k,v"
+    )
+    token_major = hashlib.blake2b(key.encode(), digest_size=16).digest()
+    with pytest.raises(IncompatiblePeerError, match="KV layout differ"):
+        handshake(token_major).check(OURS)
 
 
 def test_a_peer_with_another_hash_is_refused_with_a_clear_error() -> None:

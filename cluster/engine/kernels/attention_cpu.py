@@ -9,9 +9,10 @@ of rows with an online softmax (measured 1.1-3.1x faster than SDPA on 8-2,048 ne
 after 0-4,096 cached; docs/benchmarks.md). Every prompt row takes the same kernel
 whatever the chunking, so a prompt's tokens do not depend on its batch.
 Elsewhere decodes' pages are gathered (index_select: measured ~2x faster than advanced
-indexing) into a padded [batch, max_context] copy with a length mask; a prefill chunk with
-no earlier context attends to its own fresh K/V, one with context gathers its pages, and
-both go through SDPA's fused kernel (4-D inputs; see `heads_first`).
+indexing) into a padded [kv_heads, batch, max_context] copy with a length mask; a
+prefill chunk with no earlier context attends to its own fresh K/V, one with context
+gathers its pages, and both go through SDPA's fused kernel (4-D inputs; see
+`heads_first`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from cluster.engine.kernels import native
-from cluster.engine.kernels.kv_cache import KVCache, KVLayout
+from cluster.engine.kernels.kv_cache import KVCache, KVLayout, gather_tokens, store_tokens
 from cluster.engine.kernels.step_batch import StepBatch
 from cluster.engine.sched.page_pool import pages_for
 
@@ -47,7 +48,7 @@ class CpuMetadata:
     # reused by every layer for the copies (a fresh ~100 MB tensor per layer costs more in
     # page faults than the copy itself at large batch x context).
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_pages * page_size] bool
-    decode_workspace: torch.Tensor | None  # [2, num_decodes * max_pages, page_size, ...]
+    decode_workspace: torch.Tensor | None  # [2, kv_heads, num_decodes * max_pages, ...]
     prefills: tuple[PrefillChunk, ...]
 
 
@@ -96,7 +97,7 @@ class CpuBackend:
                 decode_mask = mask[:, None, None, :]
                 lay = self.layout
                 workspace = torch.empty(
-                    (2, nd * width, ps, lay.num_kv_heads, lay.head_dim), dtype=lay.dtype
+                    (2, lay.num_kv_heads, nd * width, ps, lay.head_dim), dtype=lay.dtype
                 )
         chunks = []
         for i in range(nd, batch.num_seqs):
@@ -129,14 +130,13 @@ def paged_attention(
     q: torch.Tensor,  # [N, heads, head_dim]
     k: torch.Tensor,  # [N, kv_heads, head_dim]
     v: torch.Tensor,
-    k_cache: torch.Tensor,  # [pages, page_size, kv_heads, head_dim] of this layer
+    k_cache: torch.Tensor,  # [pages, kv_heads, page_size, head_dim] of this layer
     v_cache: torch.Tensor,
     batch: CpuMetadata,
     kernel: ctypes.CDLL | None = None,  # paged_attention.c, where the decodes read in place
 ) -> torch.Tensor:
-    kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, batch.slot_mapping, k)
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, batch.slot_mapping, v)
+    store_tokens(k_cache, batch.slot_mapping, k)
+    store_tokens(v_cache, batch.slot_mapping, v)
     outs: list[torch.Tensor] = []
     nd = batch.num_decodes
     if nd and batch.decode_lens is not None:
@@ -147,10 +147,12 @@ def paged_attention(
         assert batch.decode_workspace is not None
         flat = batch.decode_pages.flatten()
         ws_k, ws_v = batch.decode_workspace
-        torch.index_select(k_cache, 0, flat, out=ws_k)
-        torch.index_select(v_cache, 0, flat, out=ws_v)
-        kd = ws_k.view(nd, -1, kv_heads, head_dim).transpose(1, 2)
-        vd = ws_v.view(nd, -1, kv_heads, head_dim).transpose(1, 2)
+        # Gathered heads first, so that each row's pages of a head are one [context] span.
+        torch.index_select(k_cache.transpose(0, 1), 1, flat, out=ws_k)
+        torch.index_select(v_cache.transpose(0, 1), 1, flat, out=ws_v)
+        kv_heads, head_dim = k.shape[1], k.shape[2]
+        kd = ws_k.view(kv_heads, nd, -1, head_dim).transpose(0, 1)
+        vd = ws_v.view(kv_heads, nd, -1, head_dim).transpose(0, 1)
         outs.append(_decode_attention(q[:nd], kd, vd, batch.decode_mask))
     for c in batch.prefills:
         if kernel is not None:
@@ -163,8 +165,8 @@ def paged_attention(
             vc = heads_first(v[c.start : c.start + c.num_tokens])
             out = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=True)
         else:
-            kc = heads_first(k_cache.index_select(0, c.pages).flatten(0, 1)[: c.context_len])
-            vc = heads_first(v_cache.index_select(0, c.pages).flatten(0, 1)[: c.context_len])
+            kc = heads_first(gather_tokens(k_cache, c.pages, c.context_len))
+            vc = heads_first(gather_tokens(v_cache, c.pages, c.context_len))
             offset = c.context_len - c.num_tokens
             rows = torch.arange(c.num_tokens, device=q.device).unsqueeze(1) + offset
             mask = torch.arange(c.context_len, device=q.device).unsqueeze(0) <= rows
@@ -185,7 +187,7 @@ def _decode_in_place(
     assert pages is not None and lens is not None
     qf = q.float().contiguous()
     out = torch.empty_like(qf)
-    (rows, heads, dim), (_, page_size, kv_heads, _) = q.shape, k_cache.shape
+    (rows, heads, dim), (_, kv_heads, page_size, _) = q.shape, k_cache.shape
     failed = kernel.paged_attention(
         qf.data_ptr(), out.data_ptr(), heads, kv_heads, dim, k_cache.data_ptr(),
         v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16), page_size, pages.data_ptr(),
@@ -206,7 +208,7 @@ def _prefill_in_place(
     """A prefill chunk's attention (after its context, if any) by paged_attention.c."""
     qf = q.float().contiguous()
     out = torch.empty_like(qf)
-    (rows, heads, dim), (_, page_size, kv_heads, _) = q.shape, k_cache.shape
+    (rows, heads, dim), (_, kv_heads, page_size, _) = q.shape, k_cache.shape
     pages = chunk.pages.contiguous()
     failed = kernel.paged_prefill(
         qf.data_ptr(), out.data_ptr(), heads, kv_heads, dim, k_cache.data_ptr(),

@@ -2,8 +2,8 @@
 
 A decode row is a query of one token; FlashInfer's causal mask aligns a chunk's queries
 to the end of its context, so decodes, prefix hits and later chunks are one batch. The
-step is planned once (`prepare`) and run per layer over the cache's own [pages,
-page_size, kv_heads, head_dim] tensors ("NHD"), read in place.
+step is planned once (`prepare`) and run per layer over the cache's own [pages, kv_heads,
+page_size, head_dim] tensors (head-major: FlashInfer's "HND"), read in place.
 
 Selected only on CUDA with flashinfer installed; it has not run yet (no GPU here).
 """
@@ -14,7 +14,7 @@ import itertools
 
 import torch
 
-from cluster.engine.kernels.kv_cache import KVCache, KVLayout
+from cluster.engine.kernels.kv_cache import KVCache, KVLayout, store_tokens
 from cluster.engine.kernels.step_batch import StepBatch
 from cluster.engine.sched.page_pool import pages_for
 
@@ -32,7 +32,7 @@ class FlashInferBackend:
         self.num_heads = num_heads
         self.device = device
         workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "HND")
 
     def prepare(self, batch: StepBatch) -> torch.Tensor:
         """Plans the step; the metadata is the slot of each new token."""
@@ -65,8 +65,7 @@ class FlashInferBackend:
         metadata: torch.Tensor,
     ) -> torch.Tensor:
         k_cache, v_cache = cache.k[layer], cache.v[layer]
-        kv_heads, dim = k.shape[1], k.shape[2]
-        k_cache.view(-1, kv_heads, dim).index_copy_(0, metadata, k)
-        v_cache.view(-1, kv_heads, dim).index_copy_(0, metadata, v)
+        store_tokens(k_cache, metadata, k)
+        store_tokens(v_cache, metadata, v)
         out: torch.Tensor = self.wrapper.run(q.contiguous(), (k_cache, v_cache))
         return out

@@ -1,8 +1,13 @@
-"""The KV cache tensors: one preallocated pool of pages per layer, sized from a memory budget.
+"""The KV cache tensors: one preallocated pool of pages per layer, sized from a memory budget,
+and the one definition of a KV page's format (KVLayout), which every kernel, the transfer
+and the compatibility hash read.
 
-Layout per layer: k[layer] and v[layer] are [num_pages, page_size, num_kv_heads, head_dim],
-so one page of one layer is one contiguous block and a run of consecutive page ids is
-one contiguous span (what a transfer wants to send in one descriptor).
+Layout per layer, head-major (vLLM's "HND"): k[layer] and v[layer] are [num_pages,
+num_kv_heads, page_size, head_dim]. So one page of one layer is one contiguous block, a
+run of consecutive page ids one contiguous span, and one KV head range of a page one
+contiguous run (what a transfer between different tensor-parallel splits sends as one
+descriptor). Token slot `page * page_size + offset` of head h lies at
+`((page * num_kv_heads + h) * page_size + offset) * head_dim` elements.
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ from __future__ import annotations
 import ctypes
 import sys
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 
@@ -30,6 +35,10 @@ class KVShape(Protocol):
 
 @dataclass(frozen=True)
 class KVLayout:
+    """The format of one cache's pages (a rank's heads, with tensor parallelism)."""
+
+    ORDER: ClassVar[str] = "k,v:[layers,pages,kv_heads,page_size,head_dim]"  # head-major
+
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -40,11 +49,35 @@ class KVLayout:
     def of(spec: KVShape, page_size: int, dtype: torch.dtype) -> KVLayout:
         return KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, page_size, dtype)
 
+    def layer_shape(self, num_pages: int) -> tuple[int, int, int, int]:
+        """One layer's K (or V) tensor."""
+        return (num_pages, self.num_kv_heads, self.page_size, self.head_dim)
+
+    @property
+    def item_bytes(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def head_bytes(self) -> int:
+        """One KV head of one page of one layer of K (or V): one contiguous run."""
+        return self.page_size * self.head_dim * self.item_bytes
+
+    @property
+    def page_bytes(self) -> int:
+        """One page of one layer of K (or V): its heads' runs back to back."""
+        return self.num_kv_heads * self.head_bytes
+
+    @property
+    def hash_input(self) -> str:
+        """What two peers' pages must agree on beyond the model (cluster.transfer.wire's
+        compat_hash): the order, the page size, the dtype and the head size; not the layer
+        or head counts, which the model gives and tensor parallelism splits."""
+        return f"{self.ORDER}|{self.page_size}|{self.dtype}|{self.head_dim}"
+
     @property
     def bytes_per_token(self) -> int:
         """K and V of one token across all layers."""
-        item = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * item
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.item_bytes
 
     @property
     def bytes_per_page(self) -> int:
@@ -74,17 +107,24 @@ class KVCache:
     """Owns the page tensors; the PagePool decides which pages are whose."""
 
     def __init__(self, layout: KVLayout, num_pages: int, device: torch.device) -> None:
-        shape = (
-            layout.num_layers,
-            num_pages,
-            layout.page_size,
-            layout.num_kv_heads,
-            layout.head_dim,
-        )
+        shape = (layout.num_layers, *layout.layer_shape(num_pages))
         self.layout = layout
         self.num_pages = num_pages
         self.k = _zeros(shape, layout.dtype, device)
         self.v = _zeros(shape, layout.dtype, device)
+
+
+def store_tokens(pages: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """x [N, kv_heads, head_dim] into token slots `slots` [N] (page * page_size + offset)
+    of one layer's pages (k[layer] or v[layer])."""
+    page_size = pages.shape[2]
+    pages[slots // page_size, :, slots % page_size] = x
+
+
+def gather_tokens(pages: torch.Tensor, ids: torch.Tensor, n: int) -> torch.Tensor:
+    """The first n tokens held in pages `ids` (in order) of one layer's pages, as a copy
+    [n, kv_heads, head_dim]."""
+    return pages[ids].transpose(1, 2).flatten(0, 1)[:n]
 
 
 MADV_HUGEPAGE = 14

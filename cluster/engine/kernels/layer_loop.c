@@ -35,7 +35,7 @@ typedef struct {  // y [n, rows] = x @ w.T (+ bias)
 typedef struct {
   const void *input_norm, *post_norm;
   Matrix qkv, o, gate_up, down;
-  void *k_cache, *v_cache;  // [pages, page_size, kv_heads, dim]
+  void *k_cache, *v_cache;  // [pages, kv_heads, page_size, dim] (kv_cache.py)
 } Layer;
 
 typedef struct {
@@ -77,15 +77,19 @@ static int project(const Model *m, const Matrix *w, const void *x, int64_t n, in
   return 0;
 }
 
-// Layer i's K and V rows into their slots, its queries into qf as float32.
+// Layer i's K and V rows into their slots (each KV head into its run of the page), its
+// queries into qf as float32.
 static void store_kv(const Model *m, const Step *s, const Layer *l) {
   int64_t item = m->bf16 ? 2 : 4, q = m->heads * m->dim, kv = m->kv_heads * m->dim;
-  int64_t row = l->qkv.rows;
+  int64_t row = l->qkv.rows, ps = m->page_size, size = m->dim * item;
   for (int64_t t = 0; t < s->n; t++) {
     const char *src = (const char *)s->qkv + t * row * item;
-    memcpy((char *)l->k_cache + s->slots[t] * kv * item, src + q * item, (size_t)(kv * item));
-    memcpy((char *)l->v_cache + s->slots[t] * kv * item, src + (q + kv) * item,
-           (size_t)(kv * item));
+    int64_t page = s->slots[t] / ps, offset = s->slots[t] % ps;
+    for (int64_t h = 0; h < m->kv_heads; h++) {
+      int64_t at = ((page * m->kv_heads + h) * ps + offset) * size;
+      memcpy((char *)l->k_cache + at, src + (q + h * m->dim) * item, (size_t)size);
+      memcpy((char *)l->v_cache + at, src + (q + kv + h * m->dim) * item, (size_t)size);
+    }
     if (m->bf16)
       widen((const uint16_t *)src, s->qf + t * q, q);
     else

@@ -5,8 +5,8 @@
 // Each decode row attends to the first `len` tokens of its sequence, whose page ids are a
 // row of `tables`: token t lies in page tables[t / page_size], slot t % page_size. A decode
 // row's len is its context (its own K and V already stored).
-// Cache: [pages, page_size, kv_heads, dim] float32 or bfloat16; q and out [rows, heads,
-// dim] float32. The query heads of one KV head share its loads (GQA). The softmax is in
+// Cache: [pages, kv_heads, page_size, dim] float32 or bfloat16 (head-major: a page's tokens
+// of one KV head are one run; kv_cache.py); q and out [rows, heads, dim] float32. The query heads of one KV head share its loads (GQA). The softmax is in
 // float32: the scores, their max, their exponentials (within 2 ulp of expf), then the
 // weighted sum of V.
 
@@ -49,9 +49,10 @@ static inline __attribute__((always_inline)) void attend(
   int64_t len = end - begin, stride = (len + LANES - 1) / LANES * LANES;
   for (int64_t g = 0; g < group; g++) top[g] = -INFINITY, total[g] = 0.f;
   for (int64_t t0 = begin, p = begin / page_size; t0 < end; t0 += page_size, p++) {
-    int64_t first = pages[p] * page_size, n = end - t0 < page_size ? end - t0 : page_size;
+    int64_t first = (pages[p] * kv_heads + kvh) * page_size * dim;  // the page's head run
+    int64_t n = end - t0 < page_size ? end - t0 : page_size;
     for (int64_t j = 0; j < n; j++) {
-      const float *k = head(k_cache, is_bf16, ((first + j) * kv_heads + kvh) * dim, dim, row);
+      const float *k = head(k_cache, is_bf16, first + j * dim, dim, row);
       for (int64_t g = 0; g < group; g++) {
         const float *qg = q + g * dim;
         float s = 0.f;
@@ -79,9 +80,10 @@ static inline __attribute__((always_inline)) void attend(
     memset(out + g * dim, 0, (size_t)dim * sizeof(float));
   }
   for (int64_t t0 = begin, p = begin / page_size; t0 < end; t0 += page_size, p++) {
-    int64_t first = pages[p] * page_size, n = end - t0 < page_size ? end - t0 : page_size;
+    int64_t first = (pages[p] * kv_heads + kvh) * page_size * dim;
+    int64_t n = end - t0 < page_size ? end - t0 : page_size;
     for (int64_t j = 0; j < n; j++) {
-      const float *v = head(v_cache, is_bf16, ((first + j) * kv_heads + kvh) * dim, dim, row);
+      const float *v = head(v_cache, is_bf16, first + j * dim, dim, row);
       for (int64_t g = 0; g < group; g++) {
         float w = scores[g * stride + t0 - begin + j], *og = out + g * dim;
 #pragma omp simd
@@ -287,7 +289,7 @@ static inline __attribute__((always_inline)) void prefill_block(
   for (int64_t t0 = 0, p = 0; t0 < end; t0 += page_size, p++) {
     int64_t n = end - t0 < page_size ? end - t0 : page_size;
     for (int64_t j = 0; j < n; j++) {
-      int64_t at = ((pages[p] * page_size + j) * kv_heads + kvh) * dim;
+      int64_t at = ((pages[p] * kv_heads + kvh) * page_size + j) * dim;
       const float *k = head(k_cache, is_bf16, at, dim, vt + j * dim);  // vt: scratch here
       for (int64_t d = 0; d < dim; d++) kt[d * page_size + j] = k[d];
       const float *v = head(v_cache, is_bf16, at, dim, vt + j * dim);

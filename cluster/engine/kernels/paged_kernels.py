@@ -1,13 +1,13 @@
 """Triton kernels that read and write KV pages where they lie, through the page table.
 
-Layout (cluster/engine/kernels/kv_cache.py): one layer's cache is [pages, page_size, kv_heads,
-head_dim], so token slot `page * page_size + offset` holds kv_heads * head_dim contiguous
-values. Keys are found through `table[seq, pos // page_size]`: no gather copy, no mask
-tensor. Scores, softmax and accumulators are float32 whatever the input dtype; float32
-inputs multiply in IEEE float32 (no TF32), so a float32 engine matches the CPU one.
-Scores are kept in base-2 units (scaled by log2 e once) so the softmax takes exp2, and
-only the blocks that hold the context's end (decode) or the causal diagonal (prefill)
-are masked; the blocks before them load and score unmasked.
+Layout (cluster/engine/kernels/kv_cache.py): one layer's cache is [pages, kv_heads,
+page_size, head_dim] (head-major), so one KV head's tokens of a page are page_size *
+head_dim contiguous values. Keys are found through `table[seq, pos // page_size]`: no
+gather copy, no mask tensor. Scores, softmax and accumulators are float32 whatever the
+input dtype; float32 inputs multiply in IEEE float32 (no TF32), so a float32 engine
+matches the CPU one. Scores are kept in base-2 units (scaled by log2 e once) so the
+softmax takes exp2, and only the blocks that hold the context's end (decode) or the
+causal diagonal (prefill) are masked; the blocks before them load and score unmasked.
 
 - `rope_store_kv`: RoPE of the step's q (in place) and new K, and the new K/V into their
   slots, in one launch; a slot of -1 (a padding row of a captured graph) writes nothing.
@@ -58,7 +58,8 @@ def _dot_types(x: torch.Tensor) -> tuple[tl.dtype, str]:
 def _rope_store_kernel(
     q, k, v, k_cache, v_cache, slots, positions, cos, signed_sin,
     stride_q, stride_k, stride_v, stride_c,
-    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
+    D_PAD: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)  # query heads, then KV heads
@@ -74,7 +75,7 @@ def _rope_store_kernel(
         slot = tl.load(slots + t).to(tl.int64)
         if slot >= 0:
             kv = h - HEADS
-            dst = (slot * KV_HEADS + kv) * D
+            dst = ((slot // PAGE * KV_HEADS + kv) * PAGE + slot % PAGE) * D
             row = k + t * stride_k + kv * D
             y1, y2 = rotated(row, cos + table, signed_sin + table, half, hmask, D // 2)
             tl.store(k_cache + dst + half, y1.to(k_cache.dtype.element_ty), mask=hmask)
@@ -89,7 +90,7 @@ def rope_store_kv(
     q: torch.Tensor,  # [N, heads, head_dim], rows may be strided: rotated in place
     k: torch.Tensor,  # [N, kv_heads, head_dim], before RoPE
     v: torch.Tensor,
-    k_cache: torch.Tensor,  # [pages, page_size, kv_heads, head_dim], contiguous
+    k_cache: torch.Tensor,  # [pages, kv_heads, page_size, head_dim], contiguous
     v_cache: torch.Tensor,
     slots: torch.Tensor,  # [N] int32 or int64; -1 writes nothing
     positions: torch.Tensor,  # [N] int32 or int64
@@ -106,7 +107,7 @@ def rope_store_kv(
     _rope_store_kernel[(tokens, heads + kv_heads)](
         q, k, v, k_cache, v_cache, slots, positions, cos, signed_sin,
         q.stride(0), k.stride(0), v.stride(0), cos.stride(0),
-        heads, kv_heads, dim, max(2, triton.next_power_of_2(dim)),
+        heads, kv_heads, k_cache.shape[2], dim, max(2, triton.next_power_of_2(dim)),
     )  # fmt: skip
 
 
@@ -114,8 +115,9 @@ def rope_store_kv(
 def _key_offsets(table_row, kpos, kmask, kv_head, PAGE: tl.constexpr, KV_HEADS, D: tl.constexpr):
     """Element offsets of keys at positions `kpos` of one KV head, through the page table."""
     page = tl.load(table_row + kpos // PAGE, mask=kmask, other=0).to(tl.int64)
-    slot = page * PAGE + kpos % PAGE
-    return (slot * KV_HEADS + kv_head)[:, None] * D + tl.arange(0, D)[None, :]
+    return ((page * KV_HEADS + kv_head) * PAGE + kpos % PAGE)[:, None] * D + tl.arange(0, D)[
+        None, :
+    ]
 
 
 @triton.jit
@@ -242,7 +244,7 @@ def _decode_reduce(
 
 def paged_decode(
     q: torch.Tensor,  # [B, heads, head_dim], heads contiguous
-    k_cache: torch.Tensor,  # [pages, page_size, kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [pages, kv_heads, page_size, head_dim]
     v_cache: torch.Tensor,
     table: torch.Tensor,  # [B, width] page ids (int32)
     lens: torch.Tensor,  # [B] context lengths, this token included (int32)
@@ -251,7 +253,7 @@ def paged_decode(
     block_n: int = 64,
 ) -> None:
     batch, heads, dim = q.shape
-    page, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    kv_heads, page = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
     assert q.stride(1) == dim and q.stride(2) == 1
     part_acc = q.new_empty((batch, heads, num_splits, dim), dtype=torch.float32)
@@ -331,7 +333,7 @@ def _prefill_kernel(
 
 def paged_prefill(
     q: torch.Tensor,  # [N, heads, head_dim]: the chunks' query rows, back to back
-    k_cache: torch.Tensor,  # [pages, page_size, kv_heads, head_dim], chunks' K/V stored
+    k_cache: torch.Tensor,  # [pages, kv_heads, page_size, head_dim], chunks' K/V stored
     v_cache: torch.Tensor,
     table: torch.Tensor,  # [S, width] page ids (int32)
     lens: torch.Tensor,  # [S] context lengths, each chunk included (int32)
@@ -342,7 +344,7 @@ def paged_prefill(
     block_n: int = 64,
 ) -> None:
     heads, dim = q.shape[1], q.shape[2]
-    page, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    kv_heads, page = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
     tokens = block_m // group
     assert out.stride(1) == dim and out.stride(2) == 1 and tokens >= 1

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -35,21 +35,12 @@ class TransferError(RuntimeError):
 
 
 def side_rows(
-    k_base: int,
-    v_base: int,
-    num_layers: int,
-    num_pages: int,
-    page_bytes: int,
-    run_at: int,
-    run_bytes: int,
-    device: int,
+    k_base: int, v_base: int, runs: np.ndarray, run_bytes: int, device: int
 ) -> np.ndarray:
-    """One side's descriptor list as (address, length, device) rows: entry (t, layer, page)
-    at index (t * num_layers + layer) * num_pages + page, t 0 for K and 1 for V, is the run
-    of `run_bytes` at `run_at` bytes into that page of that layer (its shared heads)."""
-    pages = np.arange(num_layers * num_pages, dtype=np.uint64) * np.uint64(page_bytes)
-    addrs = np.concatenate([np.uint64(k_base) + pages, np.uint64(v_base) + pages])
-    addrs += np.uint64(run_at)
+    """One side's descriptor list as (address, length, device) rows from its runs' offsets
+    (KVLayout.head_runs: one per (layer, page)): entry (t, layer, page) at index
+    (t * num_layers + layer) * num_pages + page, t 0 for K and 1 for V."""
+    addrs = np.concatenate([np.uint64(k_base) + runs, np.uint64(v_base) + runs])
     n = len(addrs)
     return np.stack(
         [addrs, np.full(n, run_bytes, np.uint64), np.full(n, device, np.uint64)], axis=1
@@ -220,31 +211,18 @@ class KVEndpoint:
 
     def _route(self, rank: RankPages, heads: range) -> Route:
         """The prepared lists between this rank and `rank` for the heads both hold."""
-        num_layers, hb, run = self.cache.layout.num_layers, self.head_bytes, len(heads)
+        here = self.cache.layout
+        there = replace(here, num_kv_heads=len(rank.heads))  # the hash: alike
+        run = here.head_bytes * len(heads)
         local = self._local_lists.get(heads)
         if local is None:
-            rows = side_rows(
-                self.cache.k.data_ptr(),
-                self.cache.v.data_ptr(),
-                num_layers,
-                self.cache.num_pages,
-                self.page_bytes,
-                hb * (heads.start - self.heads.start),
-                hb * run,
-                self._dev,
-            )
+            mine = _shifted(heads, self.heads.start)
+            runs = here.head_runs(self.cache.num_pages, mine)
+            rows = side_rows(self.cache.k.data_ptr(), self.cache.v.data_ptr(), runs, run, self._dev)
             local = self._prep("NIXL_INIT_AGENT", rows, self._on_gpu)
             self._local_lists[heads] = local
-        rows = side_rows(
-            rank.k_base,
-            rank.v_base,
-            num_layers,
-            rank.num_pages,
-            rank.page_bytes,
-            hb * (heads.start - rank.heads.start),
-            hb * run,
-            rank.device_id,
-        )
+        runs = there.head_runs(rank.num_pages, _shifted(heads, rank.heads.start))
+        rows = side_rows(rank.k_base, rank.v_base, runs, run, rank.device_id)
         return Route(rank, heads, local, self._prep(rank.agent, rows, rank.on_gpu))
 
     def _prep(self, agent: str, rows: np.ndarray, on_gpu: bool) -> Any:
@@ -395,6 +373,11 @@ class KVEndpoint:
 
 def _overlap(a: range, b: range) -> range:
     return range(max(a.start, b.start), min(a.stop, b.stop))
+
+
+def _shifted(heads: range, first: int) -> range:
+    """The model's `heads` counted from a cache's first head, `first`."""
+    return range(heads.start - first, heads.stop - first)
 
 
 def _create_ucx_backend(agent: Any, devices: str, transports: str) -> None:

@@ -7,7 +7,9 @@ import hashlib
 
 import numpy as np
 import pytest
+import torch
 
+from cluster.engine.kernels.kv_cache import KVLayout
 from cluster.engine.model.checkpoint import ModelSpec
 from cluster.transfer.endpoint import side_indices, side_rows
 from cluster.transfer.wire import (
@@ -163,9 +165,10 @@ def test_pages_consecutive_on_both_sides_are_consecutive_contiguous_entries() ->
     """What NIXL merges into one descriptor: consecutive entries whose runs touch on both
     sides. A run of pages consecutive on both sides is one such stretch per (K/V, layer);
     a break on either side starts a new one."""
-    page_bytes = 3 * 4096
-    rows = side_rows(1 << 30, 1 << 40, 2, 20, page_bytes, 0, page_bytes, 0)
-    far = side_rows(1 << 31, 1 << 41, 2, 9, page_bytes, 0, page_bytes, 0)
+    layout = KVLayout(2, 3, 64, 16, torch.float32)  # 4 KiB a head, 12 KiB a page
+    every = range(3)
+    rows = side_rows(1 << 30, 1 << 40, layout.head_runs(20, every), layout.page_bytes, 0)
+    far = side_rows(1 << 31, 1 << 41, layout.head_runs(9, every), layout.page_bytes, 0)
 
     def stretches(src: list[PageId], dst: list[PageId]) -> list[int]:
         a = rows[side_indices(range(2), src, 2, 20)]
@@ -184,7 +187,8 @@ def test_pages_consecutive_on_both_sides_are_consecutive_contiguous_entries() ->
 def test_a_head_range_of_a_page_is_one_run_at_its_heads_offset() -> None:
     # A rank holding all 3 heads (12 KiB pages, 4 KiB a head) sends head 2 to a rank
     # holding head 2 only: each entry of its side is 4 KiB, 8 KiB into the page.
-    rows = side_rows(1 << 30, 1 << 40, 2, 10, 3 * 4096, 2 * 4096, 4096, 0)
+    layout = KVLayout(2, 3, 64, 16, torch.float32)
+    rows = side_rows(1 << 30, 1 << 40, layout.head_runs(10, range(2, 3)), 4096, 0)
     (k_at, k_len, _), (v_at, _, _) = rows[side_indices(range(1, 2), pids(7), 2, 10)]
     assert k_at == (1 << 30) + (1 * 10 + 7) * 3 * 4096 + 2 * 4096 and k_len == 4096
     assert v_at == (1 << 40) + (1 * 10 + 7) * 3 * 4096 + 2 * 4096

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -42,16 +42,40 @@ class TransferError(RuntimeError):
     """A WRITE or notice could not be posted or failed in flight."""
 
 
-def page_runs(src: Sequence[PageId], dst: Sequence[PageId]) -> list[tuple[int, int, int]]:
-    """(src_start, dst_start, length) runs where both page lists count up by one together."""
-    assert len(src) == len(dst)
-    runs: list[tuple[int, int, int]] = []
-    for s, d in zip(src, dst, strict=True):
-        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((s, d, 1))
-    return runs
+def side_rows(
+    k_base: int, v_base: int, runs: np.ndarray, run_bytes: int, device: int
+) -> np.ndarray:
+    """One side's descriptor list as (address, length, device) rows from its runs' offsets
+    (KVLayout.head_runs: one per (layer, page)): entry (t, layer, page) at index
+    (t * num_layers + layer) * num_pages + page, t 0 for K and 1 for V."""
+    addrs = np.concatenate([np.uint64(k_base) + runs, np.uint64(v_base) + runs])
+    n = len(addrs)
+    return np.stack(
+        [addrs, np.full(n, run_bytes, np.uint64), np.full(n, device, np.uint64)], axis=1
+    )
+
+
+def side_indices(
+    layers: range, pages: Sequence[PageId], num_layers: int, num_pages: int
+) -> np.ndarray:
+    """Indices into a `side_rows` list for K then V of `layers` of `pages`, layer by layer
+    and pages in the order given: pages consecutive on both sides become consecutive
+    entries that are contiguous on both, which NIXL merges into one descriptor."""
+    lay = np.arange(2)[:, None] * num_layers + np.arange(layers.start, layers.stop)[None, :]
+    at = lay[:, :, None] * num_pages + np.asarray(pages, dtype=np.int64)[None, None, :]
+    return at.ravel().astype(np.int32)
+
+
+@dataclass(frozen=True)
+class Route:
+    """This rank's share of KV heads with one peer rank, and the two prepared descriptor
+    lists (NIXL's prep_xfer_dlist) that serve every WRITE between them: built once when
+    the peer connects, picked from by index (side_indices) on each WRITE."""
+
+    rank: RankPages
+    heads: range  # the model's KV heads both hold
+    local: Any  # this side's list (shared by every route of the same heads)
+    remote: Any  # the peer rank's list
 
 
 @dataclass(frozen=True)
@@ -59,6 +83,7 @@ class Peer:
     name: str  # its rank 0's agent, where notices go
     handshake: Handshake
     raw: bytes  # the handshake as it came, for this model's other ranks
+    routes: tuple[Route, ...]  # one per peer rank whose heads overlap this rank's
 
 
 class Pending(Protocol):
@@ -101,10 +126,12 @@ class KVEndpoint:
     and every rank has an agent; rank 0's endpoint speaks for the model: its handshake
     lists every rank, its `write` has the other ranks post theirs (`followers`), and only
     it sends and reads notices. A WRITE copies each head range straight from the rank
-    that holds it into the peer rank that holds it, whatever the two sides' TP sizes:
-    runs of whole pages where the two ranks hold the same heads, else one run per page of
-    the heads they share (a page is head-major, [heads, page_size, head_dim]: kv_cache's
-    KVLayout); nothing is gathered."""
+    that holds it into the peer rank that holds it, whatever the two sides' TP sizes: a
+    page is head-major ([heads, page_size, head_dim], kv_cache.KVLayout), so the heads two
+    ranks share are one run per page, and whole pages where they hold the same heads. The
+    descriptors of every (K/V, layer, page) run are prepared once per pair of ranks when
+    the peer connects (a Route); a WRITE picks them by index, and NIXL merges pages
+    consecutive on both sides into one descriptor. Nothing is gathered."""
 
     def __init__(
         self,
@@ -152,6 +179,7 @@ class KVEndpoint:
         self.head_bytes = cache.layout.head_bytes  # one head of one page: one run
         self.followers: list[RankWriter] = []  # this model's other ranks, on rank 0
         self._peers: dict[str, Peer] = {}
+        self._local_lists: dict[range, Any] = {}  # by the heads its runs cover
         self._inbox: list[Notice] = []
 
     @property
@@ -188,13 +216,42 @@ class KVEndpoint:
         if known is not None and known.handshake == hs:
             return known
         if known is not None:  # the same name restarted: forget the old one
+            for route in known.routes:
+                self._agent.release_dlist_handle(route.remote)
             for rank in known.handshake.ranks:
                 self._agent.remove_remote_agent(rank.agent)
         for rank in hs.ranks:
             self._agent.add_remote_agent(rank.agent_metadata)
-        peer = Peer(hs.agent, hs, handshake)
+        routes = tuple(
+            self._route(rank, heads)
+            for rank in hs.ranks
+            if (heads := _overlap(self.heads, rank.heads))
+        )
+        peer = Peer(hs.agent, hs, handshake, routes)
         self._peers[hs.agent] = peer
         return peer
+
+    def _route(self, rank: RankPages, heads: range) -> Route:
+        """The prepared lists between this rank and `rank` for the heads both hold."""
+        here = self.cache.layout
+        there = replace(here, num_kv_heads=len(rank.heads))  # the hash: alike
+        run = here.head_bytes * len(heads)
+        local = self._local_lists.get(heads)
+        if local is None:
+            mine = _shifted(heads, self.heads.start)
+            runs = here.head_runs(self.cache.num_pages, mine)
+            rows = side_rows(self.cache.k.data_ptr(), self.cache.v.data_ptr(), runs, run, self._dev)
+            local = self._prep("NIXL_INIT_AGENT", rows, self._on_gpu)
+            self._local_lists[heads] = local
+        runs = there.head_runs(rank.num_pages, _shifted(heads, rank.heads.start))
+        rows = side_rows(rank.k_base, rank.v_base, runs, run, rank.device_id)
+        return Route(rank, heads, local, self._prep(rank.agent, rows, rank.on_gpu))
+
+    def _prep(self, agent: str, rows: np.ndarray, on_gpu: bool) -> Any:
+        try:
+            return self._agent.prep_xfer_dlist(agent, rows, "VRAM" if on_gpu else "DRAM")
+        except Exception as e:  # NIXL raises its own types
+            raise TransferError(f"descriptors for {agent} could not be prepared: {e}") from e
 
     def _check_heads(self, hs: Handshake) -> None:
         start = 0
@@ -231,22 +288,19 @@ class KVEndpoint:
         fails the Write once every part is over."""
         hs = peer.handshake
         assert 0 <= layers.start < layers.stop <= hs.num_layers
-        parts = [(rank, _overlap(self.heads, rank.heads)) for rank in hs.ranks]
-        parts = [(rank, heads) for rank, heads in parts if heads]
-        rides = not self.followers and len(parts) == 1 and parts[0][0] == hs.ranks[0]
+        routes = peer.routes
+        rides = not self.followers and len(routes) == 1 and routes[0].rank == hs.ranks[0]
         write = Write([], 0, peer, None if rides else notice)
-        for rank, heads in parts:
+        for route in routes:
             try:
-                handle, nbytes = self._post(
-                    rank, heads, layers, src, dst, notice if rides else None
-                )
+                handle = self._post(route, layers, src, dst, notice if rides else None)
             except TransferError as e:
                 if not write.handles:
                     raise
                 write.error = str(e)
                 return write
             write.handles.append(handle)
-            write.num_bytes += nbytes
+            write.num_bytes += 2 * len(src) * len(layers) * self.head_bytes * len(route.heads)
         n = 2 * len(src) * len(layers)
         for follower in self.followers:
             write.pending.append(follower.post(peer.raw, layers, src, dst))
@@ -255,51 +309,21 @@ class KVEndpoint:
 
     def _post(
         self,
-        rank: RankPages,
-        heads: range,
+        route: Route,
         layers: range,
         src: Sequence[PageId],
         dst: Sequence[PageId],
         notice: Notice | None,
-    ) -> tuple[Any, int]:
-        """Post one part: this rank's `heads` of the pages into `rank`'s; (handle, bytes)."""
-        here, there = np.uint64(self.cache.num_pages), np.uint64(rank.num_pages)
-        lay = np.arange(layers.start, layers.stop, dtype=np.uint64)[:, None]
-        if heads == self.heads == rank.heads:  # whole pages, in runs of consecutive ones
-            runs = np.array(page_runs(src, dst), dtype=np.uint64).reshape(-1, 3)
-            pb = np.uint64(self.page_bytes)
-            lengths = np.broadcast_to(runs[:, 2] * pb, (len(lay), len(runs))).ravel()
-            local_at = ((lay * here + runs[:, 0]) * pb).ravel()
-            remote_at = ((lay * there + runs[:, 1]) * pb).ravel()
-        else:  # the shared heads of each page: one run
-            s = np.asarray(src, dtype=np.uint64)[None, :]
-            d = np.asarray(dst, dtype=np.uint64)[None, :]
-            hb = np.uint64(self.head_bytes)
-            local_at = (
-                (lay * here + s) * np.uint64(self.page_bytes)
-                + hb * np.uint64(heads.start - self.heads.start)
-            ).ravel()
-            remote_at = (
-                (lay * there + d) * np.uint64(rank.page_bytes)
-                + hb * np.uint64(heads.start - rank.heads.start)
-            ).ravel()
-            lengths = np.full(len(local_at), self.head_bytes * len(heads), dtype=np.uint64)
-        local = [np.uint64(t.data_ptr()) + local_at for t in (self.cache.k, self.cache.v)]
-        remote = [np.uint64(base) + remote_at for base in (rank.k_base, rank.v_base)]
-        both = np.concatenate([lengths, lengths])
-
-        def descs(addrs: list[np.ndarray], on_gpu: bool, dev: int) -> Any:
-            rows = np.stack(
-                [np.concatenate(addrs), both, np.full(len(both), dev, np.uint64)], axis=1
-            )
-            return self._agent.get_xfer_descs(rows, "VRAM" if on_gpu else "DRAM")
-
+    ) -> Any:
+        """Post one part: this rank's share of the pages into the route's rank's."""
+        num_layers, rank = self.cache.layout.num_layers, route.rank
         try:
-            handle = self._agent.initialize_xfer(
+            handle = self._agent.make_prepped_xfer(
                 "WRITE",
-                descs(local, self._on_gpu, self._dev),
-                descs(remote, rank.on_gpu, rank.device_id),
-                rank.agent,
+                route.local,
+                side_indices(layers, src, num_layers, self.cache.num_pages),
+                route.remote,
+                side_indices(layers, dst, num_layers, rank.num_pages),
                 b"" if notice is None else notice.encode(),
             )
             if self._agent.transfer(handle) == "ERR":
@@ -309,7 +333,7 @@ class KVEndpoint:
             raise
         except Exception as e:  # NIXL raises its own types, e.g. on a disconnected peer
             raise TransferError(f"WRITE to {rank.agent} failed: {e}") from e
-        return handle, int(both.sum())
+        return handle
 
     def finished(self, write: Write) -> bool:
         """True once every part of the WRITE is over and its notice is sent; TransferError
@@ -371,6 +395,11 @@ class KVEndpoint:
 
 def _overlap(a: range, b: range) -> range:
     return range(max(a.start, b.start), min(a.stop, b.stop))
+
+
+def _shifted(heads: range, first: int) -> range:
+    """The model's `heads` counted from a cache's first head, `first`."""
+    return range(heads.start - first, heads.stop - first)
 
 
 def _create_ucx_backend(agent: Any, devices: str, transports: str) -> None:

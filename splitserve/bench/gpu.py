@@ -308,7 +308,7 @@ def transfer(device: torch.device, tokens: int) -> float:
     spec = read_spec(bundled_model_path())
     layout = KVLayout.of(spec, PAGE_SIZE, torch.bfloat16)
     compat = compat_hash(spec, "bfloat16", PAGE_SIZE, "none")
-    ((_, _, _, gbps),) = kv_bandwidth(layout, compat, 3, (tokens,), device.type)
+    (((_, _, _, gbps),),) = kv_bandwidth(layout, compat, 3, (tokens,), device.type)
     return gbps
 
 

@@ -176,6 +176,54 @@ def test_each_ranks_heads_land_in_the_peer_rank_holding_them_and_one_notice_foll
         assert not got[1, untouched].any() and not got[0].any()
 
 
+def test_descriptor_lists_are_prepared_once_per_connection_and_serve_every_write() -> None:
+    """TP=1 into a 2 + 1 split: one local and one remote list per pair of ranks sharing
+    heads (two pairs), prepared at connect; three WRITEs of different pages and layers
+    (a run of pages consecutive on both sides among them), and a connect again with the
+    same handshake, prepare none; every page lands where it was sent."""
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    receiver = ctx.Process(target=_receive_ranks, args=(there, [range(0, 2), range(2, 3)]))
+    receiver.start()
+    try:
+        cache = _cache(range(0, 3), 12)
+        cache.k.copy_(torch.randn(cache.k.shape))
+        cache.v.copy_(torch.randn(cache.v.shape))
+        ep = KVEndpoint("sender", cache, COMPAT3, "lo")
+        built: list[str] = []
+        prep = ep._agent.prep_xfer_dlist
+        ep._agent.prep_xfer_dlist = lambda agent, *a, **k: (
+            built.append(agent) or prep(agent, *a, **k)
+        )
+        raw = here.recv()
+        peer = ep.connect(raw)
+        assert sorted(built) == sorted(["NIXL_INIT_AGENT"] * 2 + ["receiver", "receiver-rank1"])
+        sends = [
+            (range(0, 1), [PageId(p) for p in (0, 1, 2, 3)], [PageId(p) for p in (30, 31, 32, 33)]),
+            (range(1, 2), SRC, DST),
+            (range(0, 2), [PageId(11)], [PageId(0)]),
+        ]
+        for i, (layers, src, dst) in enumerate(sends):
+            last = i == len(sends) - 1
+            notice = Notice(NoticeKind.LAYERS, RequestId("r"), 0, 2) if last else None
+            write = ep.write(ep.connect(raw), layers, src, dst, notice)
+            deadline = time.monotonic() + 30
+            while not ep.finished(write):
+                assert time.monotonic() < deadline
+        assert ep.connect(raw) is peer and len(built) == 4
+        ep.notify(peer, Notice(NoticeKind.DONE, RequestId("r"), num_writes=1, first_token=5))
+        _, k_np, v_np = here.recv()
+    finally:
+        receiver.join(30)
+    for got, sent in ((torch.from_numpy(k_np), cache.k), (torch.from_numpy(v_np), cache.v)):
+        written = torch.zeros(got.shape[:2], dtype=torch.bool)
+        for layers, src, dst in sends:
+            for layer in layers:
+                assert torch.equal(got[layer, dst], sent[layer, src])
+                written[layer, dst] = True
+        assert not got[~written].any()
+
+
 def test_a_peer_whose_heads_do_not_tile_is_refused() -> None:
     ep = KVEndpoint("tiler", _cache(range(0, 3), 4), COMPAT3, "lo")
     gap = Handshake(

@@ -42,7 +42,7 @@ class _Agent:
         self.notified.append((agent, message))
 
 
-PEER = Peer("decode-0", None, b"")  # type: ignore[arg-type]  # finished() reads its name only
+PEER = Peer("decode-0", None, b"", ())  # type: ignore[arg-type]  # finished() reads its name only
 
 
 def _endpoint(agent: _Agent) -> KVEndpoint:

@@ -56,3 +56,13 @@ def test_the_hash_input_names_the_order_and_what_tensor_parallelism_leaves_alike
         KVLayout(2, 3, 16, 4, torch.bfloat16),
     ):
         assert other.hash_input != LAYOUT.hash_input
+
+
+def test_head_runs_are_the_offsets_of_each_layer_and_page_s_heads() -> None:
+    cache = KVCache(LAYOUT, 5, torch.device("cpu"))
+    runs = LAYOUT.head_runs(5, range(1, 3))
+    assert len(runs) == 2 * 5
+    for layer in range(2):
+        for page in range(5):
+            start = cache.k[layer, page, 1].data_ptr() - cache.k.data_ptr()
+            assert runs[layer * 5 + page] == start

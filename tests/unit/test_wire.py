@@ -5,10 +5,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 
+import numpy as np
 import pytest
+import torch
 
+from cluster.engine.kernels.kv_cache import KVLayout
 from cluster.engine.model.checkpoint import ModelSpec
-from cluster.transfer.endpoint import page_runs
+from cluster.transfer.endpoint import side_indices, side_rows
 from cluster.transfer.wire import (
     Handshake,
     IncompatiblePeerError,
@@ -143,13 +146,49 @@ def pids(*ids: int) -> list[PageId]:
     return [PageId(i) for i in ids]
 
 
-def test_runs_of_pages_contiguous_on_both_sides_become_one_run() -> None:
-    assert page_runs(pids(4, 5, 6, 7), pids(10, 11, 12, 13)) == [(4, 10, 4)]
+def _entries(at: np.ndarray, num_layers: int, num_pages: int) -> list[tuple[int, int, int]]:
+    """(K 0 or V 1, layer, page) of each index into a side_rows list."""
+    return [(int(i) // num_pages // num_layers, int(i) // num_pages % num_layers,
+             int(i) % num_pages) for i in at]  # fmt: skip
 
 
-def test_a_break_on_either_side_starts_a_new_run() -> None:
-    src = pids(4, 5, 9, 10, 11, 12)
-    dst = pids(0, 1, 2, 3, 7, 8)
-    assert page_runs(src, dst) == [(4, 0, 2), (9, 2, 2), (11, 7, 2)]
-    assert page_runs(pids(3, 2, 1), pids(1, 2, 3)) == [(3, 1, 1), (2, 2, 1), (1, 3, 1)]
-    assert page_runs([], []) == []
+def test_a_write_picks_exactly_its_layers_and_pages_on_both_sides_in_step() -> None:
+    # Entry i of one side goes to entry i of the other: K or V, layer, src page -> dst page.
+    src, dst = pids(4, 5, 9, 10, 11, 12), pids(0, 1, 2, 3, 7, 8)
+    local = _entries(side_indices(range(1, 3), src, 4, 20), 4, 20)
+    remote = _entries(side_indices(range(1, 3), dst, 4, 9), 4, 9)
+    assert local == [(t, layer, p) for t in (0, 1) for layer in (1, 2) for p in src]
+    assert remote == [(t, layer, p) for t in (0, 1) for layer in (1, 2) for p in dst]
+
+
+def test_pages_consecutive_on_both_sides_are_consecutive_contiguous_entries() -> None:
+    """What NIXL merges into one descriptor: consecutive entries whose runs touch on both
+    sides. A run of pages consecutive on both sides is one such stretch per (K/V, layer);
+    a break on either side starts a new one."""
+    layout = KVLayout(2, 3, 64, 16, torch.float32)  # 4 KiB a head, 12 KiB a page
+    every = range(3)
+    rows = side_rows(1 << 30, 1 << 40, layout.head_runs(20, every), layout.page_bytes, 0)
+    far = side_rows(1 << 31, 1 << 41, layout.head_runs(9, every), layout.page_bytes, 0)
+
+    def stretches(src: list[PageId], dst: list[PageId]) -> list[int]:
+        a = rows[side_indices(range(2), src, 2, 20)]
+        b = far[side_indices(range(2), dst, 2, 9)]
+        joined = (a[1:, 0] == a[:-1, 0] + a[:-1, 1]) & (b[1:, 0] == b[:-1, 0] + b[:-1, 1])
+        lengths, n = [], 1
+        for j in joined:
+            lengths, n = (lengths, n + 1) if j else ([*lengths, n], 1)
+        return [*lengths, n]
+
+    assert stretches(pids(4, 5, 6, 7), pids(0, 1, 2, 3)) == [4] * 4  # K, V x 2 layers
+    assert stretches(pids(4, 5, 9, 10, 11, 12), pids(0, 1, 2, 3, 7, 8)) == [2, 2, 2] * 4
+    assert stretches(pids(3, 2, 1), pids(1, 2, 3)) == [1, 1, 1] * 4
+
+
+def test_a_head_range_of_a_page_is_one_run_at_its_heads_offset() -> None:
+    # A rank holding all 3 heads (12 KiB pages, 4 KiB a head) sends head 2 to a rank
+    # holding head 2 only: each entry of its side is 4 KiB, 8 KiB into the page.
+    layout = KVLayout(2, 3, 64, 16, torch.float32)
+    rows = side_rows(1 << 30, 1 << 40, layout.head_runs(10, range(2, 3)), 4096, 0)
+    (k_at, k_len, _), (v_at, _, _) = rows[side_indices(range(1, 2), pids(7), 2, 10)]
+    assert k_at == (1 << 30) + (1 * 10 + 7) * 3 * 4096 + 2 * 4096 and k_len == 4096
+    assert v_at == (1 << 40) + (1 * 10 + 7) * 3 * 4096 + 2 * 4096

@@ -17,6 +17,7 @@ import sys
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
+import numpy as np
 import torch
 
 from cluster.engine.sched.page_pool import pages_for
@@ -66,6 +67,13 @@ class KVLayout:
     def page_bytes(self) -> int:
         """One page of one layer of K (or V): its heads' runs back to back."""
         return self.num_kv_heads * self.head_bytes
+
+    def head_runs(self, num_pages: int, heads: range) -> np.ndarray:
+        """Byte offsets, into a K (or V) tensor of every layer, of each (layer, page)'s run
+        of this cache's heads `heads` (counted from its first), layer by layer then page by
+        page; a run is len(heads) * head_bytes long (what a transfer descriptor covers)."""
+        pages = np.arange(self.num_layers * num_pages, dtype=np.uint64)
+        return pages * np.uint64(self.page_bytes) + np.uint64(heads.start * self.head_bytes)
 
     @property
     def hash_input(self) -> str:

@@ -72,7 +72,7 @@ class DecodeStats:
     free_pages: int
     num_pages: int
     running: int
-    waiting: int
+    waiting: int  # queued, or restoring a prefix from the KV tier
     transferring: int
     admitting: int
     queued_tokens: int  # prompt tokens of waiting requests, not yet computed

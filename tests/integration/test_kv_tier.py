@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 
 from cluster.engine.engine import LLMEngine
@@ -95,3 +96,26 @@ def test_every_page_is_free_after_copies_and_aborts(make_engine: Callable[..., A
     while engine.has_unfinished():
         engine.step()
     assert engine.num_free_pages == engine.pool.num_pages
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_tier_is_pinned_and_round_trips_on_its_own_stream(
+    make_engine: Callable[..., LLMEngine],
+) -> None:
+    engine = make_engine(
+        "tier-cuda",
+        dtype="float32",
+        device="cuda",
+        kv_cache_gb=40 * PAGE / 2**30,
+        kv_offload_gb=200 * PAGE / 2**30,
+    )
+    assert engine.tier is not None and engine.tier.slots.is_pinned()
+    hashes = chain(engine)
+    first = engine.generate([PROMPT], GREEDY)[0]
+    computed = pages_of(engine, hashes)
+    evict(engine, hashes)
+    again = engine.generate([PROMPT], GREEDY)[0]
+    assert again.token_ids == first.token_ids
+    assert again.num_cached_tokens == len(hashes) * 16
+    for (k0, v0), (k1, v1) in zip(computed, pages_of(engine, hashes), strict=True):
+        assert torch.equal(k0, k1) and torch.equal(v0, v1)

@@ -273,6 +273,11 @@ class LLMEngine:
             self.max_model_len = num_pages * config.page_size
         self.cache = KVCache(self.layout, num_pages, self.device)
         offload_slots = self.layout.pages_for(config.kv_offload_gb * 2**30)
+        if config.kv_offload_gb and not offload_slots:
+            raise ConfigError(
+                f"kv_offload_gb: {config.kv_offload_gb:g} GiB holds no page of KV "
+                f"({self.layout.bytes_per_page} bytes a page here)"
+            )
         self.pool = PagePool(
             num_pages, config.page_size, config.prefix_caching, offload_slots=offload_slots
         )

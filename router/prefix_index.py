@@ -33,9 +33,10 @@ from cluster.engine.sched.page_pool import hash_pages
 from cluster.protocol import KVEventKind, KVEvents
 from cluster.types import BlockHash
 
-# What restoring a token from a KV tier costs, as a share of computing it: 0.02 measured
-# on this CPU (bundled model, float32: 3 us to copy a token's KV back and 20 us to check
-# its crc32, against 1.1 ms to prefill it; kv_tier.py), rounded up.
+# What restoring a token from a KV tier costs, as a share of computing it: 0.002-0.02
+# measured on a 2-core CPU (the bundled model: 2-3 us to copy a token's KV back and 11-20
+# us to check its crc32, against 1-10 ms to prefill it; `splitserve bench kv-tier`), the
+# upper end rounded up.
 TIER_TOKEN_COST = 1 / 32
 
 

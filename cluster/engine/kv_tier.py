@@ -17,14 +17,15 @@ Life of a copy:
    held, drops the entries that failed (a counted warning) and says how many leading
    pages of each restore came back whole; the request recomputes the rest.
 
-Storage, chosen by measurement on this CPU (SmolLM2-135M's KV, 39 pages of 16 tokens,
-docs/benchmarks.md): plain host memory copies at 13-16 GB/s out and 13-18 GB/s back; a
-memory-mapped file on local disk at 8-12 / 7-14 GB/s through the page cache and 0.6-0.9
-GB/s out once msync'd; zlib level 1 at 0.04 GB/s for a ratio of 1.07 (float32) to 1.24
-(bfloat16). So one host-memory buffer of slots, pinned on a GPU (copied on a side CUDA
-stream that waits for the step that wrote the page). The checksum is zlib.crc32 over the
-page's BlockHash (its tokens and its parent's) then its bytes: 2.3 GB/s here against
-blake2b's 0.9, and a restore then costs ~20 us a token against ~1 ms to recompute it.
+Storage, chosen by measurement (`splitserve bench kv-tier`, docs/benchmarks.md: the
+bundled model's bfloat16 KV, 63 pages): host memory copies at 11 GB/s out and 12 back; a
+memory-mapped file on local disk as fast through the page cache (13 / 11), which is the
+same RAM with the file's faults on top, and 0.14 GB/s out once msync'd to the disk; zlib
+level 1 at 0.02 GB/s for a ratio of 1.23. So one host-memory buffer of slots, pinned on a
+GPU (copied on a side CUDA stream that waits for the steps that used the pages). The
+checksum is zlib.crc32 over the page's BlockHash (its tokens and its parent's) then its
+bytes: 1.3-2.3 GB/s against blake2b's 0.4-0.9, so 11-18 us a token, and a restore costs
+well under 1/32 of prefilling the token again (1-10 ms a token on this 2-core CPU).
 """
 
 from __future__ import annotations

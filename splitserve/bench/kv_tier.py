@@ -165,19 +165,22 @@ def multi_turn(config: EngineConfig, args: argparse.Namespace) -> dict[str, floa
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="splitserve bench kv-tier", description=__doc__)
-    parser.add_argument("--kv-cache-gb", type=float, default=0.02, help="the pool")
-    parser.add_argument("--kv-offload-gb", type=float, default=1.0, help="the tier")
-    parser.add_argument("--first-tokens", type=int, default=256)
-    parser.add_argument("--user-tokens", type=int, default=48)
-    parser.add_argument("--reply-tokens", type=int, default=16)
+    parser.add_argument("--pool-pages", type=int, default=16, help="the pool's size")
+    parser.add_argument("--kv-offload-gb", type=float, default=0.25, help="the tier's")
+    parser.add_argument("--first-tokens", type=int, default=96)
+    parser.add_argument("--user-tokens", type=int, default=32)
+    parser.add_argument("--reply-tokens", type=int, default=8)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--skip-storage", action="store_true")
     args = parser.parse_args(argv)
     print(host_line())
+    engine = LLMEngine(EngineConfig())
+    pool_gb = args.pool_pages * engine.layout.bytes_per_page / 2**30
     if not args.skip_storage:
-        print("\n".join(storage(LLMEngine(EngineConfig()), random.Random(0))))
-    base = EngineConfig(kv_cache_gb=args.kv_cache_gb)
-    tiered = EngineConfig(kv_cache_gb=args.kv_cache_gb, kv_offload_gb=args.kv_offload_gb)
+        print("\n".join(storage(engine, random.Random(0))))
+    del engine
+    base = EngineConfig(kv_cache_gb=pool_gb)
+    tiered = EngineConfig(kv_cache_gb=pool_gb, kv_offload_gb=args.kv_offload_gb)
     runs = {
         "pool only (recompute)": multi_turn(base, args),
         "pool + tier": multi_turn(tiered, args),

@@ -42,6 +42,12 @@ class EngineConfig:
     # vLLM's flag (cluster/engine/memory.py: kv_share). CUDA only.
     kv_cache_gb: float | None = 1.0
     gpu_memory_utilization: float | None = None
+    # A second tier behind the KV cache, GiB of host memory (pinned on a GPU): full pages
+    # the prefix cache holds are copied there, and a prefix evicted from the cache comes
+    # back from it instead of being recomputed (cluster/engine/kv_tier.py). 0: none. Off
+    # by default: on a CPU the cache is host memory too, and the same GiB serve more as
+    # kv_cache_gb (no copy back); on a GPU host memory is the larger, cheaper store.
+    kv_offload_gb: float = 0.0
     page_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
@@ -98,6 +104,17 @@ class EngineConfig:
         for name in ("chunked_prefill", "prefix_caching"):
             value = getattr(self, name)
             _check(isinstance(value, bool), name, f"must be true or false, got {value!r}")
+        offload = self.kv_offload_gb
+        _check(
+            _is_number(offload) and offload >= 0,
+            "kv_offload_gb",
+            f"must be a number >= 0 (0: no tier), got {offload!r}",
+        )
+        _check(
+            not offload or self.prefix_caching,
+            "kv_offload_gb",
+            "holds prefix-cached pages: it needs prefix_caching true",
+        )
         _check(
             _is_int(self.page_size) and self.page_size >= 1,
             "page_size",
@@ -132,6 +149,11 @@ class EngineConfig:
             _is_number(self.collective_timeout_s) and self.collective_timeout_s > 0,
             "collective_timeout_s",
             f"must be a number of seconds > 0, got {self.collective_timeout_s!r}",
+        )
+        _check(
+            not self.kv_offload_gb or self.tensor_parallel_size == 1,
+            "kv_offload_gb",
+            "is served on one rank only so far: it needs tensor_parallel_size 1",
         )
         cores = self.cpu_cores
         _check(

@@ -38,6 +38,20 @@ R = TypeVar("R")
 
 
 @dataclass(frozen=True)
+class TierCounts:
+    """What an engine's KV tier (cluster/engine/kv_tier.py) holds, and has moved since the
+    engine started; vLLM counts hits and queries of a connector's cache as its
+    external_prefix_cache_hits and _queries."""
+
+    bytes_held: int
+    queries: int  # tokens admitted requests looked up in the tier
+    hits: int  # ... and found there
+    spilled_bytes: int
+    restored_bytes: int
+    dropped: int  # entries that failed a write or their checksum (recomputed)
+
+
+@dataclass(frozen=True)
 class EngineCounts:
     """What a worker's engine has done since it started, as vLLM counts it (its counters
     prompt_tokens, generation_tokens, prefix_cache_queries and _hits, num_preemptions).
@@ -49,6 +63,7 @@ class EngineCounts:
     prefix_queries: int  # prompt tokens looked up in the prefix cache
     prefix_hits: int  # ... and found there
     preemptions: int
+    tier: TierCounts | None = None  # the KV tier behind the pool; None: no tier
 
 
 @dataclass(frozen=True)
@@ -57,7 +72,7 @@ class DecodeStats:
     free_pages: int
     num_pages: int
     running: int
-    waiting: int
+    waiting: int  # queued, or restoring a prefix from the KV tier
     transferring: int
     admitting: int
     queued_tokens: int  # prompt tokens of waiting requests, not yet computed
@@ -113,6 +128,8 @@ class PrefillStats:
 class KVEventKind(enum.Enum):
     STORED = "stored"  # a full page of these tokens is now in the worker's prefix cache
     REMOVED = "removed"  # ... and is no longer (its page was evicted for reuse)
+    TIER_STORED = "tier_stored"  # a copy of that page is now in the worker's second tier
+    TIER_REMOVED = "tier_removed"  # ... and is no longer (evicted LRU, or failed its checksum)
 
 
 @dataclass(frozen=True)
@@ -127,7 +144,8 @@ class KVEvent:
 class KVEvents:
     """A worker's prefix-cache changes for one reader (cluster/engine/sched/kv_events.py): the
     events since the reader's cursor, or, when `snapshot`, one STORED run of every hash
-    the worker holds, to replace all the reader had for it. Ask from `next_seq` next,
+    the worker's pool holds (and a TIER_STORED run of those its tier holds), to replace
+    all the reader had for it. Ask from `next_seq` next,
     with this `epoch` (a new epoch: the worker restarted, its cache is another)."""
 
     epoch: str

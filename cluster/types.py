@@ -41,6 +41,7 @@ class RequestStatus(enum.Enum):
 
     WAITING = "waiting"
     PREFILLING = "prefilling"
+    RESTORING = "restoring"  # its prefix's pages are being copied back from the KV tier
     TRANSFERRING = "transferring"
     RUNNING = "running"
     FINISHED = "finished"

@@ -20,7 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from cluster.bearer import authorized, read_key
 from cluster.config import EngineConfig
-from cluster.protocol import DecodeStats, EngineCounts, PrefillStats
+from cluster.protocol import DecodeStats, EngineCounts, PrefillStats, TierCounts
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,30 @@ COUNTERS: dict[str, tuple[str, Callable[[EngineCounts], int]]] = {
     ),
     "vllm:prefix_cache_hits": ("Prompt tokens found in the prefix cache", lambda c: c.prefix_hits),
     "vllm:num_preemptions": ("Requests preempted to free KV pages", lambda c: c.preemptions),
+}
+# A worker's KV tier (cluster/engine/kv_tier.py), shown for workers that have one: vLLM
+# counts the hits of a KV connector's cache (LMCache, its CPU offloading) as external.
+TIER_COUNTERS: dict[str, tuple[str, Callable[[TierCounts], int]]] = {
+    "vllm:external_prefix_cache_queries": (
+        "Prompt tokens the prefix cache lacked, looked up in the KV tier",
+        lambda t: t.queries,
+    ),
+    "vllm:external_prefix_cache_hits": (
+        "Prompt tokens found in the KV tier",
+        lambda t: t.hits,
+    ),
+    "splitserve_kv_offload_spilled_bytes": (
+        "Bytes of KV copied from the cache to the KV tier",
+        lambda t: t.spilled_bytes,
+    ),
+    "splitserve_kv_offload_restored_bytes": (
+        "Bytes of KV copied back from the KV tier to the cache",
+        lambda t: t.restored_bytes,
+    ),
+    "splitserve_kv_offload_dropped_entries": (
+        "KV tier entries dropped, their copy out or their checksum failed (recomputed)",
+        lambda t: t.dropped,
+    ),
 }
 
 
@@ -53,6 +77,10 @@ def worker_series(model: str, stats: Mapping[str, Stats]) -> Iterator[Metric]:
         "vllm:kv_cache_usage_perc", "KV cache pages in use, as a fraction 0-1", labels=LABELS
     )
     counters = {n: CounterMetricFamily(n, doc, labels=LABELS) for n, (doc, _) in COUNTERS.items()}
+    tier = {n: CounterMetricFamily(n, doc, labels=LABELS) for n, (doc, _) in TIER_COUNTERS.items()}
+    held = GaugeMetricFamily(
+        "splitserve_kv_offload_bytes", "Bytes of KV the KV tier holds", labels=LABELS
+    )
     for worker, s in stats.items():
         if isinstance(s, DecodeStats):
             labels = [model, worker, "decode"]
@@ -65,7 +93,11 @@ def worker_series(model: str, stats: Mapping[str, Stats]) -> Iterator[Metric]:
         kv.add_metric(labels, (s.num_pages - s.free_pages) / s.num_pages)
         for name, (_, count) in COUNTERS.items():
             counters[name].add_metric(labels, count(s.counts))
-    yield from (running, waiting, kv, *counters.values())
+        if s.counts.tier is not None:
+            held.add_metric(labels, s.counts.tier.bytes_held)
+            for name, (_, tier_count) in TIER_COUNTERS.items():
+                tier[name].add_metric(labels, tier_count(s.counts.tier))
+    yield from (running, waiting, kv, *counters.values(), held, *tier.values())
 
 
 class _OneWorker:

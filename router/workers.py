@@ -35,7 +35,7 @@ from cluster.protocol import (
     PrefillStats,
 )
 from router.policy import DecodeLoad, PrefillLoad, Snapshot
-from router.prefix_index import PrefixIndex, prompt_hashes
+from router.prefix_index import PrefixIndex, credited_tokens, prompt_hashes
 
 log = logging.getLogger(__name__)
 
@@ -102,10 +102,15 @@ class WorkerRegistry:
         return list(self._decode if phase == "decode" else self._prefill)
 
     def cached_tokens(self, prompt_ids: list[int]) -> dict[int, frozenset[str]]:
-        """Leading prompt tokens held in a prefix cache -> the workers that hold that many,
-        as of the last read (workers holding none are in no group)."""
+        """Leading prompt tokens held in a prefix cache, a KV tier's at their cost
+        (credited_tokens) -> the workers that hold that many, as of the last read (workers
+        holding none are in no group)."""
         chain = prompt_hashes(prompt_ids, self.page_size)
-        return {n * self.page_size: ws for n, ws in self.index.overlaps(chain).items()}
+        cached: dict[int, frozenset[str]] = {}
+        for (pool, tier), workers in self.index.overlaps(chain).items():
+            tokens = credited_tokens(pool, tier, self.page_size)
+            cached[tokens] = cached.get(tokens, frozenset()) | workers
+        return cached
 
     def in_flight(self, worker: str) -> int:
         """This router's requests on the worker: streams (decode), prompt tokens (prefill)."""

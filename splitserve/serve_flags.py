@@ -127,6 +127,13 @@ FLAGS = (
         clears=_engines("kv_cache_gb"),
     ),
     Flag(
+        "--kv-offload-gb",
+        _engines("kv_offload_gb"),
+        "a second KV tier per engine, GiB of host memory, that evicted prefixes come back "
+        "from instead of being recomputed (default 0: none)",
+        float,
+    ),
+    Flag(
         "--tensor-parallel-size",
         _engines("tensor_parallel_size"),
         "ranks each worker's model is split across, a CPU (or GPU) each, on one node "

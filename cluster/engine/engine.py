@@ -26,6 +26,7 @@ from cluster.engine.kernels.attention import resolve_backend
 from cluster.engine.kernels.cpu_isa import BF16_FLAGS, cpu, fast_dtype, isa, native_bf16
 from cluster.engine.kernels.kv_cache import KVCache, KVLayout
 from cluster.engine.kv_sink import KVSink, PageHolds, PromptDone, layer_hook
+from cluster.engine.kv_tier import KVTier
 from cluster.engine.memory import device_memory, fits, kv_share
 from cluster.engine.model.checkpoint import (
     ModelSpec,
@@ -271,7 +272,16 @@ class LLMEngine:
             )
             self.max_model_len = num_pages * config.page_size
         self.cache = KVCache(self.layout, num_pages, self.device)
-        self.pool = PagePool(num_pages, config.page_size, config.prefix_caching)
+        offload_slots = self.layout.pages_for(config.kv_offload_gb * 2**30)
+        if config.kv_offload_gb and not offload_slots:
+            raise ConfigError(
+                f"kv_offload_gb: {config.kv_offload_gb:g} GiB holds no page of KV "
+                f"({self.layout.bytes_per_page} bytes a page here)"
+            )
+        self.pool = PagePool(
+            num_pages, config.page_size, config.prefix_caching, offload_slots=offload_slots
+        )
+        self.tier = KVTier(self.pool, self.cache) if offload_slots else None
         self.step_rate = StepRate()  # seconds per token of this engine's steps
         self._unsynced = (0.0, 0)  # seconds, tokens of the steps since the last that sampled
         self.holds = PageHolds(self.pool)  # pages a KV sink keeps past their step
@@ -306,6 +316,13 @@ class LLMEngine:
             self.model.weight_bytes / 2**20,
         )
         log.info("%s", self.layout.capacity_report(num_pages, self.max_model_len))
+        if offload_slots:
+            log.info(
+                "KV tier: %d pages (%.2f GiB) in %shost memory behind the pool",
+                offload_slots,
+                offload_slots * self.layout.bytes_per_page / 2**30,
+                "pinned " if self.device.type == "cuda" else "",
+            )
 
     # --- the API ---------------------------------------------------------------------------
 
@@ -314,7 +331,10 @@ class LLMEngine:
         self.runner.follow()
 
     def close(self) -> None:
-        """Stop this engine's other ranks (a model on one rank has none)."""
+        """Stop this engine's KV tier's copies and its other ranks (a model on one rank has
+        none)."""
+        if self.tier is not None:
+            self.tier.close()
         if self.ranks is None:
             return
         from cluster.engine.model.tensor_parallel import GroupLost
@@ -400,7 +420,8 @@ class LLMEngine:
         return None if req is None else req.status
 
     def has_unfinished(self) -> bool:
-        return bool(self.scheduler.requests)
+        """Requests in flight, or copies to the KV tier holding pages (a step settles them)."""
+        return bool(self.scheduler.requests) or (self.tier is not None and self.tier.busy)
 
     @property
     def num_free_pages(self) -> int:
@@ -430,6 +451,7 @@ class LLMEngine:
             self.pool.prefix_queries,
             self.pool.prefix_hits,
             self.scheduler.num_preemptions,
+            None if self.tier is None else self.tier.counts,
         )
 
     def _time_step(self, started: float, tokens: int, synced: bool) -> None:
@@ -449,8 +471,13 @@ class LLMEngine:
         `sink` hears of each layer's KV as soon as it is queued into the cache, and of
         each prompt done in this step (cluster/engine/kv_sink.py).
         """
+        self._settle_tier()
         step = self.scheduler.schedule()
+        if self.tier is not None:
+            self.tier.restore(step.restores)
         if step.empty:
+            if self.scheduler.restoring:  # nothing to run until a restore is done
+                self._settle_tier(wait=True)
             return []
         started = time.perf_counter()
         ps = self.pool.page_size
@@ -464,6 +491,8 @@ class LLMEngine:
             self.scheduler.commit(seq, 1)
         for seq, n in step.prefills:
             self.scheduler.commit(seq, n)
+        if self.tier is not None:
+            self.tier.spill()  # the pages this step filled, copied while the next one runs
         if not sampled:
             self._time_step(started, step.num_tokens, synced=False)
             return []
@@ -532,9 +561,20 @@ class LLMEngine:
                         logprobs=seq.logprobs,
                         num_cached_tokens=seq.num_cached,
                     )
+        while self.tier is not None and self.tier.busy:  # the copies still holding pages
+            self._settle_tier(wait=True)
         return [done[r] for r in rids]
 
     # --- internals ---------------------------------------------------------------------------
+
+    def _settle_tier(self, wait: bool = False) -> None:
+        """Settle the KV tier's finished copies: restored requests prefill on (KVTier.settle)."""
+        if self.tier is None:
+            return
+        for seq, whole in self.tier.settle(wait):
+            req = self.scheduler.requests.get(seq.request_id)
+            if req is seq:
+                self.scheduler.restored(req, whole)
 
     def _new(
         self,

@@ -82,6 +82,11 @@ def test_a_kv_cache_larger_than_the_device_is_refused_before_it_is_allocated():
         LLMEngine(EngineConfig(device=device, kv_cache_gb=100_000))
 
 
+def test_a_kv_tier_too_small_for_one_page_is_refused():
+    with pytest.raises(ConfigError, match=r"^kv_offload_gb: 1e-06 GiB holds no page of KV"):
+        LLMEngine(EngineConfig(kv_cache_gb=0.01, kv_offload_gb=1e-6))
+
+
 def test_a_share_of_a_gpu_is_refused_by_a_cpu_engine():
     """The engine's own check of gpu_memory_utilization, for workers serve cannot see."""
     config = EngineConfig(device="cpu", kv_cache_gb=None, gpu_memory_utilization=0.5)

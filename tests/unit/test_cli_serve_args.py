@@ -41,6 +41,7 @@ def test_serve_with_no_arguments_runs_the_defaults() -> None:
         (["m.gguf", "--dtype", "bfloat16"], {"engine.model": "m.gguf", "engine.dtype": "bfloat16"}),
         (["--quantization", "int4"], {"engine.quantization": "int4"}),
         (["--kv-cache-gb", "0.5"], {"engine.kv_cache_gb": 0.5, "engine.page_size": 16}),
+        (["--kv-offload-gb", "8"], {"engine.kv_offload_gb": 8.0, "engine.kv_cache_gb": 1.0}),
         (
             ["--gpu-memory-utilization", "0.9"],  # in place of kv_cache_gb, which it clears
             {"engine.gpu_memory_utilization": 0.9, "engine.kv_cache_gb": None},

@@ -43,6 +43,7 @@ def test_the_defaults_are_valid() -> None:
         ("gpu_memory_utilization", 0),
         ("gpu_memory_utilization", 1.5),
         ("gpu_memory_utilization", 0.9),  # beside kv_cache_gb's 1.0: one sizes the cache
+        ("kv_offload_gb", -0.5),
     ],
 )
 def test_a_bad_value_is_refused_naming_its_field(field: str, value: Any) -> None:
@@ -58,6 +59,7 @@ def test_a_bad_value_is_refused_naming_its_field(field: str, value: Any) -> None
         ("kv_cache_gb", None),
         ("chunked_prefill", "false"),
         ("prefix_caching", "no"),
+        ("kv_offload_gb", "8G"),
     ],
 )
 def test_a_value_of_the_wrong_type_is_refused_naming_its_field(field: str, value: Any) -> None:
@@ -65,6 +67,19 @@ def test_a_value_of_the_wrong_type_is_refused_naming_its_field(field: str, value
     with pytest.raises(ConfigError) as info:
         EngineConfig(**{field: value})
     assert str(info.value).startswith(f"{field}:")
+
+
+@pytest.mark.parametrize(
+    "other, why",
+    [
+        ({"prefix_caching": False}, "it needs prefix_caching true"),
+        ({"tensor_parallel_size": 2}, "it needs tensor_parallel_size 1"),
+    ],
+)
+def test_a_kv_tier_is_refused_where_it_cannot_serve(other: dict[str, Any], why: str) -> None:
+    with pytest.raises(ConfigError, match=f"^kv_offload_gb: .*{why}"):
+        EngineConfig(kv_offload_gb=4, **other)
+    assert EngineConfig(kv_offload_gb=0, **other).kv_offload_gb == 0
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1"])

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster import worker_metrics
 from cluster.config import ConfigError, EngineConfig
-from cluster.protocol import EngineCounts
+from cluster.protocol import EngineCounts, TierCounts
 from cluster.worker_loop import WorkerLoop
 from tests.unit.worker_stats import decode_stats, prefill_stats
 
@@ -56,6 +56,21 @@ def test_a_decode_worker_shows_its_batch_its_waiting_requests_its_kv_and_its_cou
     assert got[("vllm:prefix_cache_queries_total", at)] == 32
     assert got[("vllm:prefix_cache_hits_total", at)] == 16
     assert got[("vllm:num_preemptions_total", at)] == 1
+
+
+def test_a_worker_with_a_kv_tier_shows_its_hits_and_the_bytes_it_moved() -> None:
+    tier = TierCounts(
+        bytes_held=4096, queries=64, hits=48, spilled_bytes=8192, restored_bytes=2048, dropped=1
+    )
+    got = series(d0=decode_stats(counts=EngineCounts(0, 0, 0, 0, 0, tier)), d1=decode_stats())
+    at = labels("d0", "decode")
+    assert got[("splitserve_kv_offload_bytes", at)] == 4096
+    assert got[("vllm:external_prefix_cache_queries_total", at)] == 64
+    assert got[("vllm:external_prefix_cache_hits_total", at)] == 48
+    assert got[("splitserve_kv_offload_spilled_bytes_total", at)] == 8192
+    assert got[("splitserve_kv_offload_restored_bytes_total", at)] == 2048
+    assert got[("splitserve_kv_offload_dropped_entries_total", at)] == 1
+    assert not [k for k in got if "offload" in k[0] and k[1] == labels("d1", "decode")]
 
 
 def test_a_prefill_worker_running_is_what_it_prefills_and_waiting_the_rest_of_its_queue() -> None:

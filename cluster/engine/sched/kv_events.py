@@ -1,4 +1,5 @@
-"""The prefix cache's change log: which block hashes a page pool stored and evicted, in order.
+"""The prefix cache's change log: which block hashes a page pool (and the second tier behind
+it, tier_index.py) stored and evicted, in order.
 
 Routers keep a global prefix index (router/prefix_index.py) from these events. The
 contract for a reader:
@@ -7,7 +8,8 @@ contract for a reader:
 - `read(after)` gives the events numbered `after` and on, in order, as runs of one kind.
   A reader that asks from before the oldest event kept (it fell behind, or it is new and
   asks from -1), or from past the newest (it read another log: a restarted worker), gets
-  a snapshot instead: every hash held now, as one STORED run, to replace what it had.
+  a snapshot instead: every hash held now, as one STORED run (the pool's) and one
+  TIER_STORED run (the tier's), to replace what it had.
 - Either way the reply says where to ask from next (`next_seq`), so a reader that applies
   each reply in turn holds exactly the hashes the pool holds as of that reply.
 Plain Python over hashes; the pool calls `stored` / `removed` on its own thread, and the
@@ -43,11 +45,27 @@ class KVEventLog:
     def removed(self, h: BlockHash) -> None:
         self._append(KVEventKind.REMOVED, h)
 
-    def read(self, epoch: str, after: int, held: Collection[BlockHash]) -> KVEvents:
-        """The events numbered `after` and on, or a snapshot of `held` (every hash held now)
-        if the log no longer has them all or never had them (see the module docstring)."""
+    def tier_stored(self, h: BlockHash) -> None:
+        self._append(KVEventKind.TIER_STORED, h)
+
+    def tier_removed(self, h: BlockHash) -> None:
+        self._append(KVEventKind.TIER_REMOVED, h)
+
+    def read(
+        self,
+        epoch: str,
+        after: int,
+        held: Collection[BlockHash],
+        tier_held: Collection[BlockHash] = (),
+    ) -> KVEvents:
+        """The events numbered `after` and on, or a snapshot of `held` and `tier_held` (every
+        hash the pool and the tier hold now) if the log no longer has them all or never had
+        them (see the module docstring)."""
         if not self.first_seq <= after <= self.next_seq:
-            return KVEvents(epoch, True, (KVEvent(KVEventKind.STORED, tuple(held)),), self.next_seq)
+            snapshot = [KVEvent(KVEventKind.STORED, tuple(held))]
+            if tier_held:
+                snapshot.append(KVEvent(KVEventKind.TIER_STORED, tuple(tier_held)))
+            return KVEvents(epoch, True, tuple(snapshot), self.next_seq)
         runs = itertools.groupby(
             itertools.islice(self._log, after - self.first_seq, None), key=lambda e: e[0]
         )

@@ -7,6 +7,12 @@ prefix, or evicted, least recently freed first, when someone needs a page.
 Callers free exactly the pages they allocated or matched, once.
 Every hash registered or evicted is also an event in its change log
 (cluster/engine/sched/kv_events.py), which routers read to know what each worker holds.
+
+With a second tier (`offload_slots` > 0, tier_index.py) every page registered with a hash
+the tier lacks gets a tier entry and is put in `spills` for the engine to copy there; the
+pool keeps one reference on it for that copy until the engine frees it (KVTier), so an
+evicted page is already in the tier. Copying at registration rather than at eviction
+keeps the copy out of the allocation that needs the page (which runs inside a step).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from cluster.engine.sched.kv_events import KVEventLog
+from cluster.engine.sched.tier_index import TierEntry, TierIndex
 from cluster.protocol import KVEvents
 from cluster.types import BlockHash, PageId
 
@@ -52,6 +59,7 @@ class PagePool:
         page_size: int,
         prefix_caching: bool = True,
         event_capacity: int = 16384,  # events kept for readers (KVEventLog)
+        offload_slots: int = 0,  # pages the second tier holds; 0: no tier
     ) -> None:
         assert num_pages >= 1 and page_size >= 1
         self.num_pages = num_pages
@@ -64,6 +72,8 @@ class PagePool:
         self._page_of_hash: dict[BlockHash, PageId] = {}
         self._hash_of_page: dict[PageId, BlockHash] = {}
         self._events = KVEventLog(event_capacity)
+        self.tier = TierIndex(offload_slots, self._events) if offload_slots else None
+        self.spills: list[tuple[PageId, TierEntry]] = []  # to copy to the tier, page held
         self.prefix_queries = 0  # tokens looked up by admitted requests
         self.prefix_hits = 0  # of those, tokens found cached
 
@@ -88,6 +98,10 @@ class PagePool:
         for page in pages:
             self._take(page)
         return pages
+
+    def cached_page(self, h: BlockHash) -> PageId | None:
+        """The page holding the full page of tokens hashed `h`, if cached."""
+        return self._page_of_hash.get(h)
 
     def count_prefix(self, hashes: Sequence[BlockHash]) -> int:
         """How many leading pages of `hashes` are cached, taking no reference."""
@@ -131,13 +145,20 @@ class PagePool:
         self._page_of_hash[h] = page
         self._hash_of_page[page] = h
         self._events.stored(h)
+        if self.tier is not None:
+            if h in self.tier:
+                self.tier.take([h])  # recomputed or restored: the most recent use
+            else:
+                self._refs[page] += 1  # the copy's, freed when it is done
+                self.spills.append((page, self.tier.add(h)))
 
     def kv_events(self, epoch: str, reader_epoch: str, after: int) -> KVEvents:
-        """The hashes stored and evicted here from event `after` on, or a snapshot of all
-        held (KVEventLog.read). `epoch` names this pool's life; a reader that saw another
-        (`reader_epoch`: a new reader's is "") gets the snapshot."""
+        """The hashes stored and evicted here and in the tier from event `after` on, or a
+        snapshot of all held (KVEventLog.read). `epoch` names this pool's life; a reader
+        that saw another (`reader_epoch`: a new reader's is "") gets the snapshot."""
         after = after if reader_epoch == epoch else -1
-        return self._events.read(epoch, after, self._page_of_hash.keys())
+        tier = () if self.tier is None else self.tier.held
+        return self._events.read(epoch, after, self._page_of_hash.keys(), tier)
 
     def free(self, pages: Sequence[PageId]) -> None:
         """Drop one reference on each page; tail pages first so prefixes outlive suffixes."""

@@ -10,6 +10,14 @@ Life of a request here:
    and it goes back to the front of the queue to be recomputed. WAITING.
 5. `finish` (done, stopped or aborted) frees its pages at once, exactly once.
 
+With a KV tier behind the pool (page_pool.py, tier_index.py), admission that finds the
+prefix's next pages in the tier, after those in the pool, takes fresh pages for them and
+holds the request RESTORING outside the queue, running nothing for it this step; the
+step's `restores` say what to copy back into which pages. The copies run beside the steps
+(cluster/engine/kv_tier.py); `restored` then counts the pages that came back whole as
+computed (recomputing from the first that did not) and the request prefills the rest
+from its next step, as if its prefix had been in the pool.
+
 The scheduler is where a request lives in its engine: `requests` holds each one from
 `add` (or a successful `reserve`) to `finish`, the queues say where it is.
 
@@ -27,7 +35,8 @@ from typing import Generic, TypeVar
 
 from cluster.engine.sched.page_pool import PagePool, pages_for
 from cluster.engine.sched.sequence import Sequence
-from cluster.types import FinishReason, RequestId, RequestStatus
+from cluster.engine.sched.tier_index import TierEntry
+from cluster.types import BlockHash, FinishReason, PageId, RequestId, RequestStatus
 
 S = TypeVar("S", bound=Sequence)  # the engine's request record: a Sequence and more
 
@@ -39,6 +48,7 @@ class Step:
     decodes: list[Sequence] = field(default_factory=list)
     prefills: list[tuple[Sequence, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    restores: list[Restore] = field(default_factory=list)  # copies to start now
 
     @property
     def empty(self) -> bool:
@@ -47,6 +57,15 @@ class Step:
     @property
     def num_tokens(self) -> int:
         return len(self.decodes) + sum(n for _, n in self.prefills)
+
+
+@dataclass(frozen=True)
+class Restore:
+    """Copy the tier's `entries` back into `pages` (in order) for `seq`, which is RESTORING."""
+
+    seq: Sequence
+    pages: list[PageId]
+    entries: list[TierEntry]
 
 
 class Scheduler(Generic[S]):
@@ -65,11 +84,12 @@ class Scheduler(Generic[S]):
         self.waiting: deque[S] = deque()
         self.running: list[S] = []
         self.transferring: list[S] = []
+        self.restoring: list[S] = []
         self.num_preemptions = 0
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.restoring)
 
     def cached_prefix(self, seq: Sequence) -> int:
         """Prompt tokens of seq whose KV is in the prefix cache now (the last token never is)."""
@@ -133,13 +153,21 @@ class Scheduler(Generic[S]):
         return step
 
     def _admit(self, step: Step, budget: int) -> int:
-        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+        while self.waiting and len(self.running) + len(self.restoring) < self.max_num_seqs:
+            if budget == 0:
+                break
             seq = self.waiting[0]
             ps = self.pool.page_size
             # The prompt's logprobs are computed, never taken from the cache.
             cacheable = seq.sampling.prompt_logprobs is None
             hashes = seq.page_hashes((len(seq.token_ids) - 1) // ps, ps) if cacheable else []
             cached = self.pool.match_prefix(hashes)
+            tier = self.pool.tier
+            tiered = [] if tier is None else tier.take(hashes[len(cached) :])
+            if tiered:
+                if not self._restore(seq, hashes, cached, tiered, step):
+                    break
+                continue
             need = len(seq.token_ids) - len(cached) * ps
             whole_step = budget == self.token_budget  # an unchunked prompt may overrun alone
             if not self.chunked_prefill and need > budget and not whole_step:
@@ -150,18 +178,64 @@ class Scheduler(Generic[S]):
             if fresh is None:
                 self.pool.free(cached)
                 break
-            self.waiting.popleft()
-            self.pool.count_lookup(len(hashes), len(cached))
-            seq.pages = cached + fresh
-            seq.num_computed = len(cached) * ps
-            seq.num_registered = len(cached)
-            if seq.num_preemptions == 0:  # first admission, not a recompute
-                seq.num_cached = seq.num_computed
+            self._take_waiting(seq, hashes, cached, fresh, 0)
             seq.status = RequestStatus.PREFILLING
             self.running.append(seq)
             self._add_to_step(step, seq, n)
             budget = max(0, budget - n)
         return budget
+
+    def _restore(
+        self,
+        seq: S,
+        hashes: list[BlockHash],
+        cached: list[PageId],
+        tiered: list[TierEntry],
+        step: Step,
+    ) -> bool:
+        """Admit seq to have `tiered` copied back into fresh pages; False (nothing held) if
+        the pages are short."""
+        fresh = self.pool.allocate(len(tiered))
+        if fresh is None:
+            self.pool.free(cached)
+            return False
+        self._take_waiting(seq, hashes, cached, fresh, len(tiered))
+        seq.status = RequestStatus.RESTORING
+        self.restoring.append(seq)
+        step.restores.append(Restore(seq, fresh, tiered))
+        return True
+
+    def _take_waiting(
+        self,
+        seq: S,
+        hashes: list[BlockHash],
+        cached: list[PageId],
+        fresh: list[PageId],
+        num_tiered: int,
+    ) -> None:
+        """seq leaves the queue holding `cached` (computed) and `fresh` pages."""
+        ps = self.pool.page_size
+        self.waiting.popleft()
+        self.pool.count_lookup(len(hashes), len(cached))
+        if self.pool.tier is not None:
+            self.pool.tier.count_lookup((len(hashes) - len(cached)) * ps, num_tiered * ps)
+        seq.pages = cached + fresh
+        seq.num_computed = len(cached) * ps
+        seq.num_registered = len(cached)
+        if seq.num_preemptions == 0:  # first admission, not a recompute
+            seq.num_cached = seq.num_computed
+
+    def restored(self, seq: S, num_pages: int) -> None:
+        """The first `num_pages` pages of seq's restore came back whole (the rest are
+        recomputed): it prefills from after them. Nothing if seq ended meanwhile."""
+        if seq not in self.restoring:
+            return
+        self.restoring.remove(seq)
+        seq.status = RequestStatus.PREFILLING
+        self.commit(seq, num_pages * self.pool.page_size)
+        if seq.num_preemptions == 0:
+            seq.num_cached = seq.num_computed
+        self.running.append(seq)
 
     def _grow(self, seq: S, n: int, step: Step) -> bool:
         """Give seq pages for n more tokens, preempting the newest others; False if seq itself."""
@@ -215,7 +289,7 @@ class Scheduler(Generic[S]):
     def finish(self, seq: S, reason: FinishReason) -> None:
         """End seq: free its pages once, whatever state it is in."""
         del self.requests[seq.request_id]
-        for queue in (self.running, self.waiting, self.transferring):
+        for queue in (self.running, self.waiting, self.transferring, self.restoring):
             if seq in queue:
                 queue.remove(seq)
         self.pool.free(seq.pages)

@@ -65,6 +65,10 @@ class EngineConfig:
     # model's own generation_config.json or GGUF metadata, vllm none of it (OpenAI's
     # defaults), or a folder holding a generation_config.json.
     generation_config: str = "auto"
+    # A Hugging Face id's snapshot (vLLM's --revision: a branch, tag or commit; null: main)
+    # and the hub cache it is in (vLLM's --download-dir; null: huggingface_hub's own).
+    revision: str | None = None
+    download_dir: str | None = None
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")

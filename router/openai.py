@@ -52,7 +52,7 @@ from router.reasoning import ReasoningSplit
 from router.request import Prepared, prepare_off_loop, shown
 from router.router import Final, Overloaded, RequestFailed, Router, Unavailable
 from router.tokenize_pool import TokenizePool
-from router.tools import ToolCall, Tools, parser_for, read_tools
+from router.tools import CallStream, ToolCall, Tools, parser_for, read_tools
 from splitserve_api.v1 import splitserve_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -673,12 +673,13 @@ class OpenAIFrontDoor:
 
     async def _answer(self, request: web.Request, chat: bool) -> tuple[web.StreamResponse, str]:
         call, prepared = await self._prepare(request, chat)
-        if call.stream and call.tools is None:
+        forced = call.tools is not None and call.tools.schema() is not None
+        if call.stream and (call.tools is None or forced):  # forced calls stream as deltas
             return await self._stream(request, call, prepared)
         replies = await self._collect(prepared, call.best_of)
         if call.best_of > call.n:
             replies = _best(replies, call.best_of, call.n)
-        if call.stream:  # with tools: the calls are read from the whole reply
+        if call.stream:  # tools the model may call or not: read from the whole reply
             return await self._stream_whole(request, call, replies), "ok"
         return web.json_response(self._body(call, replies)), "ok"
 
@@ -837,8 +838,8 @@ class OpenAIFrontDoor:
                 reasoning, text = self._reasoning(reply.text)
                 content, calls = self._tool_calls(call, text, reply.finish)
                 choice["message"] = {"role": "assistant", "content": content}
-                if self.reasoning_parser:
-                    choice["message"]["reasoning_content"] = reasoning
+                if self.reasoning_parser:  # either may be absent (None), as vLLM gives them
+                    choice["message"].update(reasoning_content=reasoning, content=content or None)
                 if calls:
                     choice["message"]["tool_calls"] = [c.body() for c in calls]
                     choice["finish_reason"] = "tool_calls"
@@ -910,12 +911,14 @@ class OpenAIFrontDoor:
         envelope = self._envelope(call, ("chatcmpl-" if call.chat else "cmpl-") + uuid.uuid4().hex)
         response: web.StreamResponse | None = None
         finals: dict[int, Final] = {}
-        splits: dict[int, ReasoningSplit] = {}  # each choice's, with a reasoning parser
+        splits: dict[int, ReasoningSplit | CallStream] = {}  # each choice's, if it has one
         try:
             async for i, delta, last in self._choices(prompts, call.n):
                 if response is None:
                     response = await self._open(request, call, envelope)
-                if call.chat and self.reasoning_parser and i not in splits:
+                if call.tools is not None and i not in splits:  # forced calls (_answer)
+                    splits[i] = CallStream(call.tools)
+                elif call.chat and self.reasoning_parser and i not in splits:
                     splits[i] = ReasoningSplit.of(self.reasoning_parser)
                 chunk = self._chunk(call, delta, i, splits.get(i))
                 await _event(response, {**envelope, "choices": [chunk]})
@@ -951,7 +954,11 @@ class OpenAIFrontDoor:
         return response
 
     def _chunk(
-        self, call: Call, delta: TokenDelta, index: int, split: ReasoningSplit | None
+        self,
+        call: Call,
+        delta: TokenDelta,
+        index: int,
+        split: ReasoningSplit | CallStream | None,
     ) -> dict[str, Any]:
         finish = None if delta.finish_reason is None else FINISH.get(delta.finish_reason)
         logprobs = None
@@ -961,7 +968,12 @@ class OpenAIFrontDoor:
                 delta.prompt_logprobs,
             )  # fmt: skip
         choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish}
-        if call.chat and split is not None:
+        if isinstance(split, CallStream):
+            calls = split.feed(delta.text)
+            choice["delta"] = {"tool_calls": calls} if calls else {}
+            if finish == "stop" and split.calls:
+                choice["finish_reason"] = "tool_calls"
+        elif split is not None:
             reasoning, content = split.feed(delta.text, final=delta.finish_reason is not None)
             choice["delta"] = {"reasoning_content": reasoning} if reasoning else {}
             if content or not (reasoning or finish):

@@ -21,6 +21,7 @@ from cluster.engine.model.tokenizer import Tokenizer
 from cluster.request_checks import refuse_long_prompt, refuse_past_context
 from cluster.types import InvalidRequestError, ModelInfo, RequestId, SamplingParams, Structured
 from router.token_count import CHUNK_CHARS, count_tokens
+from router.tools import with_tool_prompt
 from splitserve_api.v1 import splitserve_pb2 as pb
 
 if TYPE_CHECKING:  # it refuses with the router's Overloaded, and the router imports this
@@ -191,11 +192,15 @@ def _refuse_past_context(
 
 
 def _render(chat: pb.Chat, tokenizer: Tokenizer) -> str:
-    variables = (
-        _json("chat.template_kwargs", chat.template_kwargs, dict) if chat.template_kwargs else None
-    )
+    """The chat as its template writes it; tools the template ignores are in the default
+    tool prompt (router/tools.py)."""
+    kwargs = chat.template_kwargs
+    variables = _json("chat.template_kwargs", kwargs, dict) if kwargs else None
     generation = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
-    return tokenizer.apply_chat_template(_messages(chat), _tools(chat.tools), generation, variables)
+    messages, tools = _messages(chat), _tools(chat.tools)
+    if tools and not tokenizer.reads("tools"):
+        messages, tools = with_tool_prompt(messages, tools), None
+    return tokenizer.apply_chat_template(messages, tools, generation, variables)
 
 
 def _messages(chat: pb.Chat) -> list[dict[str, str]]:

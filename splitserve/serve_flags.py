@@ -183,6 +183,16 @@ FLAGS = (
         "generation_config.json (default auto)",
     ),
     Flag(
+        "--revision",
+        _engines("revision"),
+        "a Hugging Face id's branch, tag or commit in the cache (default main)",
+    ),
+    Flag(
+        "--download-dir",
+        _engines("download_dir"),
+        "the Hugging Face hub cache the id is in (default: huggingface_hub's, $HF_HUB_CACHE)",
+    ),
+    Flag(
         "--seed",
         ("router.seed",),
         "sampled requests without a seed draw theirs from this one: the same requests in "

@@ -522,3 +522,29 @@ def test_echo_with_logprobs_gives_the_prompts_tokens_theirs(
     first = next(iter(streamed)).choices[0].logprobs
     assert first is not None and first.tokens is not None
     assert first.tokens[: len(ids)] == lp.tokens[: len(ids)]
+
+
+def test_the_seed_flag_draws_unseeded_requests_alike_on_every_start(
+    ray_workers: Any, workers: Any
+) -> None:
+    """router.seed (`--seed`): sampled requests that bring no seed get theirs from it, so
+    the same requests in the same order answer alike after a restart (and differ from one
+    another)."""
+    texts = []
+    for _ in range(2):
+        harness = RouterHarness(
+            {"prefill": ray_workers.prefill("prefill")},
+            {"decode": ray_workers.decode("decode", local_prefill_tokens=0)},
+            redis_url=None, http_port=0, seed=7,
+        )  # fmt: skip
+        try:
+            assert harness.app.http is not None
+            fresh = openai.OpenAI(base_url=harness.app.http.address + "/v1", api_key="x")
+            texts.append([
+                fresh.completions.create(model=MODEL, prompt="The sky is", max_tokens=8,
+                                         temperature=1.0).choices[0].text
+                for _ in range(2)
+            ])  # fmt: skip
+        finally:
+            harness.stop()
+    assert texts[0] == texts[1] and texts[0][0] != texts[0][1]

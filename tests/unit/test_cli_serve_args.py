@@ -70,6 +70,8 @@ def test_serve_with_no_arguments_runs_the_defaults() -> None:
         (["--enable-prefix-caching"], {"engine.prefix_caching": True}),
         (["--generation-config", "vllm"], {"engine.generation_config": "vllm"}),
         (["--seed", "7"], {"router.seed": 7}),
+        (["--revision", "v2"], {"engine.revision": "v2"}),
+        (["--download-dir", "/hub"], {"engine.download_dir": "/hub"}),
         (["--tool-call-parser", "hermes"], {"router.tool_call_parser": "hermes"}),
         (["--reasoning-parser", "qwen3"], {"router.reasoning_parser": "qwen3"}),
         (["--api-key", "a", "b", "--api-key", "c"], {"router.api_key": ("a", "b", "c")}),

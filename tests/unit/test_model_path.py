@@ -67,3 +67,21 @@ def test_the_cache_is_found_as_huggingface_hub_finds_it(monkeypatch: pytest.Monk
     assert hf_cache() == Path("/h/hub")
     monkeypatch.setenv("HF_HUB_CACHE", "/c")
     assert hf_cache() == Path("/c")
+
+
+def test_a_revision_and_a_download_dir_pick_the_snapshot(tmp_path: Path) -> None:
+    """vLLM's --revision (a branch or tag under refs/, or a commit) and --download-dir (the
+    hub cache to look in, in place of $HF_HUB_CACHE)."""
+    snapshots = _cached(tmp_path, "org/m", ["aaa", "bbb", "ccc"], main="bbb")
+    (snapshots.parent / "refs" / "v2").write_text("ccc")
+    cache = str(tmp_path)
+    assert model_path("org/m", None, cache) == snapshots / "bbb"
+    assert model_path("org/m", "v2", cache) == snapshots / "ccc"
+    assert model_path("org/m", "aaa", cache) == snapshots / "aaa"
+    with pytest.raises(ModelLoadError) as refused:
+        model_path("org/m", "v3", cache)
+    assert str(refused.value) == (
+        f"model 'org/m': no such path, and revision 'v3' not in the Hugging Face cache at "
+        f"{tmp_path} (splitserve downloads nothing: `huggingface-cli download org/m "
+        f"--revision v3 --cache-dir {tmp_path}` puts it there)"
+    )

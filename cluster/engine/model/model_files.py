@@ -33,30 +33,40 @@ def bundled_model_path() -> Path:
     return path
 
 
-def model_path(model: str | None) -> Path:
+def model_path(
+    model: str | None, revision: str | None = None, download_dir: str | None = None
+) -> Path:
     """Where `engine.model` is: the bundled GGUF for None; a path that exists as given;
-    else a Hugging Face id (owner/name) found in the local Hugging Face cache, offline (its
-    `main` snapshot, or its only one). ModelLoadError naming the cache when it is not there;
-    a path that exists in neither form is the loaders' to refuse, naming it."""
+    else a Hugging Face id (owner/name) found in the local Hugging Face cache (or in
+    `download_dir`, vLLM's --download-dir), offline: the snapshot `revision` names (a branch
+    or tag under refs/, or a commit), else its `main` snapshot, or its only one.
+    ModelLoadError naming the cache when it is not there; a path that exists in neither form
+    is the loaders' to refuse, naming it."""
     if model is None:
         return bundled_model_path()
     path = Path(model)
     if path.exists() or not HF_ID.fullmatch(model):
         return path
-    cache = hf_cache()
+    cache = Path(download_dir) if download_dir else hf_cache()
     repo = cache / f"models--{model.replace('/', '--')}"
     snapshots = repo / "snapshots"
-    main = repo / "refs" / "main"
-    if main.is_file() and (snapshots / main.read_text().strip()).is_dir():
-        return snapshots / main.read_text().strip()
+    ref = repo / "refs" / (revision or "main")
+    commit = ref.read_text().strip() if ref.is_file() else revision
+    if commit and (snapshots / commit).is_dir():
+        return snapshots / commit
     found = sorted(snapshots.iterdir()) if snapshots.is_dir() else []
-    if len(found) == 1:
+    if len(found) == 1 and revision is None:
         return found[0]
+    if revision is not None:
+        where = f"revision {revision!r} not"
+    else:
+        where = f"{len(found)} snapshots of it, none named by refs/main" if found else "not"
     raise ModelLoadError(
-        f"model {model!r}: no such path, and "
-        + (f"{len(found)} snapshots of it, none named by refs/main" if found else "not")
-        + f" in the Hugging Face cache at {cache} (splitserve downloads nothing: "
-        f"`huggingface-cli download {model}` puts it there)"
+        f"model {model!r}: no such path, and {where} in the Hugging Face cache at {cache} "
+        f"(splitserve downloads nothing: `huggingface-cli download {model}"
+        + (f" --revision {revision}" if revision else "")
+        + (f" --cache-dir {download_dir}" if download_dir else "")
+        + "` puts it there)"
     )
 
 

@@ -69,6 +69,9 @@ class EngineConfig:
     # and the hub cache it is in (vLLM's --download-dir; null: huggingface_hub's own).
     revision: str | None = None
     download_dir: str | None = None
+    # An id not in that cache is fetched from the hub (vLLM downloads by default; here
+    # only when asked: --download); false: refused, naming the cache and the flag.
+    download: bool = False
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")

@@ -52,7 +52,7 @@ from router.reasoning import ReasoningSplit
 from router.request import Prepared, prepare_off_loop, shown
 from router.router import Final, Overloaded, RequestFailed, Router, Unavailable
 from router.tokenize_pool import TokenizePool
-from router.tools import CallStream, ToolCall, Tools, parser_for, read_tools
+from router.tools import CallStream, HermesStream, ToolCall, Tools, parser_for, read_tools
 from splitserve_api.v1 import splitserve_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -673,15 +673,20 @@ class OpenAIFrontDoor:
 
     async def _answer(self, request: web.Request, chat: bool) -> tuple[web.StreamResponse, str]:
         call, prepared = await self._prepare(request, chat)
-        forced = call.tools is not None and call.tools.schema() is not None
-        if call.stream and (call.tools is None or forced):  # forced calls stream as deltas
+        if call.stream and (call.tools is None or self._streams_calls(call.tools)):
             return await self._stream(request, call, prepared)
         replies = await self._collect(prepared, call.best_of)
         if call.best_of > call.n:
             replies = _best(replies, call.best_of, call.n)
-        if call.stream:  # tools the model may call or not: read from the whole reply
+        if call.stream:  # calls in another format: read from the whole reply
             return await self._stream_whole(request, call, replies), "ok"
         return web.json_response(self._body(call, replies)), "ok"
+
+    def _streams_calls(self, tools: Tools) -> bool:
+        """Whether a stream's tool calls go out as they come (forced ones, Hermes blocks)."""
+        return tools.schema() is not None or (
+            tools.choice == "auto" and self.tool_parser == "hermes"
+        )
 
     async def _prepare(self, request: web.Request, chat: bool) -> tuple[Call, list[Prepared]]:
         body = await _body(request)
@@ -911,13 +916,14 @@ class OpenAIFrontDoor:
         envelope = self._envelope(call, ("chatcmpl-" if call.chat else "cmpl-") + uuid.uuid4().hex)
         response: web.StreamResponse | None = None
         finals: dict[int, Final] = {}
-        splits: dict[int, ReasoningSplit | CallStream] = {}  # each choice's, if it has one
+        splits: dict[int, ReasoningSplit | CallStream | HermesStream] = {}  # each choice's
         try:
             async for i, delta, last in self._choices(prompts, call.n):
                 if response is None:
                     response = await self._open(request, call, envelope)
-                if call.tools is not None and i not in splits:  # forced calls (_answer)
-                    splits[i] = CallStream(call.tools)
+                if call.tools is not None and i not in splits:  # calls as they come (_answer)
+                    forced = call.tools.schema() is not None
+                    splits[i] = CallStream(call.tools) if forced else HermesStream(call.tools)
                 elif call.chat and self.reasoning_parser and i not in splits:
                     splits[i] = ReasoningSplit.of(self.reasoning_parser)
                 chunk = self._chunk(call, delta, i, splits.get(i))
@@ -958,7 +964,7 @@ class OpenAIFrontDoor:
         call: Call,
         delta: TokenDelta,
         index: int,
-        split: ReasoningSplit | CallStream | None,
+        split: ReasoningSplit | CallStream | HermesStream | None,
     ) -> dict[str, Any]:
         finish = None if delta.finish_reason is None else FINISH.get(delta.finish_reason)
         logprobs = None
@@ -971,6 +977,13 @@ class OpenAIFrontDoor:
         if isinstance(split, CallStream):
             calls = split.feed(delta.text)
             choice["delta"] = {"tool_calls": calls} if calls else {}
+            if finish == "stop" and split.calls:
+                choice["finish_reason"] = "tool_calls"
+        elif isinstance(split, HermesStream):
+            content, calls = split.feed(delta.text, final=delta.finish_reason is not None)
+            choice["delta"] = {"content": content} if content or not (calls or finish) else {}
+            if calls:
+                choice["delta"]["tool_calls"] = calls
             if finish == "stop" and split.calls:
                 choice["finish_reason"] = "tool_calls"
         elif split is not None:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from router.tools import tag_start
+
 START, END = "<think>", "</think>"
 # Each parser: whether a reply starts in its thoughts without writing `<think>`.
 PARSERS = {"qwen3": False, "deepseek_r1": True}
@@ -49,7 +51,7 @@ class ReasoningSplit:
             if end:
                 reasoning, text, self.state = before, after, "content"
             else:
-                keep = 0 if final else _partial_tag(text)
+                keep = 0 if final else tag_start(text, END)
                 reasoning, self.held = text[: len(text) - keep], text[len(text) - keep :]
                 return reasoning, ""
         return reasoning, text
@@ -58,11 +60,3 @@ class ReasoningSplit:
         """A whole reply's reasoning and content, None for an empty one."""
         reasoning, content = self.feed(text, final=True)
         return reasoning or None, content or None
-
-
-def _partial_tag(text: str) -> int:
-    """How many of the text's last characters could begin `</think>`."""
-    for n in range(min(len(END) - 1, len(text)), 0, -1):
-        if END.startswith(text[-n:]):
-            return n
-    return 0

@@ -239,3 +239,55 @@ class CallStream:
                     self.calls += 1
         self.scanned = len(self.text)
         return out
+
+
+@dataclass
+class HermesStream:
+    """`tool_choice: auto` read by the Hermes parser delta by delta: text outside
+    `<tool_call>` blocks goes out as content as it comes (a tag's possible start held back),
+    each block as a call when it closes (one of the request's tools; the first alone
+    without parallel calls)."""
+
+    tools: Tools
+    held: str = ""  # content that may begin a tag, or an open block's text
+    in_block: bool = False
+    calls: int = 0
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
+        """The content and the `tool_calls` items of the chunk that carries `text`."""
+        text, self.held = self.held + text, ""
+        content, calls = "", []
+        while text:
+            tag = "</tool_call>" if self.in_block else "<tool_call>"
+            before, found, text = text.partition(tag)
+            if not found and self.in_block:  # a block never closed is text, as hermes() reads it
+                content += "<tool_call>" + before if final else ""
+                self.held = "" if final else before
+                break
+            if not found:
+                keep = 0 if final else tag_start(before, tag)
+                content += before[: len(before) - keep]
+                self.held = before[len(before) - keep :]
+                break
+            if self.in_block:
+                calls += self._call(before)
+            else:
+                content += before
+            self.in_block = not self.in_block
+        return content, calls
+
+    def _call(self, block: str) -> list[dict[str, Any]]:
+        _, found = hermes(f"<tool_call>{block}</tool_call>")
+        found = [c for c in found if c.name in self.tools.functions]
+        if not found or (self.calls and not self.tools.parallel):
+            return []
+        self.calls += 1
+        return [{"index": self.calls - 1, **found[0].body()}]
+
+
+def tag_start(text: str, tag: str) -> int:
+    """How many of the text's last characters could begin `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0

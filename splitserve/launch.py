@@ -138,7 +138,7 @@ async def start_cluster(config: ServeConfig, redis_url: str | None, prefix: str 
             prefill,
             decode,
             redis_url,
-            str(model_path(engine.model, engine.revision, engine.download_dir)),
+            str(model_path(engine.model, engine.revision, engine.download_dir, engine.download)),
             lab.routes(),
         )
     except BaseException:

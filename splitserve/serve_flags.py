@@ -193,6 +193,13 @@ FLAGS = (
         "the Hugging Face hub cache the id is in (default: huggingface_hub's, $HF_HUB_CACHE)",
     ),
     Flag(
+        "--download",
+        _engines("download"),
+        "fetch a Hugging Face id that is not in the cache from the hub (huggingface_hub, "
+        "$HF_ENDPOINT) into it (default off: refused, naming the cache)",
+        bool,
+    ),
+    Flag(
         "--seed",
         ("router.seed",),
         "sampled requests without a seed draw theirs from this one: the same requests in "

@@ -211,7 +211,7 @@ class LLMEngine:
             os.sched_setaffinity(0, config.cpu_cores)
         if config.threads is not None:
             torch.set_num_threads(config.threads)
-        path = model_path(config.model, config.revision, config.download_dir)
+        path = model_path(config.model, config.revision, config.download_dir, config.download)
         self.model_id = model_name(config.model, path)
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)

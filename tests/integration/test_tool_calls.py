@@ -117,6 +117,15 @@ def test_required_streamed_gives_each_call_whole_and_auto_parses_or_answers(
     )
     message = auto.choices[0].message
     assert message.content or message.tool_calls  # the model's choice, parsed either way
+    streamed = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, max_tokens=40, temperature=0, stream=True
+    )  # Hermes blocks go out as calls as each closes, the rest as content
+    deltas = [choice.delta for chunk in streamed for choice in chunk.choices]
+    calls = [(c.function.name, c.function.arguments) for d in deltas
+             for c in d.tool_calls or [] if c.function]  # fmt: skip
+    assert calls == [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+    content = "".join(d.content or "" for d in deltas).strip()
+    assert content == (message.content or "").strip()
 
 
 def test_a_template_that_ignores_tools_gets_the_default_tool_prompt_and_required_calls(

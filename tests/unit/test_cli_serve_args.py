@@ -72,6 +72,7 @@ def test_serve_with_no_arguments_runs_the_defaults() -> None:
         (["--seed", "7"], {"router.seed": 7}),
         (["--revision", "v2"], {"engine.revision": "v2"}),
         (["--download-dir", "/hub"], {"engine.download_dir": "/hub"}),
+        (["--download"], {"engine.download": True}),
         (["--tool-call-parser", "hermes"], {"router.tool_call_parser": "hermes"}),
         (["--reasoning-parser", "qwen3"], {"router.reasoning_parser": "qwen3"}),
         (["--api-key", "a", "b", "--api-key", "c"], {"router.api_key": ("a", "b", "c")}),

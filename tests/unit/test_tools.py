@@ -11,6 +11,7 @@ import pytest
 from cluster.types import InvalidRequestError
 from router.tools import (
     CallStream,
+    HermesStream,
     hermes,
     llama3_json,
     parser_for,
@@ -109,3 +110,30 @@ def test_forced_calls_stream_a_named_calls_text_and_each_required_call_as_it_clo
     assert [(c["index"], c["function"]["name"]) for _, c in out] == [(0, "weather"), (1, "time")]
     assert json.loads(out[0][1]["function"]["arguments"]) == {"city": 'R"o}m'}
     assert out[0][0] == text.index("}}") + 1  # the first call goes out as its element closes
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        'Sure. <tool_call>\n{"name": "weather", "arguments": {"city": "Rome"}}\n</tool_call>',
+        '<tool_call>{"name": "time", "arguments": {}}</tool_call> and '
+        '<tool_call>{"name": "weather", "arguments": {"city": "</tool"}}</tool_call>',
+        '<tool_call>{"name": "other", "arguments": {}}</tool_call>text',  # not a given tool
+        "No call, a <tool mention and <tool_call> never closed",
+    ],
+)
+def test_hermes_calls_stream_as_each_block_closes_as_the_whole_reply_reads_them(
+    reply: str,
+) -> None:
+    tools = read_tools([WEATHER, TIME], "auto", None)
+    assert tools is not None
+    whole_content, whole_calls = tools.calls(reply, "hermes")
+    stream = HermesStream(tools)
+    pieces = [stream.feed(ch, final=at == len(reply) - 1) for at, ch in enumerate(reply)]
+    content = "".join(c for c, _ in pieces)
+    calls = [c for _, cs in pieces for c in cs]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        (c.name, c.arguments) for c in whole_calls
+    ]
+    assert [c["index"] for c in calls] == list(range(len(calls)))
+    assert (content.strip() or None) == (whole_content.strip() if whole_content else None)

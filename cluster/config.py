@@ -405,7 +405,8 @@ class RouterConfig:
     # no CORS headers at all.
     allowed_origins: tuple[str, ...] = ()
     # A Jinja chat template file in place of the model's own (vLLM's --chat-template): for
-    # a model whose template does not render tools, say (router/tools.py).
+    # a model whose template renders no tools (else they get a default tool prompt,
+    # router/tools.py), say.
     chat_template: str | None = None
     # Chat replies' `<think>` thoughts as `reasoning_content` (vLLM's --reasoning-parser:
     # qwen3, deepseek_r1); null: replies are content only.

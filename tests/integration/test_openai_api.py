@@ -172,7 +172,7 @@ def test_min_tokens_bars_eos_until_reached_and_a_stop_string_can_be_kept(
         ({"messages": []}, 400, "messages"),
         ({"top_logprobs": 3}, 400, "top_logprobs"),
         ({"response_format": {"type": "yaml"}}, 400, "response_format"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": ""}}]}, 400, "tools[0].function"),
         ({"extra_body": {"guided_decoding_backend": "outlines"}}, 400, "guided_decoding_backend"),
         ({"extra_body": {"temprature": 0.5}}, 400, "temprature"),
         ({"presence_penalty": 3}, 400, "presence_penalty"),

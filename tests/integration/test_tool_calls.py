@@ -58,6 +58,15 @@ def client(ray_workers: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     harness.stop()
 
 
+def _weather_call(reply: Any) -> Any:
+    """The reply's first tool call, which must be get_weather's, the reply ending in calls."""
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather"
+    return call
+
+
 def test_an_agent_loop_calls_a_tool_reads_its_result_and_answers(
     client: openai.OpenAI, workers: Any
 ) -> None:
@@ -67,12 +76,9 @@ def test_an_agent_loop_calls_a_tool_reads_its_result_and_answers(
         model=MODEL, messages=messages, tools=TOOLS, tool_choice=named, max_tokens=40,
         temperature=0,
     )  # fmt: skip
-    choice = first.choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
-    call = choice.message.tool_calls[0]
-    assert call.function.name == "get_weather"
+    call = _weather_call(first)
     assert isinstance(json.loads(call.function.arguments)["city"], str)
-    messages.append(choice.message.model_dump(exclude_none=True))
+    messages.append(first.choices[0].message.model_dump(exclude_none=True))
     messages.append({"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C"})
     final = client.chat.completions.create(
         model=MODEL, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=30,
@@ -142,10 +148,7 @@ def test_a_template_that_ignores_tools_gets_the_default_tool_prompt_and_required
             model=MODEL, messages=messages, tools=TOOLS, tool_choice="required", max_tokens=60,
             temperature=0,
         )  # fmt: skip
-        choice = reply.choices[0]
-        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
-        call = choice.message.tool_calls[0]
-        assert call.function.name == "get_weather"
+        call = _weather_call(reply)
         jsonschema.validate(json.loads(call.function.arguments), CITY)
         prompt = with_tool_prompt(messages, TOOLS)
         assert reply.usage is not None

@@ -66,18 +66,14 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         variables: dict[str, Any] | None = None,
     ) -> str:
-        """Messages with roles (and tools, for a template that renders them), rendered by
+        """Messages with roles (and tools, for a template that renders them: the router
+        gives one that does not a default tool prompt instead), rendered by
         the model's own template, ready for the reply unless `add_generation_prompt` is
         false. `variables`: more for the template (`chat_template_kwargs`); one it does not
         read is refused by name, as a value it would ignore."""
         template = getattr(self.hf, "chat_template", None)
         if not template:
             raise ModelLoadError("this model has no chat template")
-        if tools and not self.reads("tools"):
-            raise InvalidRequestError(
-                "tools: this model's chat template does not render tools (serve it with a "
-                "chat template that does: router.chat_template)"
-            )
         unread = sorted(name for name in variables or {} if not self.reads(name))
         if unread:
             raise InvalidRequestError(

@@ -15,6 +15,11 @@ failed the request. A stream that fails after its first event ends with an error
 never `[DONE]`. A client that disconnects has its request aborted on every worker (its
 pages are freed). The session header `X-Session-Id` gives a conversation's turns the
 same worker.
+
+As vLLM: a completion without max_tokens stops at 16 tokens, a chat may fill the context;
+with a reasoning parser (router/reasoning.py) a chat's thoughts come apart as
+`reasoning_content`; tool calls (router/tools.py) stream as they are made when the reply
+is held to them or written in Hermes blocks, else they are read from the whole reply.
 """
 
 from __future__ import annotations

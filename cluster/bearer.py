@@ -11,12 +11,14 @@ from pathlib import Path
 from cluster.config import ConfigError
 
 
-def authorized(header: str | None, key: str) -> bool:
-    """Whether an `authorization` value carries this key (compared in constant time)."""
+def authorized(header: str | None, keys: tuple[str, ...]) -> bool:
+    """Whether an `authorization` value carries one of these keys (each compared, in
+    constant time)."""
     scheme, _, presented = (header or "").partition(" ")
     if scheme.lower() != "bearer":
         presented = ""
-    return hmac.compare_digest(presented.strip().encode(), key.encode())
+    given = presented.strip().encode()
+    return any([hmac.compare_digest(given, key.encode()) for key in keys])
 
 
 def read_key(path: str, field: str) -> str:

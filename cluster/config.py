@@ -70,9 +70,26 @@ class EngineConfig:
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = 0
     metrics_api_key_file: str | None = None  # a scrape-only key (plain HTTP: not the API's)
+    # What a request leaves out of its sampling (vLLM's --generation-config): auto the
+    # model's own generation_config.json or GGUF metadata, vllm none of it (OpenAI's
+    # defaults), or a folder holding a generation_config.json.
+    generation_config: str = "auto"
+    # A Hugging Face id's snapshot (vLLM's --revision: a branch, tag or commit; null: main)
+    # and the hub cache it is in (vLLM's --download-dir; null: huggingface_hub's own).
+    revision: str | None = None
+    download_dir: str | None = None
+    # An id not in that cache is fetched from the hub (vLLM downloads by default; here
+    # only when asked: --download); false: refused, naming the cache and the flag.
+    download: bool = False
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        given = self.generation_config
+        _check(
+            isinstance(given, str) and bool(given),
+            "generation_config",
+            f"must be auto, vllm or a folder, got {given!r}",
+        )
         _check(self.device in DEVICES, "device", f"must be one of {DEVICES}, got {self.device!r}")
         _check(
             self.quantization in QUANTIZATIONS,
@@ -245,6 +262,9 @@ class TransferConfig:
 
 
 POLICIES = ("round_robin", "least_loaded", "cache_aware")
+# vLLM's names for the reply formats the router reads (router/reasoning.py, router/tools.py).
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 
 
 @dataclass(frozen=True)
@@ -400,8 +420,9 @@ class RouterConfig:
     # ... waiting at most this long for a live decode worker (a pool replacing the dead one).
     migration_wait_s: float = 30.0
     # Clients must send `Authorization: Bearer <key>` (router/auth.py); null: no check.
-    # The key itself, or a file holding it (one of the two); kept out of the repr.
-    api_key: str | None = field(default=None, repr=False)
+    # The key itself (or a list of keys, any one of them will do), or a file holding it
+    # (one of the two); kept out of the repr.
+    api_key: str | tuple[str, ...] | None = field(default=None, repr=False)
     api_key_file: str | None = None
     # The model's name in /v1/models, ServerInfo and requests' `model`; null: the model
     # file's stem or checkpoint directory's name (ModelInfo.name).
@@ -414,13 +435,42 @@ class RouterConfig:
     # no CORS headers at all.
     allowed_origins: tuple[str, ...] = ()
     # A Jinja chat template file in place of the model's own (vLLM's --chat-template): for
-    # a model whose template does not render tools, say (router/tools.py).
+    # a model whose template renders no tools (else they get a default tool prompt,
+    # router/tools.py), say.
     chat_template: str | None = None
+    # Chat replies' `<think>` thoughts as `reasoning_content` (vLLM's --reasoning-parser:
+    # qwen3, deepseek_r1); null: replies are content only.
+    reasoning_parser: str | None = None
+    # How `tool_choice: auto` reads calls out of a reply (vLLM's --tool-call-parser: hermes,
+    # llama3_json); null: the one the chat template teaches, if any.
+    tool_call_parser: str | None = None
+    # Sampled requests that bring no seed draw theirs from this one (vLLM's --seed): the
+    # same requests in the same order get the same replies on every start. null: random.
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         _check(isinstance(self.host, str) and bool(self.host), "host", "must be a host name")
-        for name in ("api_key", "api_key_file", "served_model_name", "ssl_keyfile", "ssl_certfile",
-                     "chat_template"):  # fmt: skip
+        for name, known in (("reasoning_parser", REASONING_PARSERS),
+                            ("tool_call_parser", TOOL_CALL_PARSERS)):  # fmt: skip
+            value = getattr(self, name)
+            _check(value is None or value in known, name,
+                   f"must be one of {known} or null, got {value!r}")  # fmt: skip
+        _check(
+            self.seed is None or _is_int(self.seed),
+            "seed",
+            f"must be an integer or null, got {self.seed!r}",
+        )
+        keys = self.api_key
+        if isinstance(keys, list | tuple):
+            _check(
+                bool(keys) and all(isinstance(k, str) and k.strip() for k in keys),
+                "api_key",
+                "must be a non-empty string, a list of them, or null",
+            )
+            object.__setattr__(self, "api_key", tuple(keys))  # YAML gives a list
+        one_key = () if isinstance(keys, list | tuple) else ("api_key",)
+        for name in ("api_key_file", "served_model_name", "ssl_keyfile", "ssl_certfile",
+                     "chat_template", *one_key):  # fmt: skip
             value = getattr(self, name)
             _check(
                 value is None or (isinstance(value, str) and value.strip() != ""),

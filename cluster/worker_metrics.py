@@ -123,7 +123,7 @@ def serve(worker: str, model: str, read: Callable[[], Stats], config: EngineConf
         def do_GET(self) -> None:
             if self.path.partition("?")[0] != "/metrics":
                 self._answer(404, b"not found: /metrics only\n", "text/plain")
-            elif key is not None and not authorized(self.headers.get("Authorization"), key):
+            elif key is not None and not authorized(self.headers.get("Authorization"), (key,)):
                 self._answer(401, UNAUTHORIZED, "text/plain")
             else:
                 self._answer(200, generate_latest(registry), CONTENT_TYPE_LATEST)

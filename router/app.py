@@ -103,6 +103,7 @@ async def start_router(
         max_migrations=config.max_migrations,
         migration_wait_s=config.migration_wait_s,
         max_pending_per_client=config.max_pending_per_client,
+        seed=config.seed,
     )
     metrics = RouterMetrics(workers, info)
     pool = TokenizePool(config.tokenize_threads, config.max_tokenize_queue)
@@ -137,6 +138,8 @@ async def start_router(
                 key,
                 config.allowed_origins,
                 routes,
+                config.reasoning_parser,
+                config.tool_call_parser,
             )
             await app.http.start(config.host, config.http_port, config.grace_s, http_tls)
             log.info("router: OpenAI-compatible HTTP API on %s/v1", app.http.address)

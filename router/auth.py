@@ -26,31 +26,35 @@ HTTP_GUARDED = ("/v1/", "/tokenize", "/detokenize", "/metrics", "/lab/live")
 UNAUTHORIZED = "invalid API key: send Authorization: Bearer <key>"
 
 
-def api_key(config: RouterConfig) -> str | None:
-    """The key clients must send: router.api_key, or router.api_key_file's contents
-    (stripped); None: no check, which only a loopback router.host may go without (anything
-    bound wider asks for a key: a ConfigError naming router.host and router.api_key)."""
+def api_key(config: RouterConfig) -> tuple[str, ...] | None:
+    """The keys clients may send (any one of them): router.api_key's, or router.api_key_file's
+    contents (stripped); None: no check, which only a loopback router.host may go without
+    (anything bound wider asks for a key: a ConfigError naming router.host and
+    router.api_key)."""
     path = config.api_key_file
     key = config.api_key if path is None else read_key(path, "router.api_key_file")
-    if key is None and not loopback(config.host):
+    if key is not None:
+        return (key,) if isinstance(key, str) else key
+    if not loopback(config.host):
         raise ConfigError(
             f"router.host: {config.host} is reachable from other machines, so it needs "
             "router.api_key (--api-key, SPLITSERVE_API_KEY, or router.api_key_file); or "
             "listen on 127.0.0.1"
         )
-    return key
+    return None
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def http_middleware(key: str, refuse: Callable[[], web.Response]) -> Any:
-    """An aiohttp middleware answering `refuse()` (a 401) to a guarded request without the key."""
+def http_middleware(keys: tuple[str, ...], refuse: Callable[[], web.Response]) -> Any:
+    """An aiohttp middleware answering `refuse()` (a 401) to a guarded request without one
+    of the keys."""
 
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path.startswith(HTTP_GUARDED) and not authorized(
-            request.headers.get("Authorization"), key
+            request.headers.get("Authorization"), keys
         ):
             return refuse()
         return await handler(request)
@@ -62,8 +66,8 @@ class GrpcKeyCheck(grpc.aio.ServerInterceptor):
     """Refuses a call to `service` without the key: UNAUTHENTICATED. Other services
     (health, reflection) pass."""
 
-    def __init__(self, key: str, service: str) -> None:
-        self.key = key
+    def __init__(self, keys: tuple[str, ...], service: str) -> None:
+        self.keys = keys
         self.prefix = f"/{service}/"
 
     async def intercept_service(
@@ -75,7 +79,7 @@ class GrpcKeyCheck(grpc.aio.ServerInterceptor):
         if handler is None or not details.method.startswith(self.prefix):
             return handler
         metadata = dict(details.invocation_metadata or ())
-        if authorized(metadata.get("authorization"), self.key):
+        if authorized(metadata.get("authorization"), self.keys):
             return handler
         return _refusal(handler)
 

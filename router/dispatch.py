@@ -39,7 +39,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncGenerator, Coroutine
+from collections.abc import AsyncGenerator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -388,12 +388,14 @@ class Dispatcher:
         task.add_done_callback(self._tasks.discard)
 
 
-def seeded(sampling: SamplingParams) -> SamplingParams:
-    """A sampled request with a seed (a random one if it has none): every worker that
+def seeded(
+    sampling: SamplingParams, bits: Callable[[int], int] = random.getrandbits
+) -> SamplingParams:
+    """A sampled request with a seed (`bits(63)` if it has none): every worker that
     takes part in it, in any attempt, must draw alike."""
     if sampling.greedy or sampling.seed is not None:
         return sampling
-    return dataclasses.replace(sampling, seed=random.getrandbits(63))
+    return dataclasses.replace(sampling, seed=bits(63))
 
 
 def _caller(rid: RequestId) -> RequestId:

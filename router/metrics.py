@@ -165,12 +165,14 @@ class RouterMetrics:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def serve(
-        self, host: str, port: int, key: str | None, tls: ssl.SSLContext | None
+        self, host: str, port: int, keys: tuple[str, ...] | None, tls: ssl.SSLContext | None
     ) -> web.AppRunner:
         """Serve GET /metrics on host:port (0: any free port), over TLS with `tls`, to
-        scrapers that send `key` (router/auth.py; None: no check); the started runner."""
+        scrapers that send one of the `keys` (router/auth.py; None: no check); the started
+        runner."""
         refuse = lambda: web.Response(status=401, text=UNAUTHORIZED)
-        app = web.Application(middlewares=[] if key is None else [http_middleware(key, refuse)])
+        guard = [] if keys is None else [http_middleware(keys, refuse)]
+        app = web.Application(middlewares=guard)
         app.router.add_get("/metrics", self.scrape)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()

@@ -15,6 +15,11 @@ failed the request. A stream that fails after its first event ends with an error
 never `[DONE]`. A client that disconnects has its request aborted on every worker (its
 pages are freed). The session header `X-Session-Id` gives a conversation's turns the
 same worker.
+
+As vLLM: a completion without max_tokens stops at 16 tokens, a chat may fill the context;
+with a reasoning parser (router/reasoning.py) a chat's thoughts come apart as
+`reasoning_content`; tool calls (router/tools.py) stream as they are made when the reply
+is held to them or written in Hermes blocks, else they are read from the whole reply.
 """
 
 from __future__ import annotations
@@ -48,10 +53,11 @@ from cluster.types import (
 from router import cors, lab
 from router.auth import UNAUTHORIZED, http_middleware
 from router.metrics import RouterMetrics
+from router.reasoning import ReasoningSplit
 from router.request import Prepared, prepare_off_loop, shown
 from router.router import Final, Overloaded, RequestFailed, Router, Unavailable
 from router.tokenize_pool import TokenizePool
-from router.tools import ToolCall, Tools, parser_for, read_tools
+from router.tools import CallStream, HermesStream, ToolCall, Tools, parser_for, read_tools
 from splitserve_api.v1 import splitserve_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -64,6 +70,9 @@ MAX_BODY_BYTES = 4 * 2**20
 BACKLOG = 4096
 MAX_N = 16  # choices per prompt
 MAX_PROMPTS = 64  # prompts per completions request
+# A completion without max_tokens stops here (OpenAI's and vLLM's default); a chat's reply
+# may fill what the context leaves.
+COMPLETION_MAX_TOKENS = 16
 
 
 class HTTPError(Exception):
@@ -80,7 +89,9 @@ class HTTPError(Exception):
 
 # The shared checks name fields as the gRPC API spells them; here, as OpenAI's body does.
 OPENAI_NAMES = (("sampling.", ""), ("chat.messages", "messages"), ("token_ids", "prompt"),
-                ("text", "prompt"), ("structured", "response_format"))  # fmt: skip
+                ("text", "prompt"), ("structured", "response_format"),
+                ("chat.template_kwargs.reasoning_effort", "reasoning_effort"),
+                ("chat.template_kwargs", "chat_template_kwargs"))  # fmt: skip
 
 
 def invalid(e: InvalidRequestError) -> HTTPError:
@@ -127,8 +138,9 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "min_p", "top_k", "seed
 INERT = {"user", "prompt_cache_key", "safety_identifier", "metadata"}
 HONOURED = {
     True: COMMON | INERT | {"messages", "max_completion_tokens", "top_logprobs", "tools",
-                            "tool_choice", "parallel_tool_calls"},
-    False: COMMON | INERT | {"prompt", "best_of", "echo"},
+                            "tool_choice", "parallel_tool_calls", "add_special_tokens",
+                            "add_generation_prompt", "chat_template_kwargs", "reasoning_effort"},
+    False: COMMON | INERT | {"prompt", "best_of", "echo", "add_special_tokens"},
 }  # fmt: skip
 # Fields not served, with the values that ask for nothing (then they are accepted): any
 # other value is refused with a 400 naming the field.
@@ -143,7 +155,7 @@ UNSERVED: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (False,), "length_penalty": (1,), "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (),
     "add_generation_prompt": (True,), "continue_final_message": (False,),
-    "add_special_tokens": (), "chat_template": (), "chat_template_kwargs": ({},),
+    "chat_template": (), "chat_template_kwargs": ({},),
     "documents": (), "mm_processor_kwargs": (), "priority": (0,), "logits_processors": (),
     "return_tokens_as_token_ids": (False,), "cache_salt": (), "kv_transfer_params": (),
     "vllm_xargs": (),
@@ -204,6 +216,7 @@ def to_call(body: Any, chat: bool, session_id: str | None) -> Call:
                                   tool_call_id=str(m.get("tool_call_id") or ""))  # fmt: skip
         if not messages:
             msg.chat.SetInParent()  # prepare says what is wrong with no messages
+        _template(body, msg.chat)
         tools = read_tools(body.get("tools"), body.get("tool_choice"),
                            body.get("parallel_tool_calls"))  # fmt: skip
         if tools is not None:
@@ -215,6 +228,9 @@ def to_call(body: Any, chat: bool, session_id: str | None) -> Call:
         if len(prompts) > MAX_PROMPTS:
             raise InvalidRequestError(f"prompt: at most {MAX_PROMPTS} prompts per request")
         _prompt(msg, prompts[0])
+    special = _field(body, "add_special_tokens", (bool,), "true or false")
+    if special is not None:
+        msg.add_special_tokens = special
     _sampling(body, msg.sampling)
     _structured(body, msg.sampling.structured)
     schema = None if tools is None else tools.schema()
@@ -271,7 +287,7 @@ def _sampling(body: dict[str, Any], s: pb.SamplingParams) -> None:
     for name in ("seed", "top_k", "min_tokens"):
         value = _field(body, name, (int,), "an integer")
         if value is not None:
-            setattr(s, name, value)
+            setattr(s, name, _SPELLINGS.get(name, lambda v: v)(value))
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else stop
     if stops is not None:
@@ -297,6 +313,39 @@ def _sampling(body: dict[str, Any], s: pb.SamplingParams) -> None:
     s.include_stop_str_in_output = bool(
         _field(body, "include_stop_str_in_output", (bool,), "true or false")
     )
+
+
+def _seed(value: int) -> int:
+    """Any seed of torch's 64 bits (vLLM takes int64's range; OpenAI's clients send either),
+    as the API's int64 carries it: one at or above 2^63 is the same seed 2^64 below."""
+    if not -(2**63) <= value < 2**64:
+        raise InvalidRequestError(f"seed: must be in [-2**63, 2**64 - 1], got {value}")
+    return value - 2**64 if value >= 2**63 else value
+
+
+def _top_k(value: int) -> int:
+    """vLLM's -1 for off is the API's 0."""
+    if value < -1:
+        raise InvalidRequestError(f"top_k: must be -1 or 0 (off) or a positive count, got {value}")
+    return max(value, 0)
+
+
+_SPELLINGS = {"seed": _seed, "top_k": _top_k}
+
+
+def _template(body: dict[str, Any], chat: pb.Chat) -> None:
+    """What a chat's template is given beyond the messages: whether it ends with the
+    reply's start, and more variables (`chat_template_kwargs`, and `reasoning_effort` as
+    vLLM passes it); the template must read every one (router/request.py)."""
+    generation = _field(body, "add_generation_prompt", (bool,), "true or false")
+    if generation is not None:
+        chat.add_generation_prompt = generation
+    variables = dict(_field(body, "chat_template_kwargs", (dict,), "an object") or {})
+    effort = _field(body, "reasoning_effort", (str,), "a string")
+    if effort is not None:
+        variables["reasoning_effort"] = effort
+    if variables:
+        chat.template_kwargs = json.dumps(variables)
 
 
 def _structured(body: dict[str, Any], out: pb.StructuredOutput) -> None:
@@ -473,9 +522,11 @@ class OpenAIFrontDoor:
         metrics: RouterMetrics,
         serving: Callable[[], bool],
         pool: TokenizePool,
-        api_key: str | None = None,
+        api_key: tuple[str, ...] | None = None,  # any one of them
         allowed_origins: tuple[str, ...] = (),
         routes: Sequence[web.RouteDef] = (),  # more pages: splitserve's lab
+        reasoning_parser: str | None = None,  # router/reasoning.py's; None: no split
+        tool_parser: str | None = None,  # router/tools.py's; None: the template's
     ) -> None:
         self.router = router
         self.routes = routes
@@ -485,7 +536,8 @@ class OpenAIFrontDoor:
         self.tokenizer = tokenizer
         self.model = model
         self.max_tokens = max_tokens
-        self.tool_parser = parser_for(getattr(tokenizer.hf, "chat_template", None))
+        self.tool_parser = tool_parser or parser_for(getattr(tokenizer.hf, "chat_template", None))
+        self.reasoning_parser = reasoning_parser
         # What a request leaves out gets the model's generation config, else OpenAI's 1.0.
         self.sampling_defaults = {"temperature": 1.0, **dict(model.sampling_defaults)}
         self.metrics = metrics
@@ -563,19 +615,23 @@ class OpenAIFrontDoor:
         return web.json_response(self._card())
 
     async def _tokenize(self, request: web.Request) -> web.Response:
-        """vLLM's /tokenize: the ids a completion's `prompt` or a chat's `messages` become,
-        checked as a request with them would be."""
+        """vLLM's /tokenize: the ids a completion's `prompt` or a chat's `messages` become
+        (with `add_special_tokens`; a chat's `add_generation_prompt`, template variables and
+        tools too), checked as a request with them would be; `return_token_strs` adds each
+        id's token as a string."""
         body = await _body(request)
         try:
+            strs = _field(body, "return_token_strs", (bool,), "true or false")
+            body = {k: v for k, v in body.items() if k != "return_token_strs"}
             call = to_call(body, "messages" in body, None)
             self._check_model(call.request.model)
             args = (call.request, self.tokenizer, self.model, self.max_tokens, self.pool)
             ids = (await prepare_off_loop(*args)).prompt_ids
         except InvalidRequestError as e:
             raise invalid(e) from None
-        return web.json_response(
-            {"count": len(ids), "max_model_len": self.model.max_model_len, "tokens": ids}
-        )
+        tokens = self.tokenizer.hf.convert_ids_to_tokens(ids) if strs else None
+        return web.json_response({"count": len(ids), "max_model_len": self.model.max_model_len,
+                                  "tokens": ids, "token_strs": tokens})  # fmt: skip
 
     async def _detokenize(self, request: web.Request) -> web.Response:
         """vLLM's /detokenize: `tokens` (ids) as text."""
@@ -622,20 +678,32 @@ class OpenAIFrontDoor:
 
     async def _answer(self, request: web.Request, chat: bool) -> tuple[web.StreamResponse, str]:
         call, prepared = await self._prepare(request, chat)
-        if call.stream and call.tools is None:
+        if call.stream and (call.tools is None or self._streams_calls(call.tools)):
             return await self._stream(request, call, prepared)
         replies = await self._collect(prepared, call.best_of)
         if call.best_of > call.n:
             replies = _best(replies, call.best_of, call.n)
-        if call.stream:  # with tools: the calls are read from the whole reply
+        if call.stream:  # calls in another format: read from the whole reply
             return await self._stream_whole(request, call, replies), "ok"
         return web.json_response(self._body(call, replies)), "ok"
+
+    def _streams_calls(self, tools: Tools) -> bool:
+        """Whether a stream's tool calls go out as they come (forced ones, Hermes blocks)."""
+        return tools.schema() is not None or (
+            tools.choice == "auto" and self.tool_parser == "hermes"
+        )
 
     async def _prepare(self, request: web.Request, chat: bool) -> tuple[Call, list[Prepared]]:
         body = await _body(request)
         try:
             call = to_call(body, chat, request.headers.get(SESSION_HEADER))
             self._check_model(call.request.model)
+            if chat and self.reasoning_parser and call.request.sampling.HasField("structured"):
+                given = "tool_choice" if call.tools is not None else "response_format"
+                raise InvalidRequestError(
+                    f"{given}: structured output is not served with the reasoning parser "
+                    f"({self.reasoning_parser}): the grammar would hold the thoughts too"
+                )
             if call.tools is not None and call.tools.choice == "auto" and not self.tool_parser:
                 raise InvalidRequestError(
                     "tools: no tool-call parser fits this model's chat template (Hermes "
@@ -648,7 +716,8 @@ class OpenAIFrontDoor:
                     if not msg.sampling.HasField(name):
                         setattr(msg.sampling, name, value)
                 args = (msg, self.tokenizer, self.model, self.max_tokens, self.pool)
-                prepared.append(await prepare_off_loop(*args, fill_context=True))
+                omitted = self.model.max_model_len if chat else COMPLETION_MAX_TOKENS
+                prepared.append(await prepare_off_loop(*args, omitted_max_tokens=omitted))
             return call, prepared
         except InvalidRequestError as e:
             raise invalid(e) from None
@@ -776,8 +845,11 @@ class OpenAIFrontDoor:
             choice: dict[str, Any] = {"index": i, "finish_reason": reply.finish,
                                       "logprobs": logprobs}  # fmt: skip
             if call.chat:
-                content, calls = self._tool_calls(call, reply)
+                reasoning, text = self._reasoning(reply.text)
+                content, calls = self._tool_calls(call, text, reply.finish)
                 choice["message"] = {"role": "assistant", "content": content}
+                if self.reasoning_parser:  # either may be absent (None), as vLLM gives them
+                    choice["message"].update(reasoning_content=reasoning, content=content or None)
                 if calls:
                     choice["message"]["tool_calls"] = [c.body() for c in calls]
                     choice["finish_reason"] = "tool_calls"
@@ -797,10 +869,19 @@ class OpenAIFrontDoor:
         msg = call.requests[index // call.n]
         return msg.text if msg.HasField("text") else self.tokenizer.decode(list(msg.token_ids.ids))
 
-    def _tool_calls(self, call: Call, reply: Reply) -> tuple[str | None, list[ToolCall]]:
-        if call.tools is None or reply.finish != "stop":
-            return reply.text, []
-        return call.tools.calls(reply.text, self.tool_parser)
+    def _reasoning(self, text: str) -> tuple[str | None, str]:
+        """A chat reply's thoughts (with a reasoning parser) and the rest."""
+        if not self.reasoning_parser:
+            return None, text
+        reasoning, content = ReasoningSplit.of(self.reasoning_parser).whole(text)
+        return reasoning, content or ""
+
+    def _tool_calls(
+        self, call: Call, text: str, finish: str | None
+    ) -> tuple[str | None, list[ToolCall]]:
+        if call.tools is None or finish != "stop":
+            return text, []
+        return call.tools.calls(text, self.tool_parser)
 
     async def _stream_whole(
         self, request: web.Request, call: Call, replies: list[Reply]
@@ -813,6 +894,8 @@ class OpenAIFrontDoor:
         for choice in body["choices"]:
             message, i = choice["message"], choice["index"]
             delta: dict[str, Any] = {"content": message["content"]} if message["content"] else {}
+            if message.get("reasoning_content"):
+                delta["reasoning_content"] = message["reasoning_content"]
             if "tool_calls" in message:
                 delta["tool_calls"] = [
                     {**c, "index": j} for j, c in enumerate(message["tool_calls"])
@@ -838,11 +921,18 @@ class OpenAIFrontDoor:
         envelope = self._envelope(call, ("chatcmpl-" if call.chat else "cmpl-") + uuid.uuid4().hex)
         response: web.StreamResponse | None = None
         finals: dict[int, Final] = {}
+        splits: dict[int, ReasoningSplit | CallStream | HermesStream] = {}  # each choice's
         try:
             async for i, delta, last in self._choices(prompts, call.n):
                 if response is None:
                     response = await self._open(request, call, envelope)
-                await _event(response, {**envelope, "choices": [self._chunk(call, delta, i)]})
+                if call.tools is not None and i not in splits:  # calls as they come (_answer)
+                    forced = call.tools.schema() is not None
+                    splits[i] = CallStream(call.tools) if forced else HermesStream(call.tools)
+                elif call.chat and self.reasoning_parser and i not in splits:
+                    splits[i] = ReasoningSplit.of(self.reasoning_parser)
+                chunk = self._chunk(call, delta, i, splits.get(i))
+                await _event(response, {**envelope, "choices": [chunk]})
                 if last is not None:
                     finals[i] = last
         except HTTPError as e:
@@ -874,7 +964,13 @@ class OpenAIFrontDoor:
                 await _event(response, {**envelope, "choices": [first]})
         return response
 
-    def _chunk(self, call: Call, delta: TokenDelta, index: int) -> dict[str, Any]:
+    def _chunk(
+        self,
+        call: Call,
+        delta: TokenDelta,
+        index: int,
+        split: ReasoningSplit | CallStream | HermesStream | None,
+    ) -> dict[str, Any]:
         finish = None if delta.finish_reason is None else FINISH.get(delta.finish_reason)
         logprobs = None
         if call.logprobs:
@@ -883,7 +979,24 @@ class OpenAIFrontDoor:
                 delta.prompt_logprobs,
             )  # fmt: skip
         choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish}
-        if call.chat:
+        if isinstance(split, CallStream):
+            calls = split.feed(delta.text)
+            choice["delta"] = {"tool_calls": calls} if calls else {}
+            if finish == "stop" and split.calls:
+                choice["finish_reason"] = "tool_calls"
+        elif isinstance(split, HermesStream):
+            content, calls = split.feed(delta.text, final=delta.finish_reason is not None)
+            choice["delta"] = {"content": content} if content or not (calls or finish) else {}
+            if calls:
+                choice["delta"]["tool_calls"] = calls
+            if finish == "stop" and split.calls:
+                choice["finish_reason"] = "tool_calls"
+        elif split is not None:
+            reasoning, content = split.feed(delta.text, final=delta.finish_reason is not None)
+            choice["delta"] = {"reasoning_content": reasoning} if reasoning else {}
+            if content or not (reasoning or finish):
+                choice["delta"]["content"] = content
+        elif call.chat:
             choice["delta"] = {"content": delta.text} if delta.text or not finish else {}
         else:
             choice["text"] = (self._echo(call, index) if delta.index == 0 else "") + delta.text

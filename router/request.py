@@ -21,6 +21,7 @@ from cluster.engine.model.tokenizer import Tokenizer
 from cluster.request_checks import refuse_long_prompt, refuse_past_context
 from cluster.types import InvalidRequestError, ModelInfo, RequestId, SamplingParams, Structured
 from router.token_count import CHUNK_CHARS, count_tokens
+from router.tools import with_tool_prompt
 from splitserve_api.v1 import splitserve_pb2 as pb
 
 if TYPE_CHECKING:  # it refuses with the router's Overloaded, and the router imports this
@@ -61,13 +62,14 @@ def prepare(
     tokenizer: Tokenizer,
     model: ModelInfo,
     max_tokens_limit: int | None,
-    fill_context: bool = False,
+    omitted_max_tokens: int | None = None,
 ) -> Prepared:
     """Check every field of `msg` and tokenize its input; InvalidRequestError names the field.
 
     `max_tokens_limit`: the most a request may ask for (None: the model's context). An
-    omitted max_tokens is SamplingParams' default, or with `fill_context` (OpenAI's and
-    vLLM's rule) what is left of the context after the prompt, up to that limit."""
+    omitted max_tokens is SamplingParams' default, or `omitted_max_tokens` (the HTTP API's:
+    16 for a completion, the whole context for a chat, as OpenAI and vLLM) cut to what is
+    left of the context after the prompt and to that limit."""
     _refuse_unknown(msg)
     if msg.model and msg.model != model.name:
         raise InvalidRequestError(
@@ -78,8 +80,8 @@ def prepare(
     request_id = _id(msg.request_id, "request_id")
     sampling = _sampling(msg.sampling, model, limit)
     ids = _prompt_ids(msg, tokenizer, model)
-    if fill_context and not msg.sampling.HasField("max_tokens"):
-        left = min(limit, model.max_model_len - len(ids))
+    if omitted_max_tokens is not None and not msg.sampling.HasField("max_tokens"):
+        left = min(omitted_max_tokens, limit, model.max_model_len - len(ids))
         sampling = dataclasses.replace(sampling, max_tokens=left)
     if sampling.min_tokens > sampling.max_tokens:
         raise InvalidRequestError(
@@ -120,12 +122,12 @@ async def prepare_off_loop(
     model: ModelInfo,
     max_tokens_limit: int | None,
     pool: TokenizePool,
-    fill_context: bool = False,
+    omitted_max_tokens: int | None = None,
 ) -> Prepared:
     """`prepare` without holding up the event loop: a long input is tokenized in the pool,
     shortest first (milliseconds); a short one here (tens of microseconds, less than the
     hop)."""
-    run = functools.partial(prepare, msg, tokenizer, model, max_tokens_limit, fill_context)
+    run = functools.partial(prepare, msg, tokenizer, model, max_tokens_limit, omitted_max_tokens)
     size = msg.ByteSize()
     return run() if size <= INLINE_BYTES else await pool.run(size, run)
 
@@ -160,12 +162,14 @@ def _prompt_ids(msg: pb.GenerateRequest, tokenizer: Tokenizer, model: ModelInfo)
     elif kind == "text":
         if not msg.text:
             raise InvalidRequestError("text: must not be empty")
-        _refuse_past_context(tokenizer, msg.text, True, model, kind)
-        ids = tokenizer.encode(msg.text)
+        special = msg.add_special_tokens if msg.HasField("add_special_tokens") else True
+        _refuse_past_context(tokenizer, msg.text, special, model, kind)
+        ids = tokenizer.encode(msg.text, special_tokens=special)
     else:
-        text = tokenizer.apply_chat_template(_messages(msg.chat), _tools(msg.chat.tools))
-        _refuse_past_context(tokenizer, text, False, model, kind)
-        ids = tokenizer.encode(text, special_tokens=False)
+        text = _render(msg.chat, tokenizer)
+        special = msg.add_special_tokens  # False unless asked: the template writes its own
+        _refuse_past_context(tokenizer, text, special, model, kind)
+        ids = tokenizer.encode(text, special_tokens=special)
     if not ids:
         raise InvalidRequestError(f"{kind}: the prompt has no tokens")
     refuse_long_prompt(kind, len(ids), model.max_model_len)
@@ -185,6 +189,18 @@ def _refuse_past_context(
             f"{kind}: the prompt is more than {limit - 1} tokens; the model's context is "
             f"{limit} tokens, one of them for the reply"
         )
+
+
+def _render(chat: pb.Chat, tokenizer: Tokenizer) -> str:
+    """The chat as its template writes it; tools the template ignores are in the default
+    tool prompt (router/tools.py)."""
+    kwargs = chat.template_kwargs
+    variables = _json("chat.template_kwargs", kwargs, dict) if kwargs else None
+    generation = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+    messages, tools = _messages(chat), _tools(chat.tools)
+    if tools and not tokenizer.reads("tools"):
+        messages, tools = with_tool_prompt(messages, tools), None
+    return tokenizer.apply_chat_template(messages, tools, generation, variables)
 
 
 def _messages(chat: pb.Chat) -> list[dict[str, str]]:
@@ -277,8 +293,6 @@ def _sampling(s: pb.SamplingParams, model: ModelInfo, limit: int) -> SamplingPar
     outside = [t for t in s.stop_token_ids if not 0 <= t < model.vocab_size]
     if outside:
         raise bad("stop_token_ids", f"id {outside[0]} is outside the vocabulary")
-    if s.HasField("seed") and s.seed < 0:
-        raise bad("seed", f"must be >= 0, got {s.seed}")
     if len(s.logit_bias) > MAX_LOGIT_BIAS:
         raise bad("logit_bias", f"at most {MAX_LOGIT_BIAS} tokens")
     for token, bias in s.logit_bias.items():

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
@@ -115,6 +116,7 @@ class Router:
         max_migrations: int = 3,
         migration_wait_s: float = 30.0,
         max_pending_per_client: int | None = None,
+        seed: int | None = None,
     ) -> None:
         self.policy = policy
         self.workers = workers
@@ -125,6 +127,9 @@ class Router:
         self.max_migrations = max_migrations
         self.migration_wait_s = migration_wait_s
         self.dispatcher = dispatcher or Dispatcher()
+        # The seeds of sampled requests that bring none: from `seed` (vLLM's --seed) the
+        # same sequence on every start, else random.
+        self._seeds = random.Random(seed)
         self.pending = 0
         self._turn = 0
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -169,7 +174,8 @@ class Router:
         view's actions say, turning what routing and the stream report into events. The
         request lives in two places here: its view, and its Progress (what the client
         has, and when each point passed) in the Dispatcher's stream."""
-        sampling = seeded(p.sampling)  # a moved request draws on from the same seed
+        # a moved request draws on from the same seed
+        sampling = seeded(p.sampling, self._seeds.getrandbits)
         progress = Progress()
         policy = lifecycle.MovePolicy(self.max_migrations, self.migration_wait_s)
         view = lifecycle.View(policy, await self._session(p.session_id))

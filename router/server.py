@@ -193,7 +193,7 @@ class RouterServer:
         self,
         servicer: GenerationServicer,
         config: RouterConfig,
-        api_key: str | None = None,
+        api_key: tuple[str, ...] | None = None,  # any one of them
         tls: grpc.ServerCredentials | None = None,
     ) -> None:
         self.config = config

@@ -1,9 +1,13 @@
 """Tool calls on the OpenAI chat API: the request's `tools` and `tool_choice` as the chat
 template and a grammar see them, and the reply as `tool_calls`.
 
-- `auto`: the model's template renders the tools; a parser chosen by the template reads
-  the calls out of the reply: Hermes/Qwen `<tool_call>{json}</tool_call>` blocks, or
-  Llama 3's bare `{"name": ..., "parameters": ...}`. No parser fits: the request is refused.
+- The model's template renders the tools; one that ignores them (the bundled SmolLM2's)
+  gets them in a default tool prompt, a system message (`with_tool_prompt`), that teaches
+  Hermes' format.
+- `auto`: a parser chosen by the template (or --tool-call-parser) reads the calls out of
+  the reply: Hermes/Qwen `<tool_call>{json}</tool_call>` blocks (the default prompt's too),
+  or Llama 3's bare `{"name": ..., "parameters": ...}`. No parser fits: the request is
+  refused.
 - `required` / a named function: the reply is held by a JSON schema (cluster/engine/
   grammar.py) to a list of calls of the given tools, or to the named function's
   arguments, so it always parses (as vLLM does).
@@ -65,9 +69,9 @@ class Tools:
                 value = json.loads(text)
             except json.JSONDecodeError:
                 return text, []
-            if self.choice == "named":
+            if self.choice == "named":  # the reply's own text, as it streams (CallStream)
                 assert self.named is not None
-                return None, [ToolCall(self.named, json.dumps(value))]
+                return None, [ToolCall(self.named, text)]
             return None, [ToolCall(c["name"], json.dumps(c["parameters"])) for c in value]
         if self.choice == "none" or parser is None:
             return text, []
@@ -114,10 +118,40 @@ def read_tools(tools: Any, choice: Any, parallel: Any) -> Tools | None:
     return Tools(functions, kind, named, parallel is not False)
 
 
+TOOL_PROMPT = """# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{tools}
+</tools>
+
+For each function call, return a json object with function name and arguments within \
+<tool_call></tool_call> XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
+
+
+def with_tool_prompt(messages: list[dict[str, Any]], tools: list[Any]) -> list[dict[str, Any]]:
+    """The messages with the tools in the default tool prompt, for a chat template that
+    does not render tools: after the system message's text, or as one of its own first
+    (templates that take one system message, first, keep working)."""
+    prompt = TOOL_PROMPT.format(tools="\n".join(json.dumps(t) for t in tools))
+    if messages and messages[0]["role"] == "system":
+        first = {**messages[0], "content": messages[0]["content"] + "\n\n" + prompt}
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": prompt}, *messages]
+
+
 def parser_for(template: str | None) -> str | None:
-    """The reply format a chat template teaches its model, if one we read."""
-    if not template or "tools" not in template:
+    """The reply format a chat template teaches its model, if one we read; a template that
+    does not render tools gets the default tool prompt, which teaches Hermes'."""
+    if not template:
         return None
+    if "tools" not in template:
+        return "hermes"
     if "<tool_call>" in template:
         return "hermes"
     if "<|python_tag|>" in template or "<|eom_id|>" in template:
@@ -147,3 +181,113 @@ def llama3_json(text: str) -> tuple[str | None, list[ToolCall]]:
         arguments = call.get("parameters", call.get("arguments", {}))
         return None, [ToolCall(call["name"], json.dumps(arguments))]
     return text, []
+
+
+@dataclass
+class CallStream:
+    """A forced reply's tool calls delta by delta, as vLLM streams them: each call's id and
+    name first, then its arguments' JSON text. A named call's arguments are the reply
+    itself, so they go out as they come; `required`'s list (`[{"name", "parameters"}, ...]`)
+    gives each call whole as soon as its element closes."""
+
+    tools: Tools
+    text: str = ""
+    calls: int = 0  # calls whose id and name went out
+    scanned: int = 0  # how far `text` is read for the list's elements
+    depth: int = 0
+    in_string: bool = False
+    escaped: bool = False
+    element: int = -1  # where the open element starts
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        """The `tool_calls` items of the chunk that carries `text`."""
+        self.text += text
+        if self.tools.choice == "named":
+            assert self.tools.named is not None
+            if self.calls:
+                return [{"index": 0, "function": {"arguments": text}}] if text else []
+            self.calls = 1
+            call = ToolCall(self.tools.named, text).body()
+            return [{"index": 0, **call}]
+        return [{"index": i, **c.body()} for i, c in self._closed()]
+
+    def _closed(self) -> list[tuple[int, ToolCall]]:
+        """The list's elements that closed since the last call, numbered."""
+        out = []
+        for at in range(self.scanned, len(self.text)):
+            ch = self.text[at]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "[{":
+                self.depth += 1
+                if self.depth == 2:
+                    self.element = at
+            elif ch in "]}":
+                self.depth -= 1
+                if self.depth == 1:
+                    value = json.loads(self.text[self.element : at + 1])
+                    out.append(
+                        (self.calls, ToolCall(value["name"], json.dumps(value["parameters"])))
+                    )
+                    self.calls += 1
+        self.scanned = len(self.text)
+        return out
+
+
+@dataclass
+class HermesStream:
+    """`tool_choice: auto` read by the Hermes parser delta by delta: text outside
+    `<tool_call>` blocks goes out as content as it comes (a tag's possible start held back),
+    each block as a call when it closes (one of the request's tools; the first alone
+    without parallel calls)."""
+
+    tools: Tools
+    held: str = ""  # content that may begin a tag, or an open block's text
+    in_block: bool = False
+    calls: int = 0
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
+        """The content and the `tool_calls` items of the chunk that carries `text`."""
+        text, self.held = self.held + text, ""
+        content, calls = "", []
+        while text:
+            tag = "</tool_call>" if self.in_block else "<tool_call>"
+            before, found, text = text.partition(tag)
+            if not found and self.in_block:  # a block never closed is text, as hermes() reads it
+                content += "<tool_call>" + before if final else ""
+                self.held = "" if final else before
+                break
+            if not found:
+                keep = 0 if final else tag_start(before, tag)
+                content += before[: len(before) - keep]
+                self.held = before[len(before) - keep :]
+                break
+            if self.in_block:
+                calls += self._call(before)
+            else:
+                content += before
+            self.in_block = not self.in_block
+        return content, calls
+
+    def _call(self, block: str) -> list[dict[str, Any]]:
+        _, found = hermes(f"<tool_call>{block}</tool_call>")
+        found = [c for c in found if c.name in self.tools.functions]
+        if not found or (self.calls and not self.tools.parallel):
+            return []
+        self.calls += 1
+        return [{"index": self.calls - 1, **found[0].body()}]
+
+
+def tag_start(text: str, tag: str) -> int:
+    """How many of the text's last characters could begin `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0

@@ -59,7 +59,7 @@ def check_fit(config: ServeConfig) -> None:
     if a worker on this node would not fit its device."""
     for phase, pool in (("prefill", config.prefill), ("decode", config.decode)):
         engine = pool.engine
-        path = model_path(engine.model)
+        path = model_path(engine.model, engine.revision, engine.download_dir, engine.download)
         spec = read_spec(path)
         if config.ray_address is not None or pool.scaling.max_replicas == 0:
             continue

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import ray
 
 from cluster.config import ServeConfig
+from cluster.engine.model.model_files import model_path
 from router.app import RouterApp, start_router
 from router.auth import api_key
 from router.tls import server_tls
@@ -130,13 +131,14 @@ async def start_cluster(config: ServeConfig, redis_url: str | None, prefix: str 
     pools: dict[str, AnyPool] = {"prefill": prefill_pool, "decode": decode_pool}
     try:
         prefill, decode = await asyncio.gather(prefill_pool.start(), decode_pool.start())
+        engine = config.decode.engine  # the router tokenizes with the workers' model
         app = await start_router(
             config.router,
             config.transfer.local_prefill_tokens,
             prefill,
             decode,
             redis_url,
-            config.decode.engine.model,
+            str(model_path(engine.model, engine.revision, engine.download_dir, engine.download)),
             lab.routes(),
         )
     except BaseException:

@@ -13,6 +13,8 @@ from typing import Any
 from cluster.config import (
     DTYPES,
     QUANTIZATIONS,
+    REASONING_PARSERS,
+    TOOL_CALL_PARSERS,
     ConfigError,
     ServeConfig,
     read_yaml,
@@ -33,6 +35,8 @@ class Flag:
     # Fields it unsets, as they are one choice with its own: the key or the key file, the
     # KV cache in GiB or as a share of the GPU.
     clears: tuple[str, ...] = ()
+    aliases: tuple[str, ...] = ()  # vLLM's other spellings: -tp, --model
+    many: bool = False  # given more than once or with several values: all of them, a list
 
     @property
     def dest(self) -> str:
@@ -49,18 +53,35 @@ class Flag:
         return f"engine.{leaf}" if self.fields == _engines(leaf) else self.fields[0]
 
     def add_to(self, parser: argparse.ArgumentParser, help: str) -> None:
-        parser.add_argument(
-            self.name,
-            nargs="?" if self.name == self.dest else None,  # the positional may be left out
-            type=self.type,
-            choices=self.choices,
-            default=None,
-            help=help,
-        )
+        if self.type is bool:  # --x sets it, --no-x clears it
+            parser.add_argument(self.name, *self.aliases, action=argparse.BooleanOptionalAction,
+                                default=None, help=help)  # fmt: skip
+            return
+        if self.many:
+            parser.add_argument(self.name, *self.aliases, action="extend", nargs="+",
+                                type=self.type, default=None, help=help)  # fmt: skip
+            return
+        if self.name == self.dest:  # the positional may be left out, or given as an option
+            parser.add_argument(self.name, nargs="?", type=self.type, default=None, help=help)
+            for alias in self.aliases:
+                parser.add_argument(alias, dest=f"{self.dest}_option", type=self.type,
+                                    default=None, help=f"the same as {self.dest}")  # fmt: skip
+            return
+        parser.add_argument(self.name, *self.aliases, type=self.type, choices=self.choices,
+                            default=None, help=help)  # fmt: skip
 
 
 def _engines(field: str) -> tuple[str, ...]:
     return tuple(f"{engine}.{field}" for engine in ENGINES)
+
+
+def _boolean(text: str) -> bool:
+    """A variable's true or false (SPLITSERVE_ENABLE_PREFIX_CACHING=false)."""
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(text)
 
 
 def _origins(text: str) -> tuple[str, ...]:
@@ -71,8 +92,10 @@ def _origins(text: str) -> tuple[str, ...]:
 API_KEY = Flag(
     "--api-key",
     ("router.api_key",),
-    "clients must send it as a bearer token (router/auth.py)",
+    "clients must send it as a bearer token (router/auth.py); several (--api-key a b, or "
+    "the flag again): any of them",
     clears=("router.api_key_file",),
+    many=True,
 )
 FLAGS = (
     Flag(
@@ -80,6 +103,7 @@ FLAGS = (
         _engines("model"),
         "a .gguf file, an HF checkpoint directory, or an HF id (owner/name) in the local "
         "Hugging Face cache, offline (default: the bundled SmolLM2-135M)",
+        aliases=("--model",),
     ),
     Flag("--host", ("router.host",), "where both front doors listen (default 127.0.0.1)"),
     Flag("--port", ("router.http_port",), "the OpenAI HTTP API's port (default 8000)", int),
@@ -136,9 +160,71 @@ FLAGS = (
     Flag(
         "--tensor-parallel-size",
         _engines("tensor_parallel_size"),
-        "ranks each worker's model is split across, a CPU (or GPU) each, on one node "
-        "(default 1; above 1 only colocated so far: --prefill-replicas 0)",
+        "ranks each worker's model is split across, a CPU (or GPU) each, on one node (default 1)",
         int,
+        aliases=("-tp",),
+    ),
+    Flag(
+        "--max-num-seqs",
+        _engines("max_num_seqs"),
+        "sequences an engine steps together at most (default 64)",
+        int,
+    ),
+    Flag(
+        "--max-num-batched-tokens",
+        _engines("max_num_batched_tokens"),
+        "tokens an engine step computes at most, prompt chunks included (default 1024)",
+        int,
+    ),
+    Flag(
+        "--enable-prefix-caching",
+        _engines("prefix_caching"),
+        "reuse the KV of prompts' common prefixes (default on; --no-enable-prefix-caching: off)",
+        bool,
+    ),
+    Flag(
+        "--generation-config",
+        _engines("generation_config"),
+        "sampling defaults for what a request leaves out: auto the model's own "
+        "generation_config.json (or GGUF metadata), vllm none (OpenAI's), or a folder with a "
+        "generation_config.json (default auto)",
+    ),
+    Flag(
+        "--revision",
+        _engines("revision"),
+        "a Hugging Face id's branch, tag or commit in the cache (default main)",
+    ),
+    Flag(
+        "--download-dir",
+        _engines("download_dir"),
+        "the Hugging Face hub cache the id is in (default: huggingface_hub's, $HF_HUB_CACHE)",
+    ),
+    Flag(
+        "--download",
+        _engines("download"),
+        "fetch a Hugging Face id that is not in the cache from the hub (huggingface_hub, "
+        "$HF_ENDPOINT) into it (default off: refused, naming the cache)",
+        bool,
+    ),
+    Flag(
+        "--seed",
+        ("router.seed",),
+        "sampled requests without a seed draw theirs from this one: the same requests in "
+        "order get the same replies on every start (default: random)",
+        int,
+    ),
+    Flag(
+        "--tool-call-parser",
+        ("router.tool_call_parser",),
+        "how tool_choice auto reads calls from a reply (default: the one the chat template "
+        "teaches)",
+        choices=TOOL_CALL_PARSERS,
+    ),
+    Flag(
+        "--reasoning-parser",
+        ("router.reasoning_parser",),
+        "a chat reply's <think> thoughts as reasoning_content (default: none, all content)",
+        choices=REASONING_PARSERS,
     ),
     Flag("--prefill-replicas", ("prefill.replicas",), "prefill workers (default 1)", int),
     Flag("--decode-replicas", ("decode.replicas",), "decode workers (default 1)", int),
@@ -171,7 +257,8 @@ FLAGS = (
     ),
 )
 BY_NAME = {flag.name: flag for flag in FLAGS}
-TYPES: dict[Callable[[str], Any], str] = {int: "an integer", float: "a number"}
+TYPES: dict[Callable[[str], Any], str] = {int: "an integer", float: "a number",
+                                          bool: "true or false"}  # fmt: skip
 
 
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
@@ -211,18 +298,26 @@ def _environment(environ: Mapping[str, str]) -> list[tuple[Flag, Any, str]]:
         if not text:
             continue
         try:
-            layer.append((flag, flag.type(text), flag.env))
+            parse = _boolean if flag.type is bool else flag.type
+            value = parse(text)
+            layer.append((flag, value, flag.env))
         except ValueError:
             raise ConfigError(f"{flag.env}: must be {TYPES[flag.type]}, got {text!r}") from None
     return layer
 
 
 def _flags(args: argparse.Namespace) -> list[tuple[Flag, Any, str]]:
-    return [
-        (flag, value, flag.name)
-        for flag in FLAGS
-        if (value := getattr(args, flag.dest)) is not None
-    ]
+    given = []
+    for flag in FLAGS:
+        value = getattr(args, flag.dest)
+        option = getattr(args, f"{flag.dest}_option", None)  # --model for the positional
+        if value is not None and option is not None and value != option:
+            raise ConfigError(f"{flag.aliases[0]}: {option!r} and the model {value!r}: give one")
+        if flag.many and value is not None and len(value) == 1:
+            value = value[0]  # one is the field's plain value, as the YAML spells it
+        if (value := option if value is None else value) is not None:
+            given.append((flag, value, flag.name))
+    return given
 
 
 def _set(doc: dict[str, Any], field: str, value: Any) -> dict[str, Any]:

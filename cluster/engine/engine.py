@@ -212,7 +212,7 @@ class LLMEngine:
             os.sched_setaffinity(0, config.cpu_cores)
         if config.threads is not None:
             torch.set_num_threads(config.threads)
-        path = model_path(config.model)
+        path = model_path(config.model, config.revision, config.download_dir, config.download)
         self.model_id = model_name(config.model, path)
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
@@ -236,7 +236,7 @@ class LLMEngine:
         )
         group = self.model.group
         self.tokenizer = Tokenizer.load(path)
-        self.sampling_defaults = read_sampling_defaults(path)
+        self.sampling_defaults = read_sampling_defaults(path, config.generation_config)
         spec = self.spec
         self.max_model_len = min(config.max_model_len or spec.max_position, spec.max_position)
         self.layout = KVLayout.of(self.model.spec, config.page_size, dtype)  # its heads
@@ -593,7 +593,7 @@ class LLMEngine:
         refuse_past_context("max_tokens", len(ids), sampling.max_tokens, self.max_model_len)
         generator = None
         if not sampling.greedy and sampling.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
+            generator = torch.Generator(device=self.device).manual_seed(self._seed(sampling.seed))
             skip_draws(generator, self.spec.vocab_size, resumed)
         stop_ids = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:
@@ -658,6 +658,15 @@ class LLMEngine:
             eos = self.spec.eos_token_ids
             self._grammars = Grammars(self.tokenizer, self.spec.vocab_size, eos)
         return self._grammars
+
+    def _seed(self, seed: int) -> int:
+        """A request's seed as its generator takes it: torch's seeds are 64 bits unsigned
+        (a negative one is 2^64 above), and the CPU's mt19937 reads only the low 32, so
+        there the high 32 are mixed in, lest seeds that differ only above bit 31 draw alike."""
+        seed %= 2**64
+        if self.device.type == "cpu":
+            seed = (seed + (seed >> 32) * 0x9E3779B9) & 0xFFFFFFFF
+        return seed
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

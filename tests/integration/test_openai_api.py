@@ -172,7 +172,7 @@ def test_min_tokens_bars_eos_until_reached_and_a_stop_string_can_be_kept(
         ({"messages": []}, 400, "messages"),
         ({"top_logprobs": 3}, 400, "top_logprobs"),
         ({"response_format": {"type": "yaml"}}, 400, "response_format"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": ""}}]}, 400, "tools[0].function"),
         ({"extra_body": {"guided_decoding_backend": "outlines"}}, 400, "guided_decoding_backend"),
         ({"extra_body": {"temprature": 0.5}}, 400, "temprature"),
         ({"presence_penalty": 3}, 400, "presence_penalty"),
@@ -236,30 +236,62 @@ def http(base: str, path: str, body: Any = None, method: str | None = None) -> t
         return e.code, json.loads(e.read())
 
 
-def test_omitted_max_tokens_fills_the_context_and_temperature_is_1(
+def test_omitted_max_tokens_fills_a_chat_stops_a_completion_at_16_and_temperature_is_1(
     router: RouterHarness, client: openai.OpenAI, twin: LLMEngine, workers: Any
 ) -> None:
-    """OpenAI's and vLLM's defaults (this model ships no generation config): a reply runs
-    until EOS, not a fixed cap, and sampling draws (seeded: the same twice, not greedy)."""
-    ids = twin.tokenizer.encode("Once upon a time")
+    """OpenAI's and vLLM's defaults (this model ships no generation config): a chat's reply
+    may fill what the context leaves; a completion's stops at 16 tokens; sampling draws
+    (seeded: the same twice, not greedy)."""
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    ids = twin.tokenizer.encode_chat(messages)
     assert router.app.http is not None
     room = router.app.http.model.max_model_len - len(ids)
-    with pytest.raises(openai.BadRequestError, match="min_tokens: must be <= max_tokens"):
-        client.completions.create(model=MODEL, prompt=ids, extra_body={"min_tokens": room + 1})
-    # Past the old cap of 64: stop ids barred for 70 tokens, then the first common one ends it.
-    common = [twin.tokenizer.encode(t, special_tokens=False)[0] for t in (".", ",", " the")]
-    long = client.completions.create(
-        model=MODEL, prompt=ids, temperature=0,
-        extra_body={"min_tokens": 70, "stop_token_ids": common},
-    )  # fmt: skip
-    assert long.choices[0].finish_reason == "stop" and long.usage is not None
-    assert long.usage.completion_tokens > 70
-    greedy = twin.generate([ids], SamplingParams(max_tokens=24))[0].text
+    # The refusal names the max_tokens an omitted one became: all the context leaves.
+    with pytest.raises(openai.BadRequestError, match=rf"must be <= max_tokens \({room}\)"):
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            extra_body={"min_tokens": room + 1},  # type: ignore[arg-type]
+        )
+    with pytest.raises(openai.BadRequestError, match=r"must be <= max_tokens \(16\)"):
+        client.completions.create(model=MODEL, prompt="Hi", extra_body={"min_tokens": 17})
+    prompt = twin.tokenizer.encode("Once upon a time")
+    short = client.completions.create(
+        model=MODEL, prompt=prompt, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert short.choices[0].finish_reason == "length" and short.usage is not None
+    assert short.usage.completion_tokens == 16
+    greedy = twin.generate([prompt], SamplingParams(max_tokens=24))[0].text
     drawn = [
-        client.completions.create(model=MODEL, prompt=ids, max_tokens=24, seed=s).choices[0].text
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, seed=s).choices[0].text
         for s in (1, 1, 2)
     ]
     assert drawn[0] == drawn[1] and greedy not in drawn
+
+
+def test_a_seed_spans_64_bits_and_top_k_minus_one_is_off(
+    router: RouterHarness, client: openai.OpenAI, workers: Any
+) -> None:
+    """torch's seeds are 64 bits unsigned: 2^64 - 1 is the seed -1 (vLLM's int64 spelling);
+    past 64 bits is a 400 naming `seed`, not a 500. vLLM's top_k -1 is no top-k at all."""
+
+    def text(**extra: Any) -> str:
+        reply = client.completions.create(
+            model=MODEL, prompt="The sky is", max_tokens=12, temperature=1.0, **extra
+        )
+        return reply.choices[0].text
+
+    assert text(seed=2**64 - 1) == text(seed=-1) != text(seed=2**63 - 1)
+    assert text(seed=2**63) == text(seed=-(2**63))
+    assert (
+        text(seed=4, extra_body={"top_k": -1})
+        == text(seed=4)
+        != text(seed=4, extra_body={"top_k": 2})
+    )
+    assert router.app.http is not None
+    status, err = http(router.app.http.address, "/v1/completions",
+                       {"prompt": "Hi", "seed": 2**64})  # fmt: skip
+    assert (status, err["error"]["param"]) == (400, "seed")
 
 
 def test_tokenize_detokenize_version_and_one_model(
@@ -282,6 +314,35 @@ def test_tokenize_detokenize_version_and_one_model(
         client.models.retrieve("gpt-4o")
     status, err = http(base, "/detokenize", {"tokens": [10**9]})
     assert (status, err["error"]["param"]) == (400, "tokens")
+
+
+def test_tokenize_takes_vllms_fields(router: RouterHarness, twin: LLMEngine) -> None:
+    """`add_generation_prompt` false leaves the assistant's turn unopened; `add_special_tokens`
+    is taken; `return_token_strs` gives each id's token; a template variable the template
+    does not read, or `reasoning_effort` on a template without it, is refused by name."""
+    assert router.app.http is not None
+    base = router.app.http.address
+    messages = [{"role": "user", "content": "Hi"}]
+    hf = twin.tokenizer.hf
+    status, got = http(base, "/tokenize", {"messages": messages, "add_generation_prompt": False})
+    assert status == 200
+    assert (
+        got["tokens"] == hf.apply_chat_template(messages, add_generation_prompt=False)["input_ids"]
+    )
+    assert len(got["tokens"]) < len(twin.tokenizer.encode_chat(messages))
+    body = {"prompt": "Hi there", "add_special_tokens": False, "return_token_strs": True}
+    status, got = http(base, "/tokenize", body)
+    assert (status, got["tokens"]) == (200, twin.tokenizer.encode("Hi there", special_tokens=False))
+    assert got["token_strs"] == hf.convert_ids_to_tokens(got["tokens"])
+    status, got = http(base, "/tokenize", {"prompt": "Hi"})
+    assert (status, got["token_strs"]) == (200, None)
+    unread = {"messages": messages, "chat_template_kwargs": {"enable_thinking": False}}
+    status, err = http(base, "/tokenize", unread)
+    assert (status, err["error"]["param"]) == (400, "chat_template_kwargs.enable_thinking")
+    assert "it reads add_generation_prompt, messages" in err["error"]["message"]
+    status, err = http(base, "/v1/chat/completions",
+                       {"messages": messages, "reasoning_effort": "low"})  # fmt: skip
+    assert (status, err["error"]["param"]) == (400, "reasoning_effort")
 
 
 def test_unknown_paths_and_methods_answer_openai_error_json(router: RouterHarness) -> None:
@@ -461,3 +522,29 @@ def test_echo_with_logprobs_gives_the_prompts_tokens_theirs(
     first = next(iter(streamed)).choices[0].logprobs
     assert first is not None and first.tokens is not None
     assert first.tokens[: len(ids)] == lp.tokens[: len(ids)]
+
+
+def test_the_seed_flag_draws_unseeded_requests_alike_on_every_start(
+    ray_workers: Any, workers: Any
+) -> None:
+    """router.seed (`--seed`): sampled requests that bring no seed get theirs from it, so
+    the same requests in the same order answer alike after a restart (and differ from one
+    another)."""
+    texts = []
+    for _ in range(2):
+        harness = RouterHarness(
+            {"prefill": ray_workers.prefill("prefill")},
+            {"decode": ray_workers.decode("decode", local_prefill_tokens=0)},
+            redis_url=None, http_port=0, seed=7,
+        )  # fmt: skip
+        try:
+            assert harness.app.http is not None
+            fresh = openai.OpenAI(base_url=harness.app.http.address + "/v1", api_key="x")
+            texts.append([
+                fresh.completions.create(model=MODEL, prompt="The sky is", max_tokens=8,
+                                         temperature=1.0).choices[0].text
+                for _ in range(2)
+            ])  # fmt: skip
+        finally:
+            harness.stop()
+    assert texts[0] == texts[1] and texts[0][0] != texts[0][1]

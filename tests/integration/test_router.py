@@ -208,7 +208,6 @@ BAD = [
     ({"prompt": "hi", "top_p": 1.5}, "sampling.top_p"),
     ({"prompt": "hi", "top_k": -2}, "sampling.top_k"),
     ({"prompt": "hi", "min_p": 2.0}, "sampling.min_p"),
-    ({"prompt": "hi", "seed": -5}, "sampling.seed"),
     ({"prompt": "hi", "stop": [""]}, "sampling.stop"),
     ({"prompt": "hi", "stop": ["x"] * 17}, "sampling.stop"),
     ({"prompt": "hi", "stop_token_ids": [10**9]}, "sampling.stop_token_ids"),

@@ -9,9 +9,12 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+import jsonschema
 import openai
 import pytest
 
+from cluster.engine.engine import LLMEngine
+from router.tools import with_tool_prompt
 from tests.integration.router_harness import RouterHarness
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
@@ -55,6 +58,15 @@ def client(ray_workers: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     harness.stop()
 
 
+def _weather_call(reply: Any) -> Any:
+    """The reply's first tool call, which must be get_weather's, the reply ending in calls."""
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather"
+    return call
+
+
 def test_an_agent_loop_calls_a_tool_reads_its_result_and_answers(
     client: openai.OpenAI, workers: Any
 ) -> None:
@@ -64,12 +76,9 @@ def test_an_agent_loop_calls_a_tool_reads_its_result_and_answers(
         model=MODEL, messages=messages, tools=TOOLS, tool_choice=named, max_tokens=40,
         temperature=0,
     )  # fmt: skip
-    choice = first.choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
-    call = choice.message.tool_calls[0]
-    assert call.function.name == "get_weather"
+    call = _weather_call(first)
     assert isinstance(json.loads(call.function.arguments)["city"], str)
-    messages.append(choice.message.model_dump(exclude_none=True))
+    messages.append(first.choices[0].message.model_dump(exclude_none=True))
     messages.append({"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C"})
     final = client.chat.completions.create(
         model=MODEL, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=30,
@@ -78,7 +87,26 @@ def test_an_agent_loop_calls_a_tool_reads_its_result_and_answers(
     assert final.choices[0].message.content and not final.choices[0].message.tool_calls
 
 
-def test_required_streamed_gives_whole_calls_and_auto_parses_or_answers(
+def test_a_named_calls_arguments_stream_as_deltas(client: openai.OpenAI, workers: Any) -> None:
+    """As vLLM streams them: the call's id and name first, then its arguments' text piece
+    by piece, adding up to the reply's arguments unstreamed."""
+    args: dict[str, Any] = {
+        "model": MODEL, "messages": [{"role": "user", "content": "Weather in Rome?"}],
+        "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "max_tokens": 40, "temperature": 0,
+    }  # fmt: skip
+    whole = client.chat.completions.create(**args).choices[0].message.tool_calls
+    assert whole is not None
+    chunks = list(client.chat.completions.create(**args, stream=True))
+    deltas = [c for ch in chunks for choice in ch.choices for c in choice.delta.tool_calls or []]
+    assert deltas[0].id and deltas[0].function and deltas[0].function.name == "get_weather"
+    assert all(d.index == 0 and not d.id for d in deltas[1:]) and len(deltas) > 2
+    streamed = "".join((d.function.arguments or "") for d in deltas if d.function)
+    assert streamed == whole[0].function.arguments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_required_streamed_gives_each_call_whole_and_auto_parses_or_answers(
     client: openai.OpenAI, workers: Any
 ) -> None:
     messages = [{"role": "user", "content": "Weather in Rome and in Oslo?"}]
@@ -95,20 +123,35 @@ def test_required_streamed_gives_whole_calls_and_auto_parses_or_answers(
     )
     message = auto.choices[0].message
     assert message.content or message.tool_calls  # the model's choice, parsed either way
+    streamed = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, max_tokens=40, temperature=0, stream=True
+    )  # Hermes blocks go out as calls as each closes, the rest as content
+    deltas = [choice.delta for chunk in streamed for choice in chunk.choices]
+    calls = [(c.function.name, c.function.arguments) for d in deltas
+             for c in d.tool_calls or [] if c.function]  # fmt: skip
+    assert calls == [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+    content = "".join(d.content or "" for d in deltas).strip()
+    assert content == (message.content or "").strip()
 
 
-def test_tools_on_a_template_that_cannot_render_them_are_refused(
-    ray_workers: Any, workers: Any
+def test_a_template_that_ignores_tools_gets_the_default_tool_prompt_and_required_calls(
+    ray_workers: Any, twin: LLMEngine, workers: Any
 ) -> None:
+    """The bundled model's own template renders no tools: they go in the default tool
+    prompt, a system message, and `tool_choice: required` answers a call that parses."""
     harness = RouterHarness({}, {"colocated": ray_workers.decode("colocated")}, None, http_port=0)
     try:
         assert harness.app.http is not None
-        plain = openai.OpenAI(base_url=harness.app.http.address + "/v1", api_key="x")
-        with pytest.raises(openai.BadRequestError) as err:
-            plain.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": "Hi"}], tools=TOOLS,
-                tool_choice="required", max_tokens=8,
-            )  # fmt: skip
-        assert isinstance(err.value.body, dict) and err.value.body["param"] == "tools"
+        plain = openai.OpenAI(base_url=harness.app.http.address + "/v1", api_key="x", timeout=120)
+        messages: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
+        reply = plain.chat.completions.create(
+            model=MODEL, messages=messages, tools=TOOLS, tool_choice="required", max_tokens=60,
+            temperature=0,
+        )  # fmt: skip
+        call = _weather_call(reply)
+        jsonschema.validate(json.loads(call.function.arguments), CITY)
+        prompt = with_tool_prompt(messages, TOOLS)
+        assert reply.usage is not None
+        assert reply.usage.prompt_tokens == len(twin.tokenizer.encode_chat(prompt))
     finally:
         harness.stop()

@@ -36,7 +36,8 @@ KEY = "sk-test-123"
     ],
 )
 def test_only_a_bearer_token_equal_to_the_key_is_authorized(header: str | None, ok: bool) -> None:
-    assert authorized(header, KEY) is ok
+    assert authorized(header, (KEY,)) is ok
+    assert authorized(header, ("other", KEY)) is ok  # any of several
 
 
 def test_the_compare_is_constant_time() -> None:
@@ -45,10 +46,11 @@ def test_the_compare_is_constant_time() -> None:
 
 def test_the_key_comes_from_the_config_or_its_file(tmp_path: Path) -> None:
     assert api_key(RouterConfig()) is None
-    assert api_key(RouterConfig(api_key=KEY)) == KEY
+    assert api_key(RouterConfig(api_key=KEY)) == (KEY,)
+    assert api_key(RouterConfig(api_key=[KEY, "k2"])) == (KEY, "k2")  # type: ignore[arg-type]
     path = tmp_path / "key"
     path.write_text(KEY + "\n")
-    assert api_key(RouterConfig(api_key_file=str(path))) == KEY
+    assert api_key(RouterConfig(api_key_file=str(path))) == (KEY,)
     path.write_text("\n")
     with pytest.raises(ConfigError, match=r"^router\.api_key_file: .* is empty"):
         api_key(RouterConfig(api_key_file=str(path)))
@@ -133,7 +135,7 @@ def test_a_router_bound_beyond_loopback_asks_for_a_key(
 ) -> None:
     config = RouterConfig(host=host, **router)
     if not refused:
-        assert api_key(config) == router.get("api_key")
+        assert api_key(config) == ((router["api_key"],) if router else None)
         return
     with pytest.raises(ConfigError) as err:
         api_key(config)
@@ -152,3 +154,9 @@ def test_serve_on_a_wide_host_without_a_key_stops_before_anything_starts(
     monkeypatch.setenv("SPLITSERVE_API_KEY", KEY)
     assert main(["serve", "--host", "0.0.0.0", "--port", "0", "--grpc-port", "0"]) == 0
     assert [config.router.host for config in started] == ["0.0.0.0"]
+
+
+@pytest.mark.parametrize("argv", [["--api-key", "a", "b"], ["--api-key", "a", "--api-key", "b"]])
+def test_several_api_keys_are_all_kept(argv: list[str], tmp_path: Path) -> None:
+    router = _router(argv, {}, {}, tmp_path)
+    assert api_key(router) == ("a", "b")

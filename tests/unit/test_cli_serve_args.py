@@ -60,6 +60,23 @@ def test_serve_with_no_arguments_runs_the_defaults() -> None:
             {"router.allowed_origins": ("https://a.example", "https://b.example:8443")},
         ),
         (["--allowed-origins", "*"], {"router.allowed_origins": ("*",)}),
+        # vLLM's spellings: -tp, --model for the positional, the scheduler's and router's
+        (["-tp", "2"], {"engine.tensor_parallel_size": 2}),
+        (["--tensor-parallel-size", "2"], {"engine.tensor_parallel_size": 2}),
+        (["--model", "m.gguf"], {"engine.model": "m.gguf"}),
+        (["m.gguf", "--model", "m.gguf"], {"engine.model": "m.gguf"}),
+        (["--max-num-seqs", "8"], {"engine.max_num_seqs": 8}),
+        (["--max-num-batched-tokens", "512"], {"engine.max_num_batched_tokens": 512}),
+        (["--no-enable-prefix-caching"], {"engine.prefix_caching": False}),
+        (["--enable-prefix-caching"], {"engine.prefix_caching": True}),
+        (["--generation-config", "vllm"], {"engine.generation_config": "vllm"}),
+        (["--seed", "7"], {"router.seed": 7}),
+        (["--revision", "v2"], {"engine.revision": "v2"}),
+        (["--download-dir", "/hub"], {"engine.download_dir": "/hub"}),
+        (["--download"], {"engine.download": True}),
+        (["--tool-call-parser", "hermes"], {"router.tool_call_parser": "hermes"}),
+        (["--reasoning-parser", "qwen3"], {"router.reasoning_parser": "qwen3"}),
+        (["--api-key", "a", "b", "--api-key", "c"], {"router.api_key": ("a", "b", "c")}),
     ],
 )
 def test_each_flag_sets_its_field(argv: list[str], fields: dict[str, Any]) -> None:
@@ -114,6 +131,14 @@ router: {http_port: 8100, port: 50100, served_model_name: yaml-name,
         ([], {"SPLITSERVE_SSL_CERTFILE": "env.pem"}, "router.ssl_certfile", "env.pem"),
         (["--ssl-keyfile", "f.key"], {}, "router.ssl_keyfile", "f.key"),
         ([], {}, "prefill.engine.max_model_len", None),  # the default, none of them set
+        ([], {"SPLITSERVE_ENABLE_PREFIX_CACHING": "false"}, "decode.engine.prefix_caching", False),
+        (
+            ["--enable-prefix-caching"],
+            {"SPLITSERVE_ENABLE_PREFIX_CACHING": "0"},
+            "decode.engine.prefix_caching",
+            True,
+        ),
+        ([], {"SPLITSERVE_SEED": "3"}, "router.seed", 3),
         # The KV cache in GiB or as a share of the GPU: one choice, the higher level's.
         ([], {"SPLITSERVE_GPU_MEMORY_UTILIZATION": "0.8"}, "decode.engine.kv_cache_gb", None),
         (
@@ -235,3 +260,16 @@ def test_the_engine_flags_keep_the_rest_of_each_pools_engine(tmp_path: Path) -> 
         served.decode.engine, max_num_seqs=8
     )  # the pool's own field kept
     assert (served.decode.engine.page_size, served.decode.engine.dtype) == (32, "float32")
+
+
+def test_the_model_as_argument_and_as_option_must_agree() -> None:
+    with pytest.raises(ConfigError, match=r"^--model: 'b\.gguf' and the model 'a\.gguf': give one"):
+        _config(["a.gguf", "--model", "b.gguf"])
+
+
+def test_a_parser_the_router_lacks_is_refused_by_the_flag(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        _config(["--reasoning-parser", "granite"])
+    assert "invalid choice: 'granite'" in capsys.readouterr().err

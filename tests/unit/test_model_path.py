@@ -39,8 +39,8 @@ def test_an_id_not_in_the_cache_is_refused_naming_the_cache(
         model_path("meta-llama/Llama-3.1-8B-Instruct")
     assert str(refused.value) == (
         f"model 'meta-llama/Llama-3.1-8B-Instruct': no such path, and not in the Hugging "
-        f"Face cache at {tmp_path} (splitserve downloads nothing: `huggingface-cli download "
-        f"meta-llama/Llama-3.1-8B-Instruct` puts it there)"
+        f"Face cache at {tmp_path} (--download fetches it there, or `huggingface-cli download "
+        f"meta-llama/Llama-3.1-8B-Instruct`)"
     )
     _cached(tmp_path, "org/many", ["aaa", "bbb"], main=None)
     with pytest.raises(ModelLoadError, match="2 snapshots of it, none named by refs/main"):
@@ -67,3 +67,21 @@ def test_the_cache_is_found_as_huggingface_hub_finds_it(monkeypatch: pytest.Monk
     assert hf_cache() == Path("/h/hub")
     monkeypatch.setenv("HF_HUB_CACHE", "/c")
     assert hf_cache() == Path("/c")
+
+
+def test_a_revision_and_a_download_dir_pick_the_snapshot(tmp_path: Path) -> None:
+    """vLLM's --revision (a branch or tag under refs/, or a commit) and --download-dir (the
+    hub cache to look in, in place of $HF_HUB_CACHE)."""
+    snapshots = _cached(tmp_path, "org/m", ["aaa", "bbb", "ccc"], main="bbb")
+    (snapshots.parent / "refs" / "v2").write_text("ccc")
+    cache = str(tmp_path)
+    assert model_path("org/m", None, cache) == snapshots / "bbb"
+    assert model_path("org/m", "v2", cache) == snapshots / "ccc"
+    assert model_path("org/m", "aaa", cache) == snapshots / "aaa"
+    with pytest.raises(ModelLoadError) as refused:
+        model_path("org/m", "v3", cache)
+    assert str(refused.value) == (
+        f"model 'org/m': no such path, and revision 'v3' not in the Hugging Face cache at "
+        f"{tmp_path} (--download fetches it there, or `huggingface-cli download org/m "
+        f"--revision v3 --cache-dir {tmp_path}`)"
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -124,7 +125,8 @@ SHOWN: dict[str, Any] = {
     "guided_regex": "a+", "guided_choice": ["a", "b"], "guided_grammar": 'root ::= "a"',
     "structured_outputs": {"regex": "a+"},
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
-    "echo": True, "best_of": 2,
+    "echo": True, "best_of": 2, "add_special_tokens": False, "add_generation_prompt": False,
+    "chat_template_kwargs": {"enable_thinking": False}, "reasoning_effort": "low",
 }  # fmt: skip
 REFUSED_VALUES = {
     "n": 17,
@@ -282,3 +284,42 @@ def test_best_of_ranks_candidates_it_samples_with_logprobs_and_echo_asks_the_pro
     assert not to_call({**base(False), "echo": True}, False, None).request.sampling.HasField(
         "prompt_logprobs"
     )
+
+
+@pytest.mark.parametrize(
+    "seed, carried",
+    [(0, 0), (2**63 - 1, 2**63 - 1), (2**63, -(2**63)), (2**64 - 1, -1), (-5, -5)],
+)
+def test_a_seed_of_any_64_bits_is_carried_as_the_same_torch_seed(seed: int, carried: int) -> None:
+    """torch seeds a generator with 64 unsigned bits: 2^64 - 1 and -1 are one seed."""
+    call = to_call({**base(False), "seed": seed}, False, None)
+    assert call.request.sampling.seed == carried
+    assert carried % 2**64 == seed % 2**64
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 10**30])
+def test_a_seed_past_64_bits_is_refused_naming_it(seed: int) -> None:
+    with pytest.raises(InvalidRequestError, match=r"^seed: must be in \[-2\*\*63, 2\*\*64 - 1\]"):
+        to_call({**base(True), "seed": seed}, True, None)
+
+
+def test_top_k_minus_one_is_off_as_vllm_spells_it() -> None:
+    assert to_call({**base(False), "top_k": -1}, False, None).request.sampling.top_k == 0
+    assert to_call({**base(False), "top_k": 0}, False, None).request.sampling.top_k == 0
+    with pytest.raises(InvalidRequestError, match=r"^top_k: must be -1 or 0"):
+        to_call({**base(False), "top_k": -2}, False, None)
+
+
+def test_template_variables_and_reasoning_effort_reach_the_chat() -> None:
+    body = {**base(True), "chat_template_kwargs": {"enable_thinking": False},
+            "reasoning_effort": "high", "add_generation_prompt": False}  # fmt: skip
+    chat = to_call(body, True, None).request.chat
+    assert json.loads(chat.template_kwargs) == {
+        "enable_thinking": False,
+        "reasoning_effort": "high",
+    }
+    assert chat.HasField("add_generation_prompt") and not chat.add_generation_prompt
+    refused = InvalidRequestError("chat.template_kwargs.reasoning_effort: not read")
+    assert invalid(refused).param == "reasoning_effort"
+    refused = InvalidRequestError("chat.template_kwargs.foo: not read")
+    assert invalid(refused).param == "chat_template_kwargs.foo"

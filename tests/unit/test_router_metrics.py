@@ -77,7 +77,7 @@ KEY = "sk-test-metrics"
 
 async def _scrape(metrics: RouterMetrics, key: str | None, header: str | None) -> tuple[int, str]:
     """GET /metrics on a metrics port serving `key`, sending `header` as Authorization."""
-    runner = await metrics.serve("127.0.0.1", 0, key, None)
+    runner = await metrics.serve("127.0.0.1", 0, None if key is None else (key,), None)
     host, port = runner.addresses[0][:2]
     url = f"http://{host}:{port}/metrics"
     headers = {} if header is None else {"Authorization": header}

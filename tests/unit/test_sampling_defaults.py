@@ -6,8 +6,10 @@ import json
 from pathlib import Path
 
 import gguf
+import pytest
 
 from cluster.engine.model.checkpoint import open_gguf, read_sampling_defaults
+from cluster.engine.model.model_files import ModelLoadError
 
 
 def test_an_hf_checkpoints_generation_config_gives_its_sampling_fields(tmp_path: Path) -> None:
@@ -46,3 +48,18 @@ def test_a_gguf_is_parsed_once_per_version_of_the_file(tmp_path: Path) -> None:
     # the same few milliseconds).
     _write_gguf(path, 0.25, None)
     assert dict(read_sampling_defaults(path)) == {"temperature": 0.25}
+
+
+def test_generation_config_vllm_takes_none_and_a_folder_takes_its_own(tmp_path: Path) -> None:
+    """engine.generation_config (`--generation-config`), as vLLM's: auto the model's, vllm
+    none, a folder's generation_config.json in place of the model's."""
+    model, other = tmp_path / "model", tmp_path / "other"
+    model.mkdir()
+    other.mkdir()
+    (model / "generation_config.json").write_text(json.dumps({"temperature": 0.6}))
+    (other / "generation_config.json").write_text(json.dumps({"top_p": 0.5}))
+    assert read_sampling_defaults(model, "auto") == (("temperature", 0.6),)
+    assert read_sampling_defaults(model, "vllm") == ()
+    assert read_sampling_defaults(model, str(other)) == (("top_p", 0.5),)
+    with pytest.raises(ModelLoadError, match=r"^generation_config: .*/model/generation_config"):
+        read_sampling_defaults(other, str(tmp_path / "model" / "generation_config"))

@@ -9,7 +9,15 @@ import jsonschema
 import pytest
 
 from cluster.types import InvalidRequestError
-from router.tools import hermes, llama3_json, parser_for, read_tools
+from router.tools import (
+    CallStream,
+    HermesStream,
+    hermes,
+    llama3_json,
+    parser_for,
+    read_tools,
+    with_tool_prompt,
+)
 
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 WEATHER = {"type": "function", "function": {"name": "weather", "parameters": CITY}}
@@ -36,7 +44,20 @@ def test_llama3_json_is_a_call_only_when_the_reply_is_one() -> None:
 def test_the_parser_is_chosen_by_the_template() -> None:
     assert parser_for("{% if tools %}<tool_call>{% endif %}") == "hermes"
     assert parser_for("{{ tools }} <|python_tag|>") == "llama3_json"
-    assert parser_for("{% for m in messages %}{{ m.content }}{% endfor %}") is None
+    # A template that renders no tools gets the default tool prompt, in Hermes' format.
+    assert parser_for("{% for m in messages %}{{ m.content }}{% endfor %}") == "hermes"
+    assert parser_for("{{ tools }}") is None  # its own format, one we do not read
+
+
+def test_the_default_tool_prompt_joins_the_system_message_or_leads() -> None:
+    tools = [WEATHER]
+    alone = with_tool_prompt([{"role": "user", "content": "Hi"}], tools)
+    assert [m["role"] for m in alone] == ["system", "user"]
+    assert json.dumps(WEATHER) in alone[0]["content"] and "<tool_call>" in alone[0]["content"]
+    joined = with_tool_prompt([{"role": "system", "content": "Be brief."},
+                               {"role": "user", "content": "Hi"}], tools)  # fmt: skip
+    assert [m["role"] for m in joined] == ["system", "user"]
+    assert joined[0]["content"].startswith("Be brief.\n\n# Tools")
 
 
 def test_required_forces_a_list_of_the_given_calls_and_named_its_arguments() -> None:
@@ -69,3 +90,50 @@ def test_required_forces_a_list_of_the_given_calls_and_named_its_arguments() -> 
 def test_bad_tools_are_refused_by_name(tools: Any, choice: Any, message: str) -> None:
     with pytest.raises(InvalidRequestError, match=f"^{message}"):
         read_tools(tools, choice, None)
+
+
+def test_forced_calls_stream_a_named_calls_text_and_each_required_call_as_it_closes() -> None:
+    named = read_tools([WEATHER], {"type": "function", "function": {"name": "weather"}}, None)
+    assert named is not None
+    stream = CallStream(named)
+    first = stream.feed('{"ci')
+    assert first[0]["function"] == {"name": "weather", "arguments": '{"ci'} and first[0]["id"]
+    assert stream.feed('ty": "Rome"}') == [{"index": 0, "function": {"arguments": 'ty": "Rome"}'}}]
+    required = read_tools([WEATHER, TIME], "required", None)
+    assert required is not None
+    stream = CallStream(required)
+    text = (
+        '[{"name": "weather", "parameters": {"city": "R\\"o}m"}}, '
+        '{"name": "time", "parameters": {}}]'
+    )
+    out = [(at, c) for at in range(len(text)) for c in stream.feed(text[at])]
+    assert [(c["index"], c["function"]["name"]) for _, c in out] == [(0, "weather"), (1, "time")]
+    assert json.loads(out[0][1]["function"]["arguments"]) == {"city": 'R"o}m'}
+    assert out[0][0] == text.index("}}") + 1  # the first call goes out as its element closes
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        'Sure. <tool_call>\n{"name": "weather", "arguments": {"city": "Rome"}}\n</tool_call>',
+        '<tool_call>{"name": "time", "arguments": {}}</tool_call> and '
+        '<tool_call>{"name": "weather", "arguments": {"city": "</tool"}}</tool_call>',
+        '<tool_call>{"name": "other", "arguments": {}}</tool_call>text',  # not a given tool
+        "No call, a <tool mention and <tool_call> never closed",
+    ],
+)
+def test_hermes_calls_stream_as_each_block_closes_as_the_whole_reply_reads_them(
+    reply: str,
+) -> None:
+    tools = read_tools([WEATHER, TIME], "auto", None)
+    assert tools is not None
+    whole_content, whole_calls = tools.calls(reply, "hermes")
+    stream = HermesStream(tools)
+    pieces = [stream.feed(ch, final=at == len(reply) - 1) for at, ch in enumerate(reply)]
+    content = "".join(c for c, _ in pieces)
+    calls = [c for _, cs in pieces for c in cs]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        (c.name, c.arguments) for c in whole_calls
+    ]
+    assert [c["index"] for c in calls] == list(range(len(calls)))
+    assert (content.strip() or None) == (whole_content.strip() if whole_content else None)

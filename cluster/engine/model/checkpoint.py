@@ -272,8 +272,16 @@ SAMPLING_DEFAULTS = {"temperature": "general.sampling.temp", "top_p": "general.s
                      "repetition_penalty": "general.sampling.penalty_repeat"}  # fmt: skip
 
 
-def read_sampling_defaults(path: Path) -> tuple[tuple[str, float], ...]:
-    """(field, value) for each sampling default the model's files set; () when none."""
+def read_sampling_defaults(path: Path, source: str = "auto") -> tuple[tuple[str, float], ...]:
+    """(field, value) for each sampling default the model's files set; () when none.
+    `source` (engine.generation_config): auto the model's files, vllm none, or a folder
+    with a generation_config.json, which must be there."""
+    if source == "vllm":
+        return ()
+    if source != "auto":
+        path = Path(source)
+        if not (path / "generation_config.json").is_file():
+            raise ModelLoadError(f"generation_config: {path}/generation_config.json is missing")
     if path.is_dir():
         config = path / "generation_config.json"
         values = json.loads(config.read_text()) if config.is_file() else {}

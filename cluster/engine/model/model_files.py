@@ -7,11 +7,13 @@ read the weights are in checkpoint.py).
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import re
 from pathlib import Path
 
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+log = logging.getLogger(__name__)
 HF_ID = re.compile(r"[\w.-]+/[\w.-]+")  # a Hugging Face repository id: owner/name
 
 
@@ -33,31 +35,63 @@ def bundled_model_path() -> Path:
     return path
 
 
-def model_path(model: str | None) -> Path:
+def model_path(
+    model: str | None,
+    revision: str | None = None,
+    download_dir: str | None = None,
+    download: bool = False,
+) -> Path:
     """Where `engine.model` is: the bundled GGUF for None; a path that exists as given;
-    else a Hugging Face id (owner/name) found in the local Hugging Face cache, offline (its
-    `main` snapshot, or its only one). ModelLoadError naming the cache when it is not there;
-    a path that exists in neither form is the loaders' to refuse, naming it."""
+    else a Hugging Face id (owner/name) found in the local Hugging Face cache (or in
+    `download_dir`, vLLM's --download-dir), offline: the snapshot `revision` names (a branch
+    or tag under refs/, or a commit), else its `main` snapshot, or its only one. Not there:
+    with `download` (engine.download, --download) fetched into that cache by huggingface_hub,
+    else ModelLoadError naming the cache and the flag. A path that exists in neither form is
+    the loaders' to refuse, naming it."""
     if model is None:
         return bundled_model_path()
     path = Path(model)
     if path.exists() or not HF_ID.fullmatch(model):
         return path
-    cache = hf_cache()
+    cache = Path(download_dir) if download_dir else hf_cache()
     repo = cache / f"models--{model.replace('/', '--')}"
     snapshots = repo / "snapshots"
-    main = repo / "refs" / "main"
-    if main.is_file() and (snapshots / main.read_text().strip()).is_dir():
-        return snapshots / main.read_text().strip()
+    ref = repo / "refs" / (revision or "main")
+    commit = ref.read_text().strip() if ref.is_file() else revision
+    if commit and (snapshots / commit).is_dir():
+        return snapshots / commit
     found = sorted(snapshots.iterdir()) if snapshots.is_dir() else []
-    if len(found) == 1:
+    if len(found) == 1 and revision is None:
         return found[0]
+    if download:
+        return _download(model, revision, cache)
+    if revision is not None:
+        where = f"revision {revision!r} not"
+    else:
+        where = f"{len(found)} snapshots of it, none named by refs/main" if found else "not"
     raise ModelLoadError(
-        f"model {model!r}: no such path, and "
-        + (f"{len(found)} snapshots of it, none named by refs/main" if found else "not")
-        + f" in the Hugging Face cache at {cache} (splitserve downloads nothing: "
-        f"`huggingface-cli download {model}` puts it there)"
+        f"model {model!r}: no such path, and {where} in the Hugging Face cache at {cache} "
+        f"(--download fetches it there, or `huggingface-cli download {model}"
+        + (f" --revision {revision}" if revision else "")
+        + (f" --cache-dir {download_dir}" if download_dir else "")
+        + "`)"
     )
+
+
+def _download(model: str, revision: str | None, cache: Path) -> Path:
+    """The id's snapshot fetched from the hub ($HF_ENDPOINT as it is now, else
+    huggingface_hub's) into `cache`, where model_path finds it from then on."""
+    import huggingface_hub
+
+    log.info("downloading %s%s into %s", model, f"@{revision}" if revision else "", cache)
+    endpoint = os.environ.get("HF_ENDPOINT") or None
+    try:
+        got = huggingface_hub.snapshot_download(
+            model, revision=revision, cache_dir=cache, endpoint=endpoint
+        )
+    except Exception as e:  # the hub's errors are many kinds (HTTP, not found, offline)
+        raise ModelLoadError(f"model {model!r}: --download from the hub failed: {e}") from None
+    return Path(got)
 
 
 def hf_cache() -> Path:

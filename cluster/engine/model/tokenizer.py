@@ -6,6 +6,7 @@ them into a fast tokenizer once (seconds), which is then kept in a local cache.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -59,22 +60,36 @@ class Tokenizer:
         return text
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], tools: list[Any] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[Any] | None = None,
+        add_generation_prompt: bool = True,
+        variables: dict[str, Any] | None = None,
     ) -> str:
-        """Messages with roles (and tools, for a template that renders them), rendered by
-        the model's own template, ready for the reply."""
+        """Messages with roles (and tools, for a template that renders them: the router
+        gives one that does not a default tool prompt instead), rendered by
+        the model's own template, ready for the reply unless `add_generation_prompt` is
+        false. `variables`: more for the template (`chat_template_kwargs`); one it does not
+        read is refused by name, as a value it would ignore."""
         template = getattr(self.hf, "chat_template", None)
         if not template:
             raise ModelLoadError("this model has no chat template")
-        if tools and "tools" not in template:
+        unread = sorted(name for name in variables or {} if not self.reads(name))
+        if unread:
             raise InvalidRequestError(
-                "tools: this model's chat template does not render tools (serve it with a "
-                "chat template that does: router.chat_template)"
+                f"chat.template_kwargs.{unread[0]}: this model's chat template does not read "
+                f"it (it reads {', '.join(sorted(template_variables(template))) or 'nothing'})"
             )
         text: str = self.hf.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=True
-        )
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
+            **(variables or {}),
+        )  # fmt: skip
         return text
+
+    def reads(self, name: str) -> bool:
+        """Whether the chat template reads the variable `name`."""
+        template = getattr(self.hf, "chat_template", None)
+        return bool(template) and name in template_variables(template)
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """The rendered template's ids, no special tokens added: a template that writes its
@@ -85,6 +100,17 @@ class Tokenizer:
     def eos_token_id(self) -> int | None:
         eos: int | None = self.hf.eos_token_id
         return eos
+
+
+@functools.lru_cache(maxsize=8)
+def template_variables(template: str) -> frozenset[str]:
+    """The variables a chat template reads (jinja2's undeclared ones), parsed as
+    transformers compiles it (its extensions and globals)."""
+    from jinja2 import meta
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    env = _compile_jinja_template(template).environment
+    return frozenset(meta.find_undeclared_variables(env.parse(template))) - set(env.globals)
 
 
 class TextStream:

@@ -161,6 +161,8 @@ class DecodeGraphs:
         self.inputs[off["slots"] : off["lens"]] = PADDING_SLOT  # capture writes no page
         self.inputs[off["starts"] : off["table"]] = torch.arange(self.seg.rows + 1)
         self.staging = Staging(self.inputs.cpu().pin_memory())
+        # The logits rows: a graph holds no tensor it reads, so this object holds them all.
+        self.rows = torch.arange(self.seg.rows, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         pool = torch.cuda.graph_pool_handle()
@@ -190,7 +192,7 @@ class DecodeGraphs:
             max_query_len=0,
             num_splits=splits,
         )
-        rows = torch.arange(b, device=buf.device)
+        rows = self.rows[:b]
         return lambda: model.forward(
             part("ids", b).long(), part("positions", b).long(), attention, metadata, cache, rows
         )

@@ -13,6 +13,7 @@ pytest.importorskip("triton")
 
 from cluster.engine.cuda_graphs import (
     PADDING_SLOT,
+    DecodeGraphs,
     PiecewiseGraphs,
     Segments,
     Staging,
@@ -148,6 +149,44 @@ def test_padding_rows_write_no_page_and_attend_to_nothing(kernel_device: torch.d
     assert torch.equal(v_now[untouched], v_before[untouched])
     assert not out[2:].any()  # padding rows attend to nothing
     assert out[:2].abs().sum() > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_decode_graph_reads_no_tensor_freed_after_its_capture() -> None:
+    """A CUDA graph holds no reference to the tensors it reads. Once the graphs are
+    captured, every free small block of the allocator is taken and zeroed (as the engine's
+    eager prefill took them for its logits rows, which the replay then gathered: rows past
+    the bucket, a device-side assert); a decode of 3 replayed in the bucket of 4 still
+    gives the model's logits, row by row."""
+    from cluster.engine.model.model import LlamaModel
+    from splitserve.bench.gpu import random_weights, spec_of
+
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    spec = spec_of("tiny")
+    model = LlamaModel(spec, random_weights(spec, torch.float32, device), torch.float32, device)
+    cache = KVCache(KVLayout.of(spec, 16, torch.float32), num_pages=12, device=device)
+    cache.k.normal_()
+    cache.v.normal_()
+    attention = TritonBackend(device, spec.num_kv_heads, (model.cos, model.signed_sin))
+    graphs = DecodeGraphs(model, attention, cache, 4, 48, device)
+    stats = torch.cuda.memory_stats(device)
+    free = stats["reserved_bytes.small_pool.current"] - stats["allocated_bytes.small_pool.current"]
+    taken = [torch.zeros(64, dtype=torch.long, device=device) for _ in range(free // 512 + 1)]
+    batch, ids = _decode_step([20, 40, 3], page_size=16)
+    got = graphs.run(batch, ids)
+    assert got is not None
+    got = got.clone()
+    want = model.forward(
+        torch.tensor(ids, device=device),
+        batch.positions.to(device),
+        attention,
+        attention.prepare(batch),
+        cache,
+        torch.arange(3, device=device),
+    )
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert not torch.stack(taken).any()  # and the replay wrote into none of them
 
 
 def test_token_buckets_pad_a_step_by_at_most_a_third() -> None:

@@ -386,6 +386,7 @@ class LLMEngine:
         must not end it while a WRITE can still land. None: too few pages, nothing held.
         """
         req = self._new(prompt_ids, sampling, request_id, resumed)
+        self._settle_tier()  # an idle worker steps no more: its copies' pages free here
         if not self.scheduler.reserve(req):
             return None
         return Reservation(list(req.pages), req.num_computed)

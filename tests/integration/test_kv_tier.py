@@ -12,7 +12,8 @@ import torch
 
 from cluster.engine.engine import LLMEngine
 from cluster.engine.sched.page_pool import hash_pages
-from cluster.types import BlockHash, SamplingParams
+from cluster.types import BlockHash, RequestId, SamplingParams
+from tests.helpers import wait_until
 from tests.integration.conftest import INVARIANT, RAW_PROMPTS
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
@@ -96,6 +97,23 @@ def test_every_page_is_free_after_copies_and_aborts(make_engine: Callable[..., A
     while engine.has_unfinished():
         engine.step()
     assert engine.num_free_pages == engine.pool.num_pages
+
+
+def test_an_idle_worker_gets_the_pages_its_copies_held_back(
+    make_engine: Callable[..., LLMEngine],
+) -> None:
+    """A decode worker steps only while it has work: once its last request is done, the
+    pages its copies to the tier held come back when it next reserves."""
+    engine = tier_engine(make_engine)
+    engine.add_request(PROMPT, SamplingParams(max_tokens=1))  # its pages copied after
+    while engine.scheduler.has_work:  # as decode_worker's loop does
+        engine.step()
+    whole = list(range(100, 100 + engine.pool.num_pages * 16 - 8))  # every page but none spare
+    wait_until(
+        lambda: engine.reserve(whole, GREEDY, RequestId("all")) is not None,
+        "a reservation of every page",
+    )
+    assert engine.abort_request(RequestId("all"))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -62,7 +62,7 @@ def token_checked_weights() -> str:
 
 def pressure_doc(args: argparse.Namespace) -> dict[str, Any]:
     """The server for a pressure scenario: every accepted stream fits the decode batch."""
-    seqs = args.max_pending if args.scenario == "overload" else 64
+    seqs = args.max_pending if args.scenario in ("overload", "burst") else 64
     router: dict[str, Any] = {"max_pending": args.max_pending, "http_port": 0}
     if args.max_pending_per_client is not None:
         router["max_pending_per_client"] = args.max_pending_per_client
@@ -75,7 +75,7 @@ def pressure_doc(args: argparse.Namespace) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _door(kind: str, target: str) -> Door:
+def open_door(kind: str, target: str) -> Door:
     return GrpcDoor(target) if kind == "grpc" else HttpDoor(target)
 
 
@@ -97,7 +97,7 @@ def burst(kind: str, target: str, n: int, prompt: Prompt) -> dict[str, list[Sent
     `n` one after another; each one's start, end and status."""
 
     async def fire() -> dict[str, list[Sent]]:
-        door = _door(kind, target)
+        door = open_door(kind, target)
         try:
             await door.call(prompt, 1, "warm")  # connected before the clock starts
             at_once = await asyncio.gather(*(door.call(prompt, 1, "burst") for _ in range(n)))
@@ -119,7 +119,7 @@ async def overload(kind: str, target: str, pid: int, args: argparse.Namespace) -
     prompts = [[rng.randrange(VOCAB_SIZE) for _ in range(args.prompt_tokens)]
                for _ in range(args.distinct)]  # fmt: skip
     loop = asyncio.get_running_loop()
-    door = _door(kind, target)
+    door = open_door(kind, target)
     with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
         await loop.run_in_executor(pool, warm)  # before any stream: it takes seconds
         try:

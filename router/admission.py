@@ -26,9 +26,16 @@ of what is in flight. Neither door keeps a count beside it:
 
 The price of the backstop: a call it refuses carries gRPC's message, not the limit's
 name, and is not in the router's refusal metrics (grpc gives no hook there; the bench's
-`by_status` counts them). Calls in flight that are not requests (a health check, a call
-being refused) take allowance, not max_pending, so the backstop never refuses a request
-the router would have taken while fewer than `GRPC_ALLOWANCE` such calls are open.
+`by_status` counts them). Calls open that hold no slot (a health check or Watch, a
+reflection stream, a request being parsed or refused) take allowance, not max_pending,
+so the backstop never refuses a request the router would have taken while fewer than
+`GRPC_ALLOWANCE` of them are open.
+
+What it does not do is make a refusal cheap: grpc.aio's own work per call (taking it
+from the core, its task, sending the status: Cython on the event loop) costs about as
+much as the router's whole refusal, and each refused call ends before grpc.aio takes the
+next one, so a burst rarely has many calls open at once. Measured, with the targets
+missed, in docs/benchmarks.md (`bench chaos --scenario burst`).
 """
 
 from __future__ import annotations
@@ -41,8 +48,9 @@ from aiohttp.typedefs import Handler, Middleware
 from router.router import Overloaded, Router
 
 # Calls past max_pending the router's Python handles at once before gRPC's limit refuses
-# the rest: health checks and reflection while full, and the first of a burst's refusals.
-GRPC_ALLOWANCE = 16
+# the rest: health checks and reflection while full (a prober's Health.Watch holds one
+# for as long as it watches), and the first of a burst's refusals.
+GRPC_ALLOWANCE = 64
 # What a refusal asks the client to wait, in seconds (the router cannot know when a slot
 # frees: a stream ends when its tokens do).
 RETRY_AFTER_S = 1

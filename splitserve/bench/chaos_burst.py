@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import random
 import time
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
@@ -40,9 +39,16 @@ from typing import Any
 import psutil
 
 from splitserve.bench.chaos_doors import Call, HttpDoor, Prompt
-from splitserve.bench.chaos_pressure import open_door, overload_summary, stats_ms, warm
+from splitserve.bench.chaos_pressure import (
+    beside_streams,
+    open_door,
+    overload_summary,
+    prompts_of,
+    references,
+    stats_ms,
+    warm,
+)
 from splitserve.serve_metrics import OK
-from splitserve.serve_workload import VOCAB_SIZE
 
 
 @dataclass(frozen=True)
@@ -158,46 +164,24 @@ def burst_summary(streams: list[Call], b: Burst) -> dict[str, Any]:
 
 async def burst_run(kind: str, target: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
     """One front door: reference, max_pending streams, the burst beside them."""
-    rng = random.Random(args.seed)
-    prompts = [[rng.randrange(VOCAB_SIZE) for _ in range(args.prompt_tokens)]
-               for _ in range(args.distinct)]  # fmt: skip
+    prompts = prompts_of(args)
     loop = asyncio.get_running_loop()
     door = open_door(kind, target)
     with ProcessPoolExecutor(args.burst_clients, mp_context=get_context("spawn")) as pool:
         # Started before any stream: it takes seconds.
         await asyncio.gather(*(loop.run_in_executor(pool, warm) for _ in range(args.burst_clients)))
         try:
-            reference = [await door.call(p, args.stream_tokens, "streams") for p in prompts]
-            if failed := [c for c in reference if c.status != OK]:
-                raise RuntimeError(f"the reference run failed: {failed[0]}")
-            running = 0
-            all_running = asyncio.Event()
+            reference = await references(door, prompts, args.stream_tokens)
 
-            def first() -> None:
-                nonlocal running
-                running += 1
-                if running == args.max_pending:
-                    all_running.set()
+            async def fire() -> Burst:
+                return await burst(pool, kind, target, pid, prompts[0], args)
 
-            ended = asyncio.gather(*(
-                door.call(prompts[i % len(prompts)], args.stream_tokens, "streams", first)
-                for i in range(args.max_pending)
-            ))  # fmt: skip
-            waiting = asyncio.ensure_future(all_running.wait())
-            either: list[asyncio.Future[Any]] = [waiting, ended]
-            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-            waiting.cancel()
-            fired = None
-            if all_running.is_set():
-                fired = await burst(pool, kind, target, pid, prompts[0], args)
-            streams: list[Call] = await ended
+            streams, fired = await beside_streams(door, prompts, args, fire)
         finally:
             await door.close()
     summary = overload_summary(kind, reference, streams, {})
     del summary["burst"]  # overload's; this scenario's is below
-    if fired is None:
-        return {**summary, "burst": None}
-    return {**summary, "burst": burst_summary(streams, fired)}
+    return {**summary, "burst": None if fired is None else burst_summary(streams, fired)}
 
 
 def _ms(s: dict[str, float] | None, key: str) -> str:

@@ -1,5 +1,7 @@
-"""Admission before the application: a burst past `router.max_pending` is refused where a
-refusal runs none of the router's Python (no parse, no key check, no count, no tokenizer).
+"""Admission before the application: a request past `router.max_pending` is refused before
+any of its work (over HTTP before its body is read), and past what the router's Python
+takes at once, gRPC's own limit refuses without running any of it (no parse, no key
+check, no count, no tokenizer).
 
 The router's own count (`Router.pending`, held by `Router.in_flight`) stays the one truth
 of what is in flight. Neither door keeps a count beside it:

@@ -208,7 +208,7 @@ class RouterServer:
             ("grpc.so_reuseport", 0),  # a second server on this port fails, not shares it
         ]
         interceptors = [GrpcKeyCheck(api_key, SERVICE)] if api_key is not None else []
-        # A burst past max_pending is refused by grpc before our Python (router/admission.py).
+        # grpc's own limit on calls: the backstop of a burst (router/admission.py).
         limit = grpc_limit(config.max_pending)
         self.server = grpc.aio.server(
             options=options, interceptors=interceptors, maximum_concurrent_rpcs=limit

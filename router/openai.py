@@ -50,7 +50,7 @@ from cluster.types import (
     TokenDelta,
     TopLogprobs,
 )
-from router import cors, lab
+from router import admission, cors, lab
 from router.auth import UNAUTHORIZED, http_middleware
 from router.metrics import RouterMetrics
 from router.reasoning import ReasoningSplit
@@ -73,6 +73,7 @@ MAX_PROMPTS = 64  # prompts per completions request
 # A completion without max_tokens stops here (OpenAI's and vLLM's default); a chat's reply
 # may fill what the context leaves.
 COMPLETION_MAX_TOKENS = 16
+GENERATE = ("/v1/chat/completions", "/v1/completions")  # the routes that take a slot
 
 
 class HTTPError(Exception):
@@ -551,11 +552,13 @@ class OpenAIFrontDoor:
             middlewares.append(cors.preflight(self.allowed_origins))
         if self.api_key is not None:
             middlewares.append(http_middleware(self.api_key, _unauthorized))
+        # Last, so a client without the key learns that first; before any body is read.
+        middlewares.append(admission.http_middleware(self.router, GENERATE, self._full))
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
         if self.allowed_origins:
             app.on_response_prepare.append(cors.allow_origin(self.allowed_origins))
-        app.router.add_post("/v1/chat/completions", self._chat)
-        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post(GENERATE[0], self._chat)
+        app.router.add_post(GENERATE[1], self._completions)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/v1/models/{model}", self._model)
         app.router.add_post("/tokenize", self._tokenize)
@@ -667,14 +670,25 @@ class OpenAIFrontDoor:
                 with self.router.in_flight(_client(request)):  # before tokenizing
                     response, status = await self._answer(request, chat)
             except Overloaded as e:
-                self.metrics.refusals.labels(e.limit).inc()
-                raise HTTPError(429, str(e), "rate_limit_exceeded") from None
+                status = "rate_limit_exceeded"
+                return self._overloaded(e)
             return response
         except HTTPError as e:
             status = e.kind
             return web.json_response(e.body(), status=e.status)
         finally:
             self.metrics.requests.labels(status).inc()
+
+    def _overloaded(self, e: Overloaded) -> web.Response:
+        """429 naming the limit, with Retry-After."""
+        self.metrics.refusals.labels(e.limit).inc()
+        body = HTTPError(429, str(e), "rate_limit_exceeded").body()
+        return web.json_response(body, status=429, headers=admission.retry_after())
+
+    def _full(self, e: Overloaded) -> web.Response:
+        """The admission middleware's refusal: the handler never runs to count it."""
+        self.metrics.requests.labels("rate_limit_exceeded").inc()
+        return self._overloaded(e)
 
     async def _answer(self, request: web.Request, chat: bool) -> tuple[web.StreamResponse, str]:
         call, prepared = await self._prepare(request, chat)

@@ -134,14 +134,21 @@ class Router:
         self._turn = 0
         self._tasks: set[asyncio.Task[Any]] = set()
 
+    def full(self) -> bool:
+        """No `max_pending` slot is free: a new request would be refused."""
+        return self.pending >= self.max_pending
+
+    def overloaded(self) -> Overloaded:
+        """The refusal of a request past `max_pending`, naming it."""
+        why = f"max_pending: {self.pending} requests in flight, the router's limit"
+        return Overloaded("max_pending", why)
+
     @contextlib.contextmanager
     def in_flight(self, client: str = "") -> Iterator[None]:
         """Hold one of the `max_pending` in-flight slots for the block, one of `client`'s
         `max_pending_per_client`; Overloaded naming the limit if there is none."""
-        if self.pending >= self.max_pending:
-            raise Overloaded(
-                "max_pending", f"max_pending: {self.pending} requests in flight, the router's limit"
-            )
+        if self.full():
+            raise self.overloaded()
         mine, most = self.clients[client], self.max_pending_per_client
         if most is not None and mine >= most:
             raise Overloaded(

@@ -4,7 +4,9 @@ Status codes: a bad field, or a message that does not parse, is INVALID_ARGUMENT
 message names the field; unparsable messages are logged at most once a minute), a full
 router (max_pending), a client past its own limit (max_pending_per_client: by its
 `authorization` metadata if it sends one, else by its address) or a full tokenization
-queue is RESOURCE_EXHAUSTED naming the limit, no live decode worker is UNAVAILABLE, a
+queue is RESOURCE_EXHAUSTED naming the limit (past max_pending plus a small allowance of
+calls at once, grpc's own limit refuses first, with its own message: router/admission.py),
+no live decode worker is UNAVAILABLE, a
 request a worker failed is INTERNAL, a call without the API key (when one is set)
 is UNAUTHENTICATED, one the server aborted (shutdown) is ABORTED. A
 client that cancels, or whose deadline passes, has its request aborted on every worker.
@@ -24,6 +26,7 @@ from cluster.config import RouterConfig
 from cluster.engine.model.tokenizer import Tokenizer
 from cluster.protocol import DecodeStats
 from cluster.types import FinishReason, InvalidRequestError, ModelInfo, TokenDelta
+from router.admission import grpc_limit
 from router.auth import GrpcKeyCheck
 from router.metrics import RouterMetrics
 from router.request import prepare_off_loop
@@ -205,7 +208,11 @@ class RouterServer:
             ("grpc.so_reuseport", 0),  # a second server on this port fails, not shares it
         ]
         interceptors = [GrpcKeyCheck(api_key, SERVICE)] if api_key is not None else []
-        self.server = grpc.aio.server(options=options, interceptors=interceptors)
+        # grpc's own limit on calls: the backstop of a burst (router/admission.py).
+        limit = grpc_limit(config.max_pending)
+        self.server = grpc.aio.server(
+            options=options, interceptors=interceptors, maximum_concurrent_rpcs=limit
+        )
         _add_generation(servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)

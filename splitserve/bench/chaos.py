@@ -25,7 +25,9 @@ load with no fault, the floor of wrong tokens from batching alone.
 
 `--scenario overload` and `--scenario flood` put the front doors under pressure instead
 (splitserve/bench/chaos_pressure.py): refusals timed at 3x `max_pending` while every accepted stream
-runs, and a flood of near-limit inputs against a normal client's latency.
+runs, and a flood of near-limit inputs against a normal client's latency. `--scenario
+burst` (splitserve/bench/chaos_burst.py) times a burst's refusals at once, from clients
+already connected, against the running streams' inter-token latency and the router's CPU.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from typing import Any
 
 import grpc
 
+from splitserve.bench.chaos_burst import burst_run, burst_table
 from splitserve.bench.chaos_faults import Victim, kill_valkey, kill_worker, pages, workers
 from splitserve.bench.chaos_pressure import (
     flood,
@@ -207,6 +210,10 @@ async def _scenario(args: argparse.Namespace, served: Served) -> dict[str, Any]:
         targets = {"grpc": served.address, "http": served.http_url or ""}
         doors = args.doors.split(",")
         return {"overload": [await overload(d, targets[d], served.pid, args) for d in doors]}
+    if args.scenario == "burst":
+        targets = {"grpc": served.address, "http": served.http_url or ""}
+        doors = args.doors.split(",")
+        return {"burst": [await burst_run(d, targets[d], served.pid, args) for d in doors]}
     if args.scenario == "flood":
         return {"flood": await flood(served.address, served.pid, args)}
     return await run(args, served)
@@ -234,7 +241,7 @@ def _tree() -> dict[str, Any]:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="splitserve bench chaos", description=__doc__.split("\n")[0])
-    p.add_argument("--scenario", choices=["kills", "overload", "flood"], default="kills")
+    p.add_argument("--scenario", choices=["kills", "overload", "flood", "burst"], default="kills")
     p.add_argument("--prefill", type=int, default=2, help="prefill workers (the pool's size)")
     p.add_argument("--decode", type=int, default=2, help="decode workers (the pool's size)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -270,15 +277,27 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--settle-s", type=float, default=60.0, help="for pages to come back")
     p.add_argument("--seed", type=int, default=0)
-    pressure = p.add_argument_group("overload and flood (splitserve/bench/chaos_pressure.py)")
+    pressure = p.add_argument_group(
+        "overload, flood and burst (splitserve/bench/chaos_pressure.py, chaos_burst.py)"
+    )
     pressure.add_argument("--max-pending", type=int, default=256, help="the router's limit")
     pressure.add_argument(
         "--max-pending-per-client", type=int, default=None, help="the router's per-client limit"
     )
-    pressure.add_argument("--doors", default="grpc,http", help="overload: front doors, in turn")
+    pressure.add_argument("--doors", default="grpc,http", help="overload, burst: in turn")
     pressure.add_argument("--prompt-tokens", type=int, default=16)
     pressure.add_argument("--distinct", type=int, default=4, help="overload: distinct prompts")
-    pressure.add_argument("--stream-tokens", type=int, default=32, help="overload: per stream")
+    pressure.add_argument(
+        "--stream-tokens", type=int, default=None, help="each stream's (overload 32, burst 64)"
+    )
+    pressure.add_argument("--burst", type=int, default=2, help="burst: x max_pending at once")
+    pressure.add_argument(
+        "--before-s", type=float, default=1.0, help="burst: the streams watched before it"
+    )
+    pressure.add_argument("--burst-clients", type=int, default=4, help="burst: processes")
+    pressure.add_argument(
+        "--setup-s", type=float, default=3.0, help="burst: for its clients to connect"
+    )
     pressure.add_argument("--normal", type=int, default=16, help="flood: idle normal requests")
     pressure.add_argument("--normal-tokens", type=int, default=16)
     pressure.add_argument("--flood-senders", type=int, default=32)
@@ -286,6 +305,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--log-dir", default=None, help="the server's config and log (default: tmp)")
     args = p.parse_args(argv)
+    if args.stream_tokens is None:  # a burst's streams must outlast its quiet window
+        args.stream_tokens = 64 if args.scenario == "burst" else 32
     for phase in ("prefill", "decode"):
         if args.kill_phase == phase and getattr(args, phase) == 0:
             p.error(f"--kill-phase {phase}: there are no {phase} workers (--{phase} 0)")
@@ -307,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     result["tree"] = tree
     if args.scenario == "kills":
         print(table(f"chaos ({args.kills} kills, {args.concurrency} streams)", result["summary"]))
+    elif args.scenario == "burst":
+        print(burst_table(result["burst"]))
     else:
         print(pressure_table(result))
     if args.json:

@@ -36,9 +36,10 @@ import random
 import string
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
-from typing import Any
+from typing import Any, TypeVar
 
 import psutil
 
@@ -47,6 +48,8 @@ from splitserve.bench.chaos_doors import Call, Door, GrpcDoor, HttpDoor, Prompt
 from splitserve.client import Client
 from splitserve.serve_metrics import OK, percentile
 from splitserve.serve_workload import VOCAB_SIZE
+
+T = TypeVar("T")
 
 
 def token_checked_weights() -> str:
@@ -62,7 +65,7 @@ def token_checked_weights() -> str:
 
 def pressure_doc(args: argparse.Namespace) -> dict[str, Any]:
     """The server for a pressure scenario: every accepted stream fits the decode batch."""
-    seqs = args.max_pending if args.scenario == "overload" else 64
+    seqs = args.max_pending if args.scenario in ("overload", "burst") else 64
     router: dict[str, Any] = {"max_pending": args.max_pending, "http_port": 0}
     if args.max_pending_per_client is not None:
         router["max_pending_per_client"] = args.max_pending_per_client
@@ -75,7 +78,7 @@ def pressure_doc(args: argparse.Namespace) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _door(kind: str, target: str) -> Door:
+def open_door(kind: str, target: str) -> Door:
     return GrpcDoor(target) if kind == "grpc" else HttpDoor(target)
 
 
@@ -97,7 +100,7 @@ def burst(kind: str, target: str, n: int, prompt: Prompt) -> dict[str, list[Sent
     `n` one after another; each one's start, end and status."""
 
     async def fire() -> dict[str, list[Sent]]:
-        door = _door(kind, target)
+        door = open_door(kind, target)
         try:
             await door.call(prompt, 1, "warm")  # connected before the clock starts
             at_once = await asyncio.gather(*(door.call(prompt, 1, "burst") for _ in range(n)))
@@ -114,46 +117,69 @@ def warm() -> None:
     """Imports done in the burst process before it is timed."""
 
 
-async def overload(kind: str, target: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
+def prompts_of(args: argparse.Namespace) -> list[Prompt]:
+    """`--distinct` token-id prompts of `--prompt-tokens`, seeded."""
     rng = random.Random(args.seed)
-    prompts = [[rng.randrange(VOCAB_SIZE) for _ in range(args.prompt_tokens)]
-               for _ in range(args.distinct)]  # fmt: skip
+    return [[rng.randrange(VOCAB_SIZE) for _ in range(args.prompt_tokens)]
+            for _ in range(args.distinct)]  # fmt: skip
+
+
+async def references(door: Door, prompts: list[Prompt], tokens: int) -> list[Call]:
+    """Each prompt alone, `tokens` long: what its streams must stream."""
+    reference = [await door.call(p, tokens, "streams") for p in prompts]
+    if failed := [c for c in reference if c.status != OK]:
+        raise RuntimeError(f"the reference run failed: {failed[0]}")
+    return reference
+
+
+async def beside_streams(
+    door: Door, prompts: list[Prompt], args: argparse.Namespace,
+    then: Callable[[], Awaitable[T]],
+) -> tuple[list[Call], T | None]:  # fmt: skip
+    """`--max-pending` streams of the prompts (in turn) at once, `--stream-tokens` long;
+    once every one has its first token, `then()`. The streams' Calls and what `then`
+    returned (None: the streams ended before all were running)."""
+    running = 0
+    all_running = asyncio.Event()
+
+    def first() -> None:
+        nonlocal running
+        running += 1
+        if running == args.max_pending:
+            all_running.set()
+
+    ended = asyncio.gather(*(
+        door.call(prompts[i % len(prompts)], args.stream_tokens, "streams", first)
+        for i in range(args.max_pending)
+    ))  # fmt: skip
+    waiting = asyncio.ensure_future(all_running.wait())
+    either: list[asyncio.Future[Any]] = [waiting, ended]
+    await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+    waiting.cancel()
+    result = await then() if all_running.is_set() else None
+    return list(await ended), result
+
+
+async def overload(kind: str, target: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
+    prompts = prompts_of(args)
     loop = asyncio.get_running_loop()
-    door = _door(kind, target)
+    door = open_door(kind, target)
     with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
         await loop.run_in_executor(pool, warm)  # before any stream: it takes seconds
         try:
-            reference = [await door.call(p, args.stream_tokens, "streams") for p in prompts]
-            if failed := [c for c in reference if c.status != OK]:
-                raise RuntimeError(f"the reference run failed: {failed[0]}")
-            running = 0
-            all_running = asyncio.Event()
+            reference = await references(door, prompts, args.stream_tokens)
 
-            def first() -> None:
-                nonlocal running
-                running += 1
-                if running == args.max_pending:
-                    all_running.set()
+            async def refuse() -> dict[str, list[Sent]]:
+                n = 2 * args.max_pending
+                return await loop.run_in_executor(pool, burst, kind, target, n, prompts[0])
 
             router = psutil.Process(pid)
             cpu = sum(router.cpu_times()[:2])
-            ended = asyncio.gather(*(
-                door.call(prompts[i % len(prompts)], args.stream_tokens, "streams", first)
-                for i in range(args.max_pending)
-            ))  # fmt: skip
-            waiting = asyncio.ensure_future(all_running.wait())
-            either: list[asyncio.Future[Any]] = [waiting, ended]
-            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-            waiting.cancel()
-            refusals: dict[str, list[Sent]] = {}
-            if all_running.is_set():
-                n = 2 * args.max_pending
-                refusals = await loop.run_in_executor(pool, burst, kind, target, n, prompts[0])
-            calls: list[Call] = await ended
+            calls, refusals = await beside_streams(door, prompts, args, refuse)
             cpu = sum(router.cpu_times()[:2]) - cpu
         finally:
             await door.close()
-    summary = overload_summary(kind, reference, calls, refusals)
+    summary = overload_summary(kind, reference, calls, refusals or {})
     tokens = args.stream_tokens * summary["streams_ok"]  # ignore_eos: each gets them all
     return {**summary, "router_cpu_s": cpu, "router_cpu_us_per_token": 1e6 * cpu / max(1, tokens)}
 

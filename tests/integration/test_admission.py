@@ -1,7 +1,10 @@
 """Admission at the front doors over real workers: an input too long for the context is
 refused after counting about a context's worth of it, and a client past its own limit
 (`max_pending_per_client`, by its key) is refused while another client gets in; each
-refusal is counted by the limit that made it."""
+refusal is counted by the limit that made it. A full router (`max_pending`) refuses on
+both doors naming the limit, as often as a client retries, before reading an HTTP body; a
+burst past gRPC's own limit is refused without stopping a stream or a health check; no
+refusal leaves a slot, a page or a tokenize job behind."""
 
 from __future__ import annotations
 
@@ -11,15 +14,19 @@ import random
 import string
 import urllib.error
 import urllib.request
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from router.admission import grpc_limit
 from router.request import MAX_CHARS_PER_TOKEN
 from router.token_count import CHUNK_CHARS, count_tokens
 from splitserve.client import request
+from splitserve_api.v1 import splitserve_pb2 as pb
 from splitserve_api.v1 import splitserve_pb2_grpc as pb_grpc
 from tests.helpers import wait_until
 from tests.integration.router_harness import RouterHarness
@@ -132,3 +139,120 @@ def test_a_client_past_its_own_limit_is_refused_and_counted_while_another_gets_i
     assert _refusals(router, "max_pending_per_client") - before == 2
     wait_until(lambda: core.pending == 0, "the cancelled stream's slot to come back")
     assert not core.clients
+
+
+MAX_PENDING = 2  # the small router's limit, from its config (gRPC's own limit is sized by it)
+
+
+@pytest.fixture(scope="module")
+def small(ray_workers: Any) -> Iterator[RouterHarness]:
+    prefill = {"prefill": ray_workers.prefill("prefill")}
+    decode = {"colocated": ray_workers.decode("colocated")}
+    harness = RouterHarness(prefill, decode, None, http_port=0, max_pending=MAX_PENDING)
+    yield harness
+    harness.stop()
+
+
+def _long(stub: pb_grpc.GenerationStub) -> Any:
+    """A stream that cannot finish during a test (4,000 tokens): cancelled by the test."""
+    return stub.Generate(request("Tell me a long story.", max_tokens=4000, ignore_eos=True))
+
+
+async def _status(stub: pb_grpc.GenerationStub) -> tuple[str, str]:
+    """One short request's end: its status code's name and its message."""
+    try:
+        async for _ in stub.Generate(request("Rain falls on", max_tokens=2)):
+            pass
+    except grpc.aio.AioRpcError as e:
+        return e.code().name, e.details() or ""
+    return "OK", ""
+
+
+def _post(url: str, body: bytes) -> tuple[int, str | None, dict[str, Any]]:
+    """A completions POST: its status, Retry-After and JSON body."""
+    call = urllib.request.Request(url + "/v1/completions", data=body)
+    try:
+        with urllib.request.urlopen(call, timeout=120) as r:
+            return int(r.status), r.headers.get("Retry-After"), json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers.get("Retry-After"), json.loads(e.read())
+
+
+def test_a_full_router_refuses_on_both_doors_naming_max_pending_again_at_once(
+    small: RouterHarness, workers: Any
+) -> None:
+    assert small.app.http is not None
+    http = small.app.http.address
+    valid = json.dumps({"prompt": "Rain falls on", "max_tokens": 2}).encode()
+
+    async def go() -> tuple[list[tuple[str, str]], list[Any], str, int]:
+        async with grpc.aio.insecure_channel(small.address) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            held = [_long(stub) for _ in range(MAX_PENDING)]
+            for call in held:
+                await call.read()  # its first token: it holds its slot
+            refusals = [await _status(stub), await _status(stub)]  # the retry at once too
+            posts = [await asyncio.to_thread(_post, http, b) for b in (valid, valid, b"{no")]
+            health = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest()
+            )
+            models = await stub.ListModels(pb.ListModelsRequest())
+            for call in held:
+                call.cancel()
+        return (
+            refusals,
+            posts,
+            health_pb2.HealthCheckResponse.ServingStatus.Name(health.status),
+            len(models.models),
+        )
+
+    before = _refusals(small, "max_pending")
+    refusals, posts, health, models = asyncio.run(go())
+    for code, why in refusals:
+        assert code == "RESOURCE_EXHAUSTED"
+        assert why.startswith(f"max_pending: {MAX_PENDING} requests in flight"), why
+    # Twice, and a body that is not JSON: the same 429, so the body was never read.
+    for status, retry_after, body in posts:
+        assert (status, retry_after) == (429, "1")
+        assert body["error"]["type"] == body["error"]["code"] == "rate_limit_exceeded"
+        assert body["error"]["message"].startswith(f"max_pending: {MAX_PENDING} requests")
+    assert (health, models) == ("SERVING", 1)  # the probes answer while it is full
+    assert _refusals(small, "max_pending") - before == 5
+    core = small.app.router
+    wait_until(lambda: core.pending == 0, "the cancelled streams' slots to come back")
+    assert not core.clients and small.app.tokenize.queued == 0
+
+
+def test_a_burst_past_grpcs_own_limit_is_refused_while_streams_and_probes_go_on(
+    small: RouterHarness, workers: Any
+) -> None:
+    burst = 4 * grpc_limit(MAX_PENDING)  # far past what the router's Python takes at once
+
+    async def go() -> tuple[Counter[tuple[str, str]], list[int], str]:
+        async with grpc.aio.insecure_channel(small.address) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            held = [_long(stub) for _ in range(MAX_PENDING)]
+            for call in held:
+                await call.read()
+            ends = await asyncio.gather(*(_status(stub) for _ in range(burst)))
+            more = [0] * MAX_PENDING
+            for i, call in enumerate(held):  # the streams go on after the burst
+                for _ in range(4):
+                    more[i] += len((await call.read()).token_ids)
+            health = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest()
+            )
+            for call in held:
+                call.cancel()
+        status = health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)
+        return Counter((code, why.split(":")[0]) for code, why in ends), more, status
+
+    ends, more, health = asyncio.run(go())
+    assert sum(ends.values()) == burst
+    # The router's own refusals name max_pending; past grpc's limit, grpc's message.
+    assert {code for code, _ in ends} == {"RESOURCE_EXHAUSTED"}
+    assert {why for _, why in ends} <= {"max_pending", "Concurrent RPC limit exceeded!"}
+    assert all(n >= 4 for n in more) and health == "SERVING"
+    core = small.app.router
+    wait_until(lambda: core.pending == 0, "the cancelled streams' slots to come back")
+    assert not core.clients and small.app.tokenize.queued == 0

@@ -3,7 +3,8 @@ and one decode worker, 4 streams of short requests, one kill -9 of the prefill w
 A dead prefill worker loses nothing (its decode workers recompute), so every request
 completes with the idle run's tokens, the pool replaces the worker and no page is held.
 Then the pressure scenarios in small: 4 streams and 8 + 8 refusals on each front door;
-a 2-second flood of near-limit texts beside a normal client."""
+a 2-second flood of near-limit texts beside a normal client; a burst of 8 from two
+pre-connected clients while 4 streams run, on each front door."""
 
 from __future__ import annotations
 
@@ -65,3 +66,25 @@ def test_a_flood_is_refused_and_the_normal_client_is_served(tmp_path: Path) -> N
     assert set(flood["flood_by_status"]) <= {"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"}
     assert flood["flood_by_status"]["INVALID_ARGUMENT"] >= 1
     assert flood["normal_failed"] == 0 and flood["normal_during_ms"] is not None
+
+
+def test_a_burst_is_refused_on_both_doors_while_every_stream_runs_to_its_end(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "burst.json"
+    argv = ["--scenario", "burst", *PRESSURE, "--stream-tokens", "256", "--burst-clients", "2"]
+    argv += ["--setup-s", "2", "--before-s", "0.5"]
+    assert main([*argv, "--json", str(out), "--log-dir", str(tmp_path)]) == 0
+    grpc_run, http_run = json.loads(out.read_text())["burst"]
+    grpc_limit = "RESOURCE_EXHAUSTED: Concurrent RPC limit exceeded!"
+    for run, named in (
+        (grpc_run, "RESOURCE_EXHAUSTED: max_pending"),
+        (http_run, "HTTP_429: max_pending"),
+    ):
+        assert (run["streams"], run["streams_ok"], run["streams_wrong_output"]) == (4, 4, 0)
+        b = run["burst"]
+        assert b["streams_through_burst"] == 4  # every stream ran across the whole burst
+        assert (b["sent"], b["refusal_ms"]["n"], sum(b["by_status"].values())) == (8, 8, 8)
+        assert set(b["by_status"]) <= {named, grpc_limit}, b["by_status"]
+        assert b["itl_before_ms"]["n"] >= 1 and b["itl_during_ms"]["n"] >= 1
+        assert b["router_cpu_us_per_refusal_raw"] >= b["router_cpu_us_per_refusal"] >= 0

@@ -399,7 +399,7 @@ class RouterConfig:
     # Also prefill on the decode worker when the workers' measured costs say it is cheaper
     # (router/prefill_cost.py); false: transfer.local_prefill_tokens and the prefix rule
     # (router/policy.py) alone decide. Off: bench compare measured it worse on chat, better
-    # on multi-turn (README, serving benchmark).
+    # on multi-turn (docs/benchmarks.md, bench compare).
     prefill_by_cost: bool = False
     max_pending: int = 256  # requests in flight; past it, RESOURCE_EXHAUSTED at once
     # ... and per client (its key, else its address); null: no limit per client.

@@ -4,7 +4,7 @@ clock, running the project's own policies: the router's `route()`, the autoscale
 is replaced, by a step cost (splitserve/step_cost.py: the hardware's roofline, or a fit
 to the real engine's measured steps), and the KV transfer by bytes / link bandwidth.
 
-The life of a request, as in the real cluster (shared/DESIGN.md):
+The life of a request, as in the real cluster (docs/design.md, "Life of a request"):
 1. It arrives; `route()` picks a decode worker and maybe a prefill worker from the
    workers' loads at that instant (the real router reads them every 100 ms and counts
    its own requests in between, which tracks the same numbers) and, under cache_aware,

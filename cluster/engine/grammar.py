@@ -8,7 +8,7 @@ to it. Before each draw, the rows that have a matcher get -inf on every token th
 grammar does not allow next (one bitmask for them, applied together by our own torch
 ops). Chosen over llguidance by `splitserve bench grammar`: xgrammar fills a row's mask
 13-15x faster on this CPU at batch 1 and 64; its own CPU apply is the slow part, so the
-apply is ours (README, structured outputs).
+apply is ours (docs/serving.md, structured outputs).
 """
 
 from __future__ import annotations

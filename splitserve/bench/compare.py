@@ -3,11 +3,11 @@ against each serving configuration in turn, one report.
 
 Configurations, the first three started as `splitserve serve` (a child process with its
 own Ray, Redis and router; `dtype: auto` and `quantization: auto`, the modes a user gets on
-this CPU: see the README) on this machine's cores:
+this CPU: see docs/engine.md) on this machine's cores:
 
   disaggregated       1 prefill + 1 decode worker, 1 thread each, pinned to cores 0 and 1
                       (KV pushed in one WRITE per prompt: `stream_layers: false`, the
-                      better setting on one CPU host, see the README)
+                      better setting on one CPU host, see docs/benchmarks.md)
   colocated           no prefill pool; 1 decode worker with 2 threads on both cores that
                       prefills each prompt in one step (chunked prefill off)
   colocated-chunked   the same with chunked prefill: at most 512 tokens per step, decodes

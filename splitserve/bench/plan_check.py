@@ -34,8 +34,8 @@ from splitserve.sim import Cluster, Pool, Simulation
 from splitserve.step_cost import Linear
 
 CHECKED = ("disaggregated", "colocated")
-LINK_GB_S = 10.0  # NIXL WRITE of a prompt's KV on loopback here (README, bench transfer)
-ROUTER_S = 0.002  # the router's added latency over gRPC (README, bench router)
+LINK_GB_S = 10.0  # NIXL WRITE of a prompt's KV on loopback (docs/benchmarks.md, bench transfer)
+ROUTER_S = 0.002  # the router's added latency over gRPC (docs/benchmarks.md, bench router)
 TOLERANCE = 0.2
 PROBE_ROW_S = 0.001
 

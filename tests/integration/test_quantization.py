@@ -86,7 +86,7 @@ def reference(float32: LLMEngine) -> tuple[list[int], torch.Tensor]:
 # bits of each input and measured 98.7% for int8 and int4, 100% for gguf (whose float32
 # model is the bundled Q4_1 file's blocks dequantized, which gguf mode keeps). Torch's
 # kernel, where ours cannot run, computes in bfloat16, and the unquantized model in
-# bfloat16 agrees with float32 on 96.9% of this text's tokens (README): its floor is 95%.
+# bfloat16 agrees with float32 on 96.9% of this text's tokens (docs/engine.md): its floor is 95%.
 if qmatmul.available():
     BOUNDS = {"int8": (0.98, 1.01), "int4": (0.98, 1.05), "gguf": (0.995, 1.05)}
 else:

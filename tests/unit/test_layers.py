@@ -1,4 +1,4 @@
-"""Imports point down a floor (DESIGN.md's layout), read from the source with `ast`.
+"""Imports point down a floor (docs/design.md's layout), read from the source with `ast`.
 
 Floors are packages, lowest first; a module may import its own floor and the floors below.
 A module's floor is that of the innermost package of PACKAGES it lies in (splitserve.bench

@@ -50,7 +50,7 @@ def fast_dtype(device: str, flags: frozenset[str] | None = None) -> str:
 
 
 def isa(flags: frozenset[str]) -> str:
-    """The vector extensions that decide speed here, as the README's figures name them:
+    """The vector extensions that decide speed here, as docs/benchmarks.md's figures name them:
     the AVX-512 and AMX flags, or the best of AVX2/AVX/SSE when there are none."""
     wide = sorted(f for f in flags if f.startswith(("avx512", "amx")))
     if wide:

@@ -13,9 +13,9 @@ Where the CPU has AVX-512 VNNI or AVX2, our integer kernel multiplies every quan
 matrix (cluster/engine/kernels/qmatmul.c, `BlockLinear`): each input row is rounded per group of
 32 to int8 steps (as llama.cpp does) plus int8 remainders, and the groups' dot products are
 the CPU's byte dot products; measured 1.3-4x faster than torch's int4 kernel on the bundled
-model's shapes at 1, 16 and 256 rows (README). Elsewhere (or with no C compiler) PyTorch's
-`_weight_int4pack_mm_for_cpu` (chosen by measurement over `_weight_int8pack_mm`, fbgemm
-dynamic int8 and bfloat16 on the model's shapes; docs in README) multiplies them
+model's shapes at 1, 16 and 256 rows (docs/benchmarks.md). Elsewhere (or with no C compiler)
+PyTorch's `_weight_int4pack_mm_for_cpu` (chosen by measurement over `_weight_int8pack_mm`, fbgemm
+dynamic int8 and bfloat16 on the model's shapes; docs/engine.md) multiplies them
 (`Int4Linear`); there each group of 32 weights reads w = (q4 - 8) * s + z.
 A 4-bit group is one such matrix. An 8-bit group is exactly two: q = 16 * hi + lo with
 hi = q >> 4 in -8..7 and lo = q & 15, so w = 16 s hi + s lo: the same bytes as int8, and

@@ -15,6 +15,14 @@ this module never sees the engine's page pool or sequences. RENEW keeps the rece
 lease while the request waits or computes; DONE carries the first token and the WRITE
 count; a push that stops (abort, REVOKE, a stall past the lease, transport error) posts
 nothing more and sends CANCEL once no WRITE is in flight.
+
+Threads: the push state, the plans and the holds are the engine thread's; the endpoint
+(NIXL, UCX) is entered only from the sender's one transfer thread, in the order the
+engine thread queued its jobs: connect, notices, WRITEs and the polls that read the
+receivers' notices and see WRITEs finish. The engine's step only queues. A WRITE's
+outcome comes back as a future that the engine thread reads at its next poll: only then
+are the WRITE's pages released, so a page is never freed while a WRITE of it can land.
+`close` (or leaving `with`) runs what is queued and joins the thread.
 """
 
 from __future__ import annotations
@@ -22,7 +30,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from types import TracebackType
+from typing import NamedTuple
 
 from cluster.engine.kv_sink import KVStored, PageHolds, PromptDone
 from cluster.engine.layer_ready import LayerReady
@@ -52,6 +63,14 @@ class _Planned:
     dst: list[PageId]
 
 
+class _Outcome(NamedTuple):
+    """How a WRITE ended, as the transfer thread saw it."""
+
+    ok: bool
+    num_bytes: int  # 0: it was never posted
+    post_s: float  # the posting call's time
+
+
 @dataclass
 class _Push:
     peer: Peer
@@ -59,7 +78,8 @@ class _Push:
     state: machine.Push
     sent_upto: int  # leading prompt tokens whose KV (all layers) is planned
     planned: list[_Planned] = field(default_factory=list)  # in stream order
-    writes: list[tuple[Write, list[PageId]]] = field(default_factory=list)
+    # Posted (queued to the transfer thread), with the pages each holds until it is over.
+    writes: list[tuple[Future[_Outcome], list[PageId]]] = field(default_factory=list)
 
 
 class KVSender:
@@ -82,9 +102,28 @@ class KVSender:
         self.layers_per_write = -(-num_layers // WRITES_PER_STEP)
         self.clock = clock
         self.stats = SendStats()
-        self._handshake = endpoint.handshake()  # sent with STARTED, for REVOKE and ACK
+        self.model_page_bytes = endpoint.model_page_bytes  # (a plain value: no NIXL)
+        # The one thread that enters the endpoint; its jobs run in the order queued.
+        self.transfers = ThreadPoolExecutor(1, thread_name_prefix="kv-transfer")
+        # sent with STARTED, for REVOKE and ACK
+        self._handshake = self.transfers.submit(endpoint.handshake).result()
         self._pushes: dict[RequestId, _Push] = {}
+        self._in_flight: list[tuple[Write, Future[_Outcome], float]] = []  # transfer thread's
+        self._sent: list[tuple[RequestId, NoticeKind, Future[None]]] = []  # notices queued
+        self._polling: Future[list[Notice]] | None = None  # the transfer thread's last poll
         self._notified = False  # a notice went out since the last poll
+
+    def __enter__(self) -> KVSender:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Run the jobs already queued (their WRITEs are posted), then join the thread."""
+        self.transfers.shutdown(wait=True)
 
     @property
     def num_pushes(self) -> int:
@@ -94,12 +133,11 @@ class KVSender:
     def start(self, request_id: RequestId, target: KVTarget) -> None:
         """The request was admitted to prefill: connect to the target's worker (refusing an
         incompatible one), claim its pages with STARTED and track the push."""
-        peer = self.endpoint.connect(target.handshake)
+        peer = self.transfers.submit(self.endpoint.connect, target.handshake).result()
         state = machine.start(target.lease_s, self.clock())
         self._pushes[request_id] = _Push(peer, target, state, target.num_cached_tokens)
         started = Notice(NoticeKind.STARTED, request_id, handshake=self._handshake)
-        if not self._notify(request_id, started):
-            self._on(request_id, machine.Unreachable())
+        self._notify(request_id, started)
 
     def stored(self, events: Sequence[KVStored]) -> None:
         """A layer of an engine step is queued: plan the WRITEs of the pushed requests' new
@@ -163,23 +201,31 @@ class KVSender:
         self._on(request_id, machine.Abort())
 
     def poll(self) -> bool:
-        """Drive the transport, read the receivers' ACKs and REVOKEs, post WRITEs whose layers
-        are computed, settle finished ones (releasing their pages) and renew leases; True
-        while any push is open or a notice just went out (it needs another poll soon)."""
+        """Take in what the transfer thread saw (the receivers' ACKs and REVOKEs, notices that
+        failed, finished WRITEs: their pages are released), post WRITEs whose layers are
+        computed, renew leases, and have the transfer thread poll the transport again; True
+        while any push is open or a notice is queued or just went out (it needs another
+        poll soon)."""
         self._read_notices()
+        self._check_sent()
         for rid in list(self._pushes):
             self._post_ready(rid)
             self._settle(rid)
         self._tick()
         notified, self._notified = self._notified, False
-        return bool(self._pushes) or notified
+        return bool(self._pushes or self._sent) or notified
 
     def _tick(self) -> None:
         for rid in list(self._pushes):
             self._on(rid, machine.Tick())
 
     def _read_notices(self) -> None:
-        for notice in self.endpoint.notices():
+        """The notices the transfer thread's last poll read, if it is over; then the next."""
+        if self._polling is not None and not self._polling.done():
+            return
+        polling, self._polling = self._polling, self.transfers.submit(self._drive)
+        notices = [] if polling is None else polling.result()
+        for notice in notices:
             rid, kind = notice.request_id, notice.kind
             if rid not in self._pushes or kind not in (NoticeKind.ACK, NoticeKind.REVOKE):
                 log.debug("%s notice for %s, which is not being pushed: dropped", kind.name, rid)
@@ -187,23 +233,55 @@ class KVSender:
             self._on(rid, machine.Acked() if kind is NoticeKind.ACK else machine.Revoked())
             self._post_ready(rid)
 
+    def _drive(self) -> list[Notice]:
+        """On the transfer thread: see which WRITEs finished, and read the notices."""
+        still = []
+        for write, outcome, post_s in self._in_flight:
+            try:
+                finished, ok = self.endpoint.finished(write), True
+            except TransferError as e:
+                log.warning("%s", e)
+                finished, ok = True, False
+            if finished:
+                outcome.set_result(_Outcome(ok, write.num_bytes, post_s))
+            else:
+                still.append((write, outcome, post_s))
+        self._in_flight = still
+        return self.endpoint.notices()
+
+    def _check_sent(self) -> None:
+        """A notice that failed makes its push's receiver unreachable (a lost CANCEL is left
+        to the receiver's cap)."""
+        still = []
+        for rid, kind, sent in self._sent:
+            if not sent.done():
+                still.append((rid, kind, sent))
+                continue
+            self._notified = True
+            error = sent.exception()
+            if error is not None:
+                log.warning("request %s: %s", rid, error)
+                if kind is not NoticeKind.CANCEL:
+                    self._on(rid, machine.Unreachable())
+        self._sent = still
+
     def _settle(self, rid: RequestId) -> None:
-        """Release the source pages of completed WRITEs."""
+        """Release the source pages of WRITEs the transfer thread saw finish or fail."""
         push = self._pushes.get(rid)
         if push is None:
             return
         still = []
-        for write, pages in push.writes:
-            try:
-                finished, ok = self.endpoint.finished(write), True
-            except TransferError as e:
-                log.warning("request %s: %s", rid, e)
-                finished, ok = True, False
-            if finished:
-                self.holds.release(pages)
-                self._on(rid, machine.WriteDone(ok))
-            else:
-                still.append((write, pages))
+        for outcome, pages in push.writes:
+            if not outcome.done():
+                still.append((outcome, pages))
+                continue
+            ok, num_bytes, post_s = outcome.result()
+            self.holds.release(pages)
+            if num_bytes:
+                self.stats.writes += 1
+                self.stats.bytes += num_bytes
+                self.stats.post_s += post_s
+            self._on(rid, machine.WriteDone(ok))
         push.writes = still
 
     def _post_ready(self, rid: RequestId) -> None:
@@ -220,17 +298,18 @@ class KVSender:
 
     def _on(self, rid: RequestId, event: machine.Event) -> None:
         """Feed one event to the request's push and apply what it says to do."""
-        events: list[machine.Event] = [event]
-        while events and (push := self._pushes.get(rid)) is not None:
-            push.state, actions = machine.on_event(push.state, events.pop(0), self.clock())
-            for action in actions:
-                events += self._apply(rid, push, action)
+        push = self._pushes.get(rid)
+        if push is None:
+            return
+        push.state, actions = machine.on_event(push.state, event, self.clock())
+        for action in actions:
+            self._apply(rid, push, action)
 
-    def _apply(self, rid: RequestId, push: _Push, action: machine.Action) -> list[machine.Event]:
-        """Do one action; the events it caused (a failed post or notice)."""
+    def _apply(self, rid: RequestId, push: _Push, action: machine.Action) -> None:
+        """Do one action (a failed WRITE or notice comes back at a later poll)."""
         match action:
             case machine.Post():
-                return self._post(rid, push, push.planned.pop(0))
+                self._post(rid, push, push.planned.pop(0))
             case machine.Drop():
                 for planned in push.planned:
                     self.holds.release(planned.src)
@@ -245,7 +324,7 @@ class KVSender:
                     cause.value,
                 )
             case machine.SendRenew():
-                return self._notice(rid, Notice(NoticeKind.RENEW, rid))
+                self._notify(rid, Notice(NoticeKind.RENEW, rid))
             case machine.SendDone(num_writes, token, logprob, top):
                 done = Notice(
                     NoticeKind.DONE,
@@ -255,43 +334,46 @@ class KVSender:
                     first_logprob=logprob,
                     first_top=top,
                 )
-                return self._notice(rid, done)
+                self._notify(rid, done)
             case machine.SendCancel():
-                self._notify(rid, Notice(NoticeKind.CANCEL, rid))  # lost: the receiver's cap
+                self._notify(rid, Notice(NoticeKind.CANCEL, rid))
             case machine.Close():
                 del self._pushes[rid]
-        return []
 
-    def _notice(self, rid: RequestId, notice: Notice) -> list[machine.Event]:
-        return [] if self._notify(rid, notice) else [machine.Unreachable()]
+    def _notify(self, rid: RequestId, notice: Notice) -> None:
+        """Queue the notice; one that fails comes back to `_check_sent`."""
+        sent = self.transfers.submit(self.endpoint.notify, self._pushes[rid].peer, notice)
+        self._sent.append((rid, notice.kind, sent))
 
-    def _notify(self, rid: RequestId, notice: Notice) -> bool:
-        try:
-            self.endpoint.notify(self._pushes[rid].peer, notice)
-        except TransferError as e:
-            log.warning("request %s: %s", rid, e)
-            return False
-        self._notified = True
-        return True
-
-    def _post(self, rid: RequestId, push: _Push, planned: _Planned) -> list[machine.Event]:
+    def _post(self, rid: RequestId, push: _Push, planned: _Planned) -> None:
+        """Queue the WRITE; it holds its pages until its outcome is in (`_settle`)."""
         src, dst, layers = planned.src, planned.dst, planned.layers
-        nbytes = 2 * len(src) * len(layers) * self.endpoint.model_page_bytes
+        nbytes = 2 * len(src) * len(layers) * self.model_page_bytes
         notice = Notice(NoticeKind.LAYERS, rid, layers.start, layers.stop, tuple(dst), nbytes)
-        started = time.perf_counter()
-        try:
-            write = self.endpoint.write(push.peer, layers, src, dst, notice)
-        except TransferError as e:
-            self.holds.release(src)
-            log.warning("request %s: %s", rid, e)
-            return [machine.WriteDone(ok=False)]
-        self.stats.post_s += time.perf_counter() - started
-        push.writes.append((write, src))
-        self.stats.writes += 1
+        outcome: Future[_Outcome] = Future()
+        self.transfers.submit(self._write, push.peer, layers, src, dst, notice, outcome)
+        push.writes.append((outcome, src))
         if layers.stop == self.num_layers:
             self.stats.pages += len(src)
-        self.stats.bytes += write.num_bytes
-        return []
+
+    def _write(
+        self,
+        peer: Peer,
+        layers: range,
+        src: list[PageId],
+        dst: list[PageId],
+        notice: Notice,
+        outcome: Future[_Outcome],
+    ) -> None:
+        """On the transfer thread: post the WRITE; `_drive` sees it finish."""
+        started = time.perf_counter()
+        try:
+            write = self.endpoint.write(peer, layers, src, dst, notice)
+        except Exception as e:  # TransferError, or a bug: either way its pages must come back
+            log.warning("request %s: %s", notice.request_id, e, exc_info=e)
+            outcome.set_result(_Outcome(False, 0, 0.0))
+            return
+        self._in_flight.append((write, outcome, time.perf_counter() - started))
 
 
 _OPEN = (PushStatus.CLAIMING, PushStatus.PUSHING)

@@ -111,9 +111,16 @@ class Pair:
     transfers: dict[RequestId, Transfer]  # the decode worker's, as its streams hold them
     num_computed: int = 0
 
+    def sync(self) -> None:
+        """Wait until the sender's transfer thread has run every job queued so far."""
+        self.sender.transfers.submit(int).result()
+
     def tick(self) -> None:
-        """One turn of each worker's loop, a millisecond apart."""
-        self.sender.poll()
+        """One turn of each worker's loop, a millisecond apart (the sender's in two polls:
+        the first has its transfer thread look at the network, the second takes that in)."""
+        for _ in range(2):
+            self.sender.poll()
+            self.sync()
         self.receive()
         self.net.wait(0.001)
 
@@ -138,9 +145,11 @@ class Pair:
             ready = LayerReady(torch.device("cpu"))
             stored = KVStored(RID, range(layer, layer + 1), self.num_computed, 40, pages, ready)
             self.sender.stored([stored])
+            self.sync()
 
     def first_token(self) -> None:
         self.sender.prompt_done(PromptDone(RID, 5, -0.5))
+        self.sync()
 
     def release(self) -> Release:
         (only,) = self.net.released
@@ -166,6 +175,7 @@ def pair(sender_offset_s: float, receiver_offset_s: float, recompute: bool = Tru
     pages = tuple(pool.allocate(3) or [])
     transfer, target = receiver.expect(DST, 0)
     sender.start(RID, target)
+    sender.transfers.submit(int).result()  # STARTED is out
     return Pair(net, sender, receiver, pool, holds, pages, {RID: transfer})
 
 

@@ -19,6 +19,8 @@ class ConfigError(ValueError):
 T = TypeVar("T")
 
 DTYPES = ("auto", "float32", "bfloat16")
+# auto: the model's dtype; fp8 is fp8_e4m3 (cluster/engine/kernels/kv_cache.py)
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")  # cluster/engine/model/quantization.py
 ATTENTION_BACKENDS = ("auto", "cpu", "triton", "flashinfer")  # cluster/engine/kernels/attention.py
@@ -48,6 +50,10 @@ class EngineConfig:
     # by default: on a CPU the cache is host memory too, and the same GiB serve more as
     # kv_cache_gb (no copy back); on a GPU host memory is the larger, cheaper store.
     kv_offload_gb: float = 0.0
+    # What the KV cache stores: auto (the model's dtype), bfloat16, float32, or 8 bits
+    # (fp8 = fp8_e4m3, fp8_e5m2, int8) with a scale per page and KV head: twice
+    # bfloat16's tokens in the same kv_cache_gb (kv_cache.py), as vLLM's --kv-cache-dtype.
+    kv_cache_dtype: str = "auto"
     page_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
@@ -84,6 +90,11 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        _check(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            "kv_cache_dtype",
+            f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
+        )
         given = self.generation_config
         _check(
             isinstance(given, str) and bool(given),
@@ -575,7 +586,7 @@ class ServeConfig:
             "redis_url",
             f"must be a redis:// or rediss:// URL or null, got {self.redis_url!r}",
         )
-        for name in ("model", "dtype", "quantization"):  # KV moves between the two pools
+        for name in ("model", "dtype", "quantization", "kv_cache_dtype"):  # KV moves between
             ours, theirs = getattr(self.prefill.engine, name), getattr(self.decode.engine, name)
             _check(
                 ours == theirs,

@@ -67,7 +67,13 @@ def endpoint(name: str, engine: LLMEngine, transfer: TransferConfig) -> KVEndpoi
     parallelism it is rank 0's, and each other rank opens its own (`name`-rank1, ...),
     through which its heads' KV is written (a prefill worker's) or written into (a
     decode worker's)."""
-    compat = compat_hash(engine.spec, engine.dtype, engine.pool.page_size, engine.quantization)
+    compat = compat_hash(
+        engine.spec,
+        engine.dtype,
+        engine.config.kv_cache_dtype,
+        engine.pool.page_size,
+        engine.quantization,
+    )
     devices, transports = transfer.ucx_devices, transfer.ucx_transports
     ep = KVEndpoint(
         name, engine.cache, compat, devices, transports, transfer.progress_thread, engine.kv_heads

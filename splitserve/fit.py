@@ -46,7 +46,9 @@ def engine_workspace_bytes(
     """What the engine's runner allocates besides weights and KV (runner.workspace_bytes), on
     `backend` or the one its attention_backend resolves to on `device`."""
     dtype = pick_dtype(engine.dtype, device)
-    backend = backend or resolve_backend(engine.attention_backend, device, dtype)
+    backend = backend or resolve_backend(
+        engine.attention_backend, device, dtype, engine.kv_cache_dtype
+    )
     item = getattr(torch, dtype).itemsize
     return workspace_bytes(
         spec, item, backend, device, engine.max_num_seqs, engine.max_num_batched_tokens

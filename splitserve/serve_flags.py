@@ -12,6 +12,7 @@ from typing import Any
 
 from cluster.config import (
     DTYPES,
+    KV_CACHE_DTYPES,
     QUANTIZATIONS,
     REASONING_PARSERS,
     TOOL_CALL_PARSERS,
@@ -127,6 +128,13 @@ FLAGS = (
         "activations and KV (default auto: bfloat16 on a GPU and on a CPU with native bf16, "
         "else float32)",
         choices=DTYPES,
+    ),
+    Flag(
+        "--kv-cache-dtype",
+        _engines("kv_cache_dtype"),
+        "what the KV cache stores (default auto: the dtype's); fp8 (= fp8_e4m3), fp8_e5m2 "
+        "and int8 hold twice bfloat16's tokens, with a scale per page and KV head",
+        choices=KV_CACHE_DTYPES,
     ),
     Flag(
         "--quantization",

@@ -24,7 +24,7 @@ from cluster.config import ConfigError, EngineConfig
 from cluster.engine.kernels import qmatmul
 from cluster.engine.kernels.attention import resolve_backend
 from cluster.engine.kernels.cpu_isa import BF16_FLAGS, cpu, fast_dtype, isa, native_bf16
-from cluster.engine.kernels.kv_cache import KVCache, KVLayout
+from cluster.engine.kernels.kv_cache import KVCache, KVLayout, kv_dtype
 from cluster.engine.kv_sink import KVSink, PageHolds, PromptDone, layer_hook
 from cluster.engine.kv_tier import KVTier
 from cluster.engine.memory import device_memory, fits, kv_share
@@ -218,7 +218,7 @@ class LLMEngine:
         self.dtype = pick_dtype(config.dtype, self.device)
         self.quantization = pick_quantization(config.quantization, path, self.device)
         dtype = getattr(torch, self.dtype)
-        backend = resolve_backend(config.attention_backend, self.device, self.dtype)
+        kv = kv_dtype(config.kv_cache_dtype, dtype)
         started = time.perf_counter()
         memory = device_memory(self.device)  # before the weights: what other processes left
         split = None
@@ -239,7 +239,10 @@ class LLMEngine:
         self.sampling_defaults = read_sampling_defaults(path, config.generation_config)
         spec = self.spec
         self.max_model_len = min(config.max_model_len or spec.max_position, spec.max_position)
-        self.layout = KVLayout.of(self.model.spec, config.page_size, dtype)  # its heads
+        self.layout = KVLayout.of(self.model.spec, config.page_size, kv)  # its heads
+        backend = resolve_backend(
+            config.attention_backend, self.device, self.dtype, config.kv_cache_dtype
+        )
         workspace = workspace_bytes(
             self.model.spec,
             dtype.itemsize,

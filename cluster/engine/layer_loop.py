@@ -55,6 +55,7 @@ class _Model(ctypes.Structure):
     _fields_ = [
         *((name, i64) for name in ("hidden", "heads", "kv_heads", "dim", "inner", "page_size")),
         ("bf16", i64),
+        ("kv_kind", i64),
         ("eps", ctypes.c_double),
         ("scale", ctypes.c_double),
         ("cos", ptr),
@@ -109,7 +110,7 @@ class LayerLoop:
         assert ops is not None and matmul is not None and attention.kernel is not None
         s, layout = model.spec, cache.layout
         self.lib, self.model = lib, model
-        self.dtype = layout.dtype
+        self.dtype = model.cos.dtype  # the activations'
         layers = []
         for i, layer in enumerate(model.layers):
             mats = (layer.qkv, layer.o, layer.gate_up, layer.down)
@@ -133,6 +134,7 @@ class LayerLoop:
             s.intermediate_size,
             layout.page_size,
             int(self.dtype == torch.bfloat16),
+            layout.kind,
             s.rms_norm_eps,
             s.head_dim**-0.5,
             model.cos.data_ptr(),
@@ -167,7 +169,9 @@ class LayerLoop:
         delta, act = empty(n, s.hidden_size), empty(n, s.intermediate_size)
         qkv = empty(n, self._layers[0].qkv.rows)
         gate_up = empty(n, 2 * s.intermediate_size)
-        qf, af = empty(n, q, dtype=torch.float32), empty(n, q, dtype=torch.float32)
+        # af also stages 8-bit pages' K and V rows (layer_loop.c: store_kv)
+        staged = 2 * s.num_kv_heads * s.head_dim
+        qf, af = empty(n, q, dtype=torch.float32), empty(n, max(q, staged), dtype=torch.float32)
         a = empty(n, q)
         positions = positions.contiguous()
         decodes, chunks = metadata.num_decodes, metadata.prefills
@@ -211,12 +215,12 @@ def build(model: LlamaModel, cache: KVCache, attention: AttentionBackend) -> Lay
     mats = [m for layer in model.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     if (
         model.group is not None
-        or model.kernels is None  # the C layer ops, built for the cache's dtype
-        or model.kernels is not layer_kernels_cpu.module(cache.layout.dtype)
+        or model.kernels is None  # the C layer ops, built for the model's dtype
+        or model.kernels is not layer_kernels_cpu.module(model.cos.dtype)
         or not isinstance(attention, CpuBackend)
         or attention.kernel is None
         or not all(isinstance(m, BlockLinear) for m in mats)
-        or cache.layout.dtype != model.cos.dtype
+        or not (cache.layout.dtype == model.cos.dtype or cache.layout.scaled)
     ):
         return None
     lib = _library()

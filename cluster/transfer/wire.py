@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.engine.kernels.kv_cache import KVLayout
+from cluster.engine.kernels.kv_cache import KVLayout, kv_dtype
 from cluster.engine.model.checkpoint import ModelSpec
 from cluster.types import PageId, RequestId, TopLogprobs
 
@@ -34,11 +34,14 @@ class IncompatiblePeerError(ConnectionError):
     or layout."""
 
 
-def compat_hash(spec: ModelSpec, dtype: str, page_size: int, quantization: str) -> bytes:
+def compat_hash(
+    spec: ModelSpec, dtype: str, kv_cache_dtype: str, page_size: int, quantization: str
+) -> bytes:
     """16 bytes that two peers must share before one writes KV pages into the other: the
     model, the weights' quantization (KV from other weights is another model's KV) and the
-    page format as KVLayout defines it (order, page size, dtype)."""
-    page = KVLayout.of(spec, page_size, getattr(torch, dtype)).hash_input
+    page format as KVLayout defines it (order, page size, KV dtype)."""
+    kv = kv_dtype(kv_cache_dtype, getattr(torch, dtype))
+    page = KVLayout.of(spec, page_size, kv).hash_input
     key = (
         f"{spec.name}|{spec.num_layers}|{spec.num_kv_heads}|{spec.head_dim}|{spec.vocab_size}|"
         f"{dtype}|{quantization}|{page}"

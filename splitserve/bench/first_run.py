@@ -136,7 +136,7 @@ def nixl(f: Figures) -> None:
     spec = replace(spec_of("tiny"), num_kv_heads=3, num_heads=6) if f.dry else spec_of("llama-3-8b")
     dtype = torch.bfloat16
     layout = KVLayout.of(spec, PAGE_SIZE, dtype)
-    compat = compat_hash(spec, "bfloat16", PAGE_SIZE, "none")
+    compat = compat_hash(spec, "bfloat16", "auto", PAGE_SIZE, "none")
     tokens = 256 if f.dry else 8192
     names = [f"nixl into {n} rank{'s' if n > 1 else ''}" for n in (1, 2, 3)]
     heads = [tuple(range(a, b) for a, b in split(spec.num_kv_heads, n, 1)) for n in (1, 2, 3)]

@@ -153,7 +153,9 @@ class Rig:
         self.max_model_len = max(decode_len, sizes.prefill)
         self.cache = KVCache(self.layout, pages, device)
         name = str(dtype).removeprefix("torch.")
-        backend = resolve_backend("auto", device, name) if device.type == "cuda" else "triton"
+        backend = (
+            resolve_backend("auto", device, name, "auto") if device.type == "cuda" else "triton"
+        )
         started = time.perf_counter()
         self.runner = build_runner(
             self.model, self.cache, backend, max_seqs, self.max_model_len, sizes.prefill, device
@@ -239,7 +241,7 @@ def decode(rig: Rig, name: str, sizes: Sizes) -> list[Decode]:
         step = lambda seqs=seqs: rig.decode_step(seqs)
         step()  # warm-up
         seconds = sorted(timed(step, rig.device) for _ in range(sizes.steps))
-        kv = batch * sizes.context * rig.layout.bytes_per_token
+        kv = int(batch * sizes.context * rig.layout.bytes_per_token)
         read = decode_bytes(rig.spec, rig.model.weight_bytes, kv, rig.layout.dtype.itemsize)
         bandwidth = rig.profile.bandwidth_gb_s if rig.profile else None
         out.append(Decode(name, batch, sizes.context, seconds[len(seconds) // 2], read, bandwidth))
@@ -307,7 +309,7 @@ def transfer(device: torch.device, tokens: int) -> float:
 
     spec = read_spec(bundled_model_path())
     layout = KVLayout.of(spec, PAGE_SIZE, torch.bfloat16)
-    compat = compat_hash(spec, "bfloat16", PAGE_SIZE, "none")
+    compat = compat_hash(spec, "bfloat16", "auto", PAGE_SIZE, "none")
     (((_, _, _, gbps),),) = kv_bandwidth(layout, compat, 3, (tokens,), device.type)
     return gbps
 

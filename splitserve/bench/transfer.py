@@ -377,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     spec, _ = load_checkpoint(bundled_model_path())
-    compat = compat_hash(spec, "float32", PAGE_SIZE, "none")
+    compat = compat_hash(spec, "float32", "auto", PAGE_SIZE, "none")
     layout = KVLayout.of(spec, PAGE_SIZE, torch.float32)
     heads = tuple(range(a, b) for a, b in split(spec.num_kv_heads, 2, 1))
     measured, into_split = kv_bandwidth(layout, compat, args.reps, receivers=((), heads))

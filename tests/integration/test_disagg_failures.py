@@ -39,7 +39,7 @@ READER = "failure-tests"  # the outbox these tests read by hand
 SHORT_LEASE = {"lease_s": 2.0, "local_prefill_tokens": 0}
 # The workers' KV compatibility (WORKER_ENGINE: the bundled model, float32, pages of 16).
 COMPAT = compat_hash(
-    read_spec(bundled_model_path()), "float32", 16, str(WORKER_ENGINE["quantization"])
+    read_spec(bundled_model_path()), "float32", "auto", 16, str(WORKER_ENGINE["quantization"])
 )
 # One prompt at a time in small chunks: a second request stays queued for many steps.
 SERIAL = {"max_num_seqs": 1, "max_num_batched_tokens": 64}

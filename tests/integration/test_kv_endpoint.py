@@ -31,7 +31,7 @@ DST = [PageId(p) for p in (20, 21, 7, 8, 30)]
 
 def _receive(device: str, conn: Any, spec: ModelSpec) -> None:
     cache = KVCache(LAYOUT, 40, torch.device(device))
-    ep = KVEndpoint("receiver", cache, compat_hash(spec, "float32", 16, "none"), "lo")
+    ep = KVEndpoint("receiver", cache, compat_hash(spec, "float32", "auto", 16, "none"), "lo")
     conn.send(ep.handshake())
     notices: list[Notice] = []
     deadline = time.monotonic() + 30
@@ -63,7 +63,7 @@ def test_a_write_lands_in_exactly_the_named_pages_and_its_notice_follows(
         cache = KVCache(LAYOUT, 12, torch.device(device))
         cache.k.copy_(torch.randn(cache.k.shape))
         cache.v.copy_(torch.randn(cache.v.shape))
-        ep = KVEndpoint("sender", cache, compat_hash(SPEC, "float32", 16, "none"), "lo")
+        ep = KVEndpoint("sender", cache, compat_hash(SPEC, "float32", "auto", 16, "none"), "lo")
         peer = ep.connect(here.recv())
         layers = range(1, 2)  # layer 1 only: layer 0 must stay untouched
         notice = Notice(NoticeKind.LAYERS, RequestId("r"), 1, 2, tuple(DST), 2 * 5 * ep.page_bytes)
@@ -86,7 +86,7 @@ def test_a_write_lands_in_exactly_the_named_pages_and_its_notice_follows(
 
 
 SPEC3 = dataclasses.replace(SPEC, num_kv_heads=3, num_heads=6)  # the bundled model's 3 heads
-COMPAT3 = compat_hash(SPEC3, "float32", 16, "none")
+COMPAT3 = compat_hash(SPEC3, "float32", "auto", 16, "none")
 
 
 def _cache(heads: range, pages: int) -> KVCache:
@@ -262,7 +262,9 @@ LOOPBACK = ("0100007F:", "00000000000000000000000001000000:")  # 127.0.0.1, ::1
 
 def _endpoint(name: str, devices: str, transports: str = "") -> KVEndpoint:
     cache = KVCache(LAYOUT, 4, torch.device("cpu"))
-    return KVEndpoint(name, cache, compat_hash(SPEC, "float32", 16, "none"), devices, transports)
+    return KVEndpoint(
+        name, cache, compat_hash(SPEC, "float32", "auto", 16, "none"), devices, transports
+    )
 
 
 def test_ucx_devices_lo_reaches_ucx_it_listens_on_loopback_only() -> None:

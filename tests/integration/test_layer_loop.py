@@ -29,16 +29,20 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(
-    scope="module", params=["bundled-float32", "bundled-bfloat16", "qwen2-int8-float32"]
+    scope="module",
+    params=["bundled-float32", "bundled-bfloat16", "bundled-fp8kv-bfloat16", "qwen2-int8-float32"],
 )
 def engine(request: pytest.FixtureRequest) -> Iterator[LLMEngine]:
     """32-token steps, so long prompts come in chunks after their context. The bundled
-    model over its GGUF blocks; a tiny Qwen2 quantized to 8 bits at load, whose qkv bias
-    (zero as transformers initialises it) is made random here, so the loop adds it too."""
+    model over its GGUF blocks (with fp8 KV pages too: the loop codes and scales them as
+    the eager store does); a tiny Qwen2 quantized to 8 bits at load, whose qkv bias (zero
+    as transformers initialises it) is made random here, so the loop adds it too."""
     model, dtype = request.param.rsplit("-", 1)
-    where = {}
+    where: dict[str, str] = {}
     if model.startswith("qwen2"):
         where = {"model": str(request.getfixturevalue("tiny_qwen2_dir")), "quantization": "int8"}
+    if model.endswith("fp8kv"):
+        where = {"kv_cache_dtype": "fp8"}
     e = LLMEngine(
         EngineConfig(
             **{"quantization": "gguf", **where},

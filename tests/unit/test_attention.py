@@ -45,11 +45,17 @@ def flashinfer_installed(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_auto_backend_takes_flashinfer_only_where_it_has_kernels_for_the_dtype(
     flashinfer_installed: None,
 ) -> None:
-    assert resolve_backend("auto", CUDA, "bfloat16") == "flashinfer"
-    assert resolve_backend("auto", CUDA, "float32") == "triton"  # FlashInfer: no fp32 kernels
-    assert resolve_backend("auto", CPU, "bfloat16") == "cpu"
+    assert resolve_backend("auto", CUDA, "bfloat16", "auto") == "flashinfer"
+    assert (
+        resolve_backend("auto", CUDA, "float32", "auto") == "triton"
+    )  # FlashInfer: no fp32 kernels
+    assert resolve_backend("auto", CPU, "bfloat16", "auto") == "cpu"
     with pytest.raises(ConfigError, match="attention_backend: flashinfer has no float32 kernels"):
-        resolve_backend("flashinfer", CUDA, "float32")
+        resolve_backend("flashinfer", CUDA, "float32", "auto")
+    # 8-bit pages' scales per page and head: FlashInfer does not read them, triton does.
+    assert resolve_backend("auto", CUDA, "bfloat16", "fp8") == "triton"
+    with pytest.raises(ConfigError, match=r"kv_cache_dtype: int8 .* attention_backend triton"):
+        resolve_backend("flashinfer", CUDA, "bfloat16", "int8")
 
 
 def test_bfloat16_decode_attention_matches_float32_sdpa() -> None:
@@ -66,6 +72,11 @@ def test_bfloat16_decode_attention_matches_float32_sdpa() -> None:
     assert (ours.float() - ref.squeeze(2)).abs().max().item() < 0.05
     # A one-token context attends to exactly that token's value.
     assert torch.allclose(ours[0].float(), v[0, :, 0].repeat_interleave(3, 0), atol=0.02)
+
+
+def _layout(pages: torch.Tensor) -> KVLayout:
+    """The format of one layer's float pages [pages, kv_heads, page_size, head_dim]."""
+    return KVLayout(1, pages.shape[1], pages.shape[3], pages.shape[2], pages.dtype)
 
 
 def _prefill_batch(num_tokens: int, context_len: int, page_size: int) -> CpuMetadata:
@@ -106,7 +117,9 @@ def test_prefill_runs_the_fused_kernel_and_matches_reference(
         return sdpa(*args, **kwargs)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", recording_sdpa)
-    out = paged_attention(q, k, v, k_cache, v_cache, _prefill_batch(n, context, page_size))
+    out = paged_attention(
+        q, k, v, k_cache, v_cache, _prefill_batch(n, context, page_size), _layout(k_cache)
+    )
     monkeypatch.undo()
     assert chosen == [SDPBackend.FLASH_ATTENTION]
 
@@ -236,7 +249,7 @@ def test_a_prefill_chunk_reads_the_pages_in_place(
         raise AssertionError("SDPA ran: the pages were gathered")
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", no_sdpa)
-    out = paged_attention(q, k, v, k_cache, v_cache, meta, build)
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, _layout(k_cache), build)
     monkeypatch.undo()
 
     # Reference: the pages gathered in float32, each query row masked causally.
@@ -266,6 +279,7 @@ def test_a_later_token_s_large_score_stays_out_of_an_earlier_row_s_softmax() -> 
     pages = torch.tensor([0])
     k_cache, v_cache = (torch.zeros(1, 1, page_size, 64) for _ in "kv")
     meta = CpuMetadata(torch.arange(n), 0, None, None, None, None, (PrefillChunk(0, n, n, pages),))
-    ours = paged_attention(q, k, v, k_cache, v_cache, meta, attention_cpu._kernel())
-    ref = paged_attention(q, k, v, k_cache, v_cache, meta)  # SDPA on the chunk's own K/V
+    lay = _layout(k_cache)
+    ours = paged_attention(q, k, v, k_cache, v_cache, meta, lay, attention_cpu._kernel())
+    ref = paged_attention(q, k, v, k_cache, v_cache, meta, lay)  # SDPA on the chunk's own K/V
     torch.testing.assert_close(ours, ref, rtol=0, atol=1e-5)

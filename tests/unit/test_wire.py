@@ -39,7 +39,7 @@ SPEC = ModelSpec(
     eos_token_ids=(2,),
     name="tiny",
 )
-OURS = compat_hash(SPEC, "float32", 16, "none")
+OURS = compat_hash(SPEC, "float32", "auto", 16, "none")
 
 
 def rank(agent: str, heads: range) -> RankPages:
@@ -75,13 +75,18 @@ def test_a_handshake_without_ranks_is_refused() -> None:
     ],
 )
 def test_a_different_model_changes_the_compatibility_hash(change: dict[str, object]) -> None:
-    assert compat_hash(dataclasses.replace(SPEC, **change), "float32", 16, "none") != OURS  # type: ignore[arg-type]
+    assert compat_hash(dataclasses.replace(SPEC, **change), "float32", "auto", 16, "none") != OURS  # type: ignore[arg-type]
 
 
 def test_dtype_and_page_size_change_the_compatibility_hash() -> None:
-    assert compat_hash(SPEC, "bfloat16", 16, "none") != OURS
-    assert compat_hash(SPEC, "float32", 16, "int4") != OURS
-    assert compat_hash(SPEC, "float32", 32, "none") != OURS
+    assert compat_hash(SPEC, "bfloat16", "auto", 16, "none") != OURS
+    assert compat_hash(SPEC, "float32", "auto", 16, "int4") != OURS
+    assert compat_hash(SPEC, "float32", "auto", 32, "none") != OURS
+    assert compat_hash(SPEC, "float32", "int8", 16, "none") != OURS  # the KV dtype
+    assert compat_hash(SPEC, "float32", "fp8_e4m3", 16, "none") != compat_hash(
+        SPEC, "float32", "fp8_e5m2", 16, "none"
+    )
+    assert compat_hash(SPEC, "float32", "float32", 16, "none") == OURS  # auto: the dtype's
 
 
 def test_a_peer_with_the_token_major_page_layout_is_refused() -> None:
@@ -98,7 +103,7 @@ def test_a_peer_with_the_token_major_page_layout_is_refused() -> None:
 
 
 def test_a_peer_with_another_hash_is_refused_with_a_clear_error() -> None:
-    hs = handshake(compat_hash(SPEC, "float32", 32, "none"))
+    hs = handshake(compat_hash(SPEC, "float32", "auto", 32, "none"))
     with pytest.raises(IncompatiblePeerError, match=r"decode-0.*page size"):
         hs.check(OURS)
     handshake().check(OURS)

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import torch
 
 from cluster.config import ConfigError
-from cluster.engine.kernels.kv_cache import KVCache, KVLayout
+from cluster.engine.kernels.kv_cache import QMAX, KVCache, KVLayout, kv_dtype
 from cluster.engine.kernels.step_batch import StepBatch
 
 
@@ -48,15 +48,23 @@ class AttentionBackend(Protocol):
         ...
 
 
-def resolve_backend(name: str, device: torch.device, dtype: str) -> str:
+def resolve_backend(name: str, device: torch.device, dtype: str, kv_cache_dtype: str) -> str:
     """The backend `engine.attention_backend: name` means on `device` at `dtype` (resolved,
-    not auto); ConfigError when it cannot run there. auto: cpu on CPU; on CUDA FlashInfer
-    if installed and the dtype is bfloat16 (it has no float32 kernels), else triton."""
+    not auto) over pages of `kv_cache_dtype`; ConfigError when it cannot run there. auto: cpu
+    on CPU; on CUDA FlashInfer if installed, the dtype is bfloat16 (it has no float32
+    kernels) and the pages are not 8-bit (it has no scale per page and head), else triton."""
     has = lambda module: importlib.util.find_spec(module) is not None
+    scaled = kv_dtype(kv_cache_dtype, torch.float32) in QMAX
     if name == "auto":
         if device.type == "cpu":
             return "cpu"
-        return "flashinfer" if has("flashinfer") and dtype == "bfloat16" else "triton"
+        fits = has("flashinfer") and dtype == "bfloat16" and not scaled
+        return "flashinfer" if fits else "triton"
+    if scaled and name == "flashinfer":
+        raise ConfigError(
+            f"kv_cache_dtype: {kv_cache_dtype} pages carry a scale per page and KV head, which "
+            f"FlashInfer's kernels do not read; attention_backend triton (or auto) serves them"
+        )
     if name == "triton" and not has("triton"):
         raise ConfigError("attention_backend: triton is not installed (pip install triton)")
     if name == "flashinfer" and (device.type != "cuda" or not has("flashinfer")):

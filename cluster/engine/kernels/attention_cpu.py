@@ -24,8 +24,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from cluster.config import ConfigError
 from cluster.engine.kernels import native
-from cluster.engine.kernels.kv_cache import KVCache, KVLayout, gather_tokens, store_tokens
+from cluster.engine.kernels.kv_cache import KVCache, KVLayout
 from cluster.engine.kernels.step_batch import StepBatch
 from cluster.engine.sched.page_pool import pages_for
 
@@ -69,6 +70,8 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.paged_prefill.argtypes = [
         ptr, ptr, i64, i64, i64, ptr, ptr, ctypes.c_int, i64, ptr, i64, i64, ctypes.c_float,
     ]  # fmt: skip
+    lib.kv_store.restype = None
+    lib.kv_store.argtypes = [ptr, ctypes.c_int, i64, i64, i64, ptr, i64, ptr, i64]
     return lib
 
 
@@ -81,7 +84,13 @@ class CpuBackend:
         build (else the pages are gathered)."""
         self.layout = layout
         self.device = device
-        self.kernel = _kernel() if in_place and layout.dtype in IN_PLACE_DTYPES else None
+        self.kernel = _kernel() if in_place and layout.kind >= 0 else None
+        if layout.scaled and self.kernel is None:
+            raise ConfigError(
+                f"kv_cache_dtype: {layout.kv_name} pages are read by our C kernels "
+                "(paged_attention.c), which could not be built or loaded here (is there a C "
+                "compiler?); kv_cache_dtype auto serves without them"
+            )
 
     def prepare(self, batch: StepBatch) -> CpuMetadata:
         ps, nd = self.layout.page_size, batch.num_decodes
@@ -123,25 +132,31 @@ class CpuBackend:
         cache: KVCache,
         metadata: CpuMetadata,
     ) -> torch.Tensor:
-        return paged_attention(q, k, v, cache.k[layer], cache.v[layer], metadata, self.kernel)
+        return paged_attention(
+            q, k, v, cache.k[layer], cache.v[layer], metadata, self.layout, self.kernel
+        )
 
 
 def paged_attention(
     q: torch.Tensor,  # [N, heads, head_dim]
     k: torch.Tensor,  # [N, kv_heads, head_dim]
     v: torch.Tensor,
-    k_cache: torch.Tensor,  # [pages, kv_heads, page_size, head_dim] of this layer
+    k_cache: torch.Tensor,  # this layer's pages (layout.layer_shape)
     v_cache: torch.Tensor,
     batch: CpuMetadata,
+    layout: KVLayout,
     kernel: ctypes.CDLL | None = None,  # paged_attention.c, where the decodes read in place
 ) -> torch.Tensor:
-    store_tokens(k_cache, batch.slot_mapping, k)
-    store_tokens(v_cache, batch.slot_mapping, v)
+    for cache, x in ((k_cache, k), (v_cache, v)):
+        if layout.scaled and kernel is not None:
+            _store_in_place(kernel, cache, batch.slot_mapping, x, layout)
+        else:
+            layout.store(cache, batch.slot_mapping, x)
     outs: list[torch.Tensor] = []
     nd = batch.num_decodes
     if nd and batch.decode_lens is not None:
         assert kernel is not None and batch.decode_pages is not None
-        outs.append(_decode_in_place(kernel, q[:nd], k_cache, v_cache, batch))
+        outs.append(_decode_in_place(kernel, q[:nd], k_cache, v_cache, batch, layout))
     elif nd:
         assert batch.decode_pages is not None and batch.decode_mask is not None
         assert batch.decode_workspace is not None
@@ -157,7 +172,7 @@ def paged_attention(
     for c in batch.prefills:
         if kernel is not None:
             rows = q[c.start : c.start + c.num_tokens]
-            outs.append(_prefill_in_place(kernel, rows, k_cache, v_cache, c))
+            outs.append(_prefill_in_place(kernel, rows, k_cache, v_cache, c, layout))
             continue
         qc = heads_first(q[c.start : c.start + c.num_tokens])
         if c.context_len == c.num_tokens:
@@ -165,8 +180,8 @@ def paged_attention(
             vc = heads_first(v[c.start : c.start + c.num_tokens])
             out = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=True)
         else:
-            kc = heads_first(gather_tokens(k_cache, c.pages, c.context_len))
-            vc = heads_first(gather_tokens(v_cache, c.pages, c.context_len))
+            kc = heads_first(layout.gather(k_cache, c.pages, c.context_len))
+            vc = heads_first(layout.gather(v_cache, c.pages, c.context_len))
             offset = c.context_len - c.num_tokens
             rows = torch.arange(c.num_tokens, device=q.device).unsqueeze(1) + offset
             mask = torch.arange(c.context_len, device=q.device).unsqueeze(0) <= rows
@@ -175,22 +190,34 @@ def paged_attention(
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
+def _store_in_place(
+    kernel: ctypes.CDLL, cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, lay: KVLayout
+) -> None:
+    """x [N, kv_heads, head_dim] into 8-bit pages by paged_attention.c's kv_store."""
+    xf = x.float().contiguous()
+    kernel.kv_store(
+        cache.data_ptr(), lay.kind, lay.num_kv_heads, lay.page_size, lay.head_dim,
+        slots.data_ptr(), len(slots), xf.data_ptr(), xf.stride(0),
+    )  # fmt: skip
+
+
 def _decode_in_place(
     kernel: ctypes.CDLL,
     q: torch.Tensor,  # [decodes, heads, head_dim]
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     batch: CpuMetadata,
+    lay: KVLayout,
 ) -> torch.Tensor:
     """The decodes' attention by paged_attention.c, reading their pages in place."""
     pages, lens = batch.decode_pages, batch.decode_lens
     assert pages is not None and lens is not None
     qf = q.float().contiguous()
     out = torch.empty_like(qf)
-    (rows, heads, dim), (_, kv_heads, page_size, _) = q.shape, k_cache.shape
+    rows, heads, dim = q.shape
     failed = kernel.paged_attention(
-        qf.data_ptr(), out.data_ptr(), heads, kv_heads, dim, k_cache.data_ptr(),
-        v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16), page_size, pages.data_ptr(),
+        qf.data_ptr(), out.data_ptr(), heads, lay.num_kv_heads, dim, k_cache.data_ptr(),
+        v_cache.data_ptr(), lay.kind, lay.page_size, pages.data_ptr(),
         pages.shape[1], lens.data_ptr(), rows, dim**-0.5,
     )  # fmt: skip
     if failed:
@@ -204,15 +231,16 @@ def _prefill_in_place(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     chunk: PrefillChunk,
+    lay: KVLayout,
 ) -> torch.Tensor:
     """A prefill chunk's attention (after its context, if any) by paged_attention.c."""
     qf = q.float().contiguous()
     out = torch.empty_like(qf)
-    (rows, heads, dim), (_, kv_heads, page_size, _) = q.shape, k_cache.shape
+    rows, heads, dim = q.shape
     pages = chunk.pages.contiguous()
     failed = kernel.paged_prefill(
-        qf.data_ptr(), out.data_ptr(), heads, kv_heads, dim, k_cache.data_ptr(),
-        v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16), page_size, pages.data_ptr(),
+        qf.data_ptr(), out.data_ptr(), heads, lay.num_kv_heads, dim, k_cache.data_ptr(),
+        v_cache.data_ptr(), lay.kind, lay.page_size, pages.data_ptr(),
         chunk.context_len, rows, dim**-0.5,
     )  # fmt: skip
     if failed:
@@ -229,7 +257,6 @@ def heads_first(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1).unsqueeze(0)
 
 
-IN_PLACE_DTYPES = (torch.float32, torch.bfloat16)  # what paged_attention.c reads
 FUSED_BF16_DECODE_BATCH = 4
 
 

@@ -8,6 +8,19 @@ run of consecutive page ids one contiguous span, and one KV head range of a page
 contiguous run (what a transfer between different tensor-parallel splits sends as one
 descriptor). Token slot `page * page_size + offset` of head h lies at
 `((page * num_kv_heads + h) * page_size + offset) * head_dim` elements.
+
+8-bit KV (`engine.kv_cache_dtype` fp8_e4m3, fp8_e5m2, int8) keeps a scale per page and KV
+head: each head run is its page_size * head_dim codes, then its float32 scale, padded to
+SCALE_BYTES (so runs stay 16-byte aligned); a layer's tensor is those runs as bytes,
+[num_pages, num_kv_heads, head_bytes] uint8. A value is its code times its run's scale.
+A run's first write sets its scale from its largest magnitude (LIMIT below); a later
+token beyond the largest code re-scales the run and re-codes its earlier tokens (at most
+page_size - 1 of them, within the step that writes it). Why per page and head,
+not per token: a page of 16 tokens x 64 dims carries 16 bytes of scale (1.5%), so 8-bit
+holds 1.97x the tokens of bfloat16 at head_dim 64 (a float32 scale per token would hold
+1.88x), and the scale travels inside the run a transfer, a tier copy or a copy-on-write
+moves anyway. Every reader (paged_attention.c, the Triton kernels) reads codes in place
+and applies the scale to the dot product, not to each element.
 """
 
 from __future__ import annotations
@@ -21,6 +34,38 @@ import numpy as np
 import torch
 
 from cluster.engine.sched.page_pool import pages_for
+
+# engine.kv_cache_dtype's names (auto: the model's dtype) and what each stores.
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+}
+# An 8-bit dtype's largest code (QMAX), and the code a run's scale maps its largest
+# magnitude to when the run's first tokens set it or a later one outgrows it (LIMIT): the
+# whole range for int8, whose steps are even; far below it for fp8, whose relative steps
+# are the same over its range, so a run's later tokens up to 16x (256x for e5m2) larger
+# fit without re-coding its earlier ones (each re-coding rounds them again).
+QMAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0, torch.int8: 127.0}
+LIMIT = {torch.float8_e4m3fn: 28.0, torch.float8_e5m2: 224.0, torch.int8: 127.0}
+SCALE_BYTES = 16  # a run's float32 scale and its padding
+# The C kernels' name for each stored dtype (kv_pages.h).
+KIND = {
+    torch.float32: 0,
+    torch.bfloat16: 1,
+    torch.float8_e4m3fn: 2,
+    torch.float8_e5m2: 3,
+    torch.int8: 4,
+}
+
+
+def kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """What `engine.kv_cache_dtype: name` stores beside a model of `model_dtype`."""
+    return KV_CACHE_DTYPES[name] or model_dtype
 
 
 class KVShape(Protocol):
@@ -38,30 +83,43 @@ class KVShape(Protocol):
 class KVLayout:
     """The format of one cache's pages (a rank's heads, with tensor parallelism)."""
 
-    ORDER: ClassVar[str] = "k,v:[layers,pages,kv_heads,page_size,head_dim]"  # head-major
+    ORDER: ClassVar[str] = "k,v:[layers,pages,kv_heads,page_size,head_dim(,scale)]"
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     page_size: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # what a value is stored as: float32, bfloat16, or an 8-bit code
 
     @staticmethod
     def of(spec: KVShape, page_size: int, dtype: torch.dtype) -> KVLayout:
         return KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, page_size, dtype)
 
-    def layer_shape(self, num_pages: int) -> tuple[int, int, int, int]:
-        """One layer's K (or V) tensor."""
-        return (num_pages, self.num_kv_heads, self.page_size, self.head_dim)
+    @property
+    def scaled(self) -> bool:
+        """8-bit: each head run carries its scale."""
+        return self.dtype in QMAX
 
     @property
-    def item_bytes(self) -> int:
-        return self.dtype.itemsize
+    def kind(self) -> int:
+        """The C kernels' name for the format (kv_pages.h); -1 where they have none."""
+        return KIND.get(self.dtype, -1)
+
+    @property
+    def tensor_dtype(self) -> torch.dtype:
+        return torch.uint8 if self.scaled else self.dtype
+
+    def layer_shape(self, num_pages: int) -> tuple[int, ...]:
+        """One layer's K (or V) tensor: its values, or (8-bit) its runs as bytes."""
+        if self.scaled:
+            return (num_pages, self.num_kv_heads, self.head_bytes)
+        return (num_pages, self.num_kv_heads, self.page_size, self.head_dim)
 
     @property
     def head_bytes(self) -> int:
         """One KV head of one page of one layer of K (or V): one contiguous run."""
-        return self.page_size * self.head_dim * self.item_bytes
+        codes = self.page_size * self.head_dim * self.dtype.itemsize
+        return codes + (SCALE_BYTES if self.scaled else 0)
 
     @property
     def page_bytes(self) -> int:
@@ -83,16 +141,75 @@ class KVLayout:
         return f"{self.ORDER}|{self.page_size}|{self.dtype}|{self.head_dim}"
 
     @property
-    def bytes_per_token(self) -> int:
-        """K and V of one token across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.item_bytes
+    def bytes_per_page(self) -> int:
+        """K and V of one page across all layers: what the pool is sized in."""
+        return 2 * self.num_layers * self.page_bytes
 
     @property
-    def bytes_per_page(self) -> int:
-        return self.bytes_per_token * self.page_size
+    def bytes_per_token(self) -> float:
+        """K and V of one token across all layers, its share of its page's scales counted."""
+        return self.bytes_per_page / self.page_size
 
     def pages_for(self, budget_bytes: float) -> int:
         return int(budget_bytes // self.bytes_per_page)
+
+    @property
+    def kv_name(self) -> str:
+        return next(n for n, d in KV_CACHE_DTYPES.items() if d == self.dtype)
+
+    def values(self, pages: torch.Tensor) -> torch.Tensor:
+        """One layer's pages as [pages, kv_heads, page_size, head_dim] of the KV dtype: the
+        tensor, or (8-bit) a view of its runs' codes."""
+        if not self.scaled:
+            return pages
+        codes = pages[..., : self.page_size * self.head_dim].view(self.dtype)
+        return codes.unflatten(-1, (self.page_size, self.head_dim))
+
+    def scales(self, pages: torch.Tensor) -> torch.Tensor:
+        """8-bit: one layer's runs' scales, a float32 view [pages, kv_heads]."""
+        at = self.page_size * self.head_dim
+        return pages[..., at : at + 4].view(torch.float32).squeeze(-1)
+
+    def store(self, pages: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+        """x [N, kv_heads, head_dim] into token slots `slots` [N] (page * page_size +
+        offset, a page's in order) of one layer's pages (k[layer] or v[layer]). 8-bit: as
+        the module docstring says, bit for bit as paged_attention.c's kv_store."""
+        if not self.scaled:
+            store_tokens(pages, slots, x)
+            return
+        ps = self.page_size
+        page, offset = slots // ps, slots % ps
+        qmax, values, scales = QMAX[self.dtype], self.values(pages), self.scales(pages)
+        touched, which = torch.unique(page, return_inverse=True)
+        x = x.float()
+        u = (len(touched), self.num_kv_heads)
+        amax = torch.zeros(u).scatter_reduce_(
+            0, which[:, None].expand(-1, u[1]), x.abs().amax(-1), "amax"
+        )
+        first = torch.full(u[:1], ps).scatter_reduce_(0, which, offset, "amin")
+        old = torch.where((first > 0)[:, None], scales[touched], 0.0)
+        new = torch.where(amax > old * qmax, amax / LIMIT[self.dtype], old)
+        inv = torch.where(new > 0, 1.0 / new, 0.0)
+        held = values[touched].float() * old[..., None, None]  # the earlier tokens, re-coded
+        earlier = (torch.arange(ps) < first[:, None])[:, None, :, None]
+        codes = torch.where(earlier, self._code(held * inv[..., None, None]), values[touched])
+        values[touched] = codes
+        values[page, :, offset] = self._code(x * inv[which][..., None])
+        scales[touched] = new
+
+    def _code(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 values (over their scale) as the nearest 8-bit codes (ties to even)."""
+        qmax = QMAX[self.dtype]
+        x = x.clamp(-qmax, qmax)
+        return (x.round() if self.dtype == torch.int8 else x).to(self.dtype)
+
+    def gather(self, pages: torch.Tensor, ids: torch.Tensor, n: int) -> torch.Tensor:
+        """The first n tokens held in pages `ids` (in order) of one layer's pages, as a copy
+        [n, kv_heads, head_dim] (8-bit: decoded to float32)."""
+        if not self.scaled:
+            return gather_tokens(pages, ids, n)
+        held = self.values(pages)[ids].float() * self.scales(pages)[ids][..., None, None]
+        return held.transpose(1, 2).flatten(0, 1)[:n]
 
     def capacity_report(self, num_pages: int, max_len: int) -> str:
         """How many sequences this much KV memory lets one batch, in numbers."""
@@ -104,8 +221,9 @@ class KVLayout:
             if n < max_len
         )
         return (
-            f"KV cache: {num_pages * self.bytes_per_page / 2**30:.2f} GiB in {num_pages} pages of "
-            f"{self.page_size} tokens ({self.bytes_per_token / 1024:.1f} KiB/token, "
+            f"KV cache ({self.kv_name}): {num_pages * self.bytes_per_page / 2**30:.2f} GiB in "
+            f"{num_pages} pages of {self.page_size} tokens "
+            f"({self.bytes_per_token / 1024:.1f} KiB/token, "
             f"{tokens} tokens); fits {num_pages // per_max} sequences of the max length "
             f"{max_len}" + (f", or {fits} tokens" if fits else "")
         )
@@ -118,20 +236,20 @@ class KVCache:
         shape = (layout.num_layers, *layout.layer_shape(num_pages))
         self.layout = layout
         self.num_pages = num_pages
-        self.k = _zeros(shape, layout.dtype, device)
-        self.v = _zeros(shape, layout.dtype, device)
+        self.k = _zeros(shape, layout.tensor_dtype, device)
+        self.v = _zeros(shape, layout.tensor_dtype, device)
 
 
 def store_tokens(pages: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
     """x [N, kv_heads, head_dim] into token slots `slots` [N] (page * page_size + offset)
-    of one layer's pages (k[layer] or v[layer])."""
+    of one layer's pages of a float dtype (KVLayout.store: any)."""
     page_size = pages.shape[2]
     pages[slots // page_size, :, slots % page_size] = x
 
 
 def gather_tokens(pages: torch.Tensor, ids: torch.Tensor, n: int) -> torch.Tensor:
-    """The first n tokens held in pages `ids` (in order) of one layer's pages, as a copy
-    [n, kv_heads, head_dim]."""
+    """The first n tokens held in pages `ids` (in order) of one layer's pages of a float
+    dtype, as a copy [n, kv_heads, head_dim] (KVLayout.gather: any)."""
     return pages[ids].transpose(1, 2).flatten(0, 1)[:n]
 
 

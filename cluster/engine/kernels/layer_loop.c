@@ -4,14 +4,15 @@
 // therefore the eager step's, bit for bit; what goes is the Python and PyTorch dispatch
 // between the kernels (about 20 calls a layer). Built on the host by native.py.
 //
-// Every matrix is one of qmatmul.c's (quantized groups); activations and the KV cache are
-// float32 or bfloat16 alike (`bf16`). Rows run decodes first, then prefill chunks, as
+// Every matrix is one of qmatmul.c's (quantized groups); activations are float32 or
+// bfloat16 (`bf16`), the KV cache the same or 8-bit (`kv_kind`, kv_pages.h). Rows run decodes first, then prefill chunks, as
 // attention_cpu.py lays them out.
 
 #include <stdint.h>
 #include <string.h>
 
 #include "bfloat16.h"
+#include "kv_pages.h"
 
 typedef int (*qmatmul_fn)(const void *, int, int64_t, int64_t, const uint8_t *, int64_t, int,
                           void *, int);
@@ -35,11 +36,11 @@ typedef struct {  // y [n, rows] = x @ w.T (+ bias)
 typedef struct {
   const void *input_norm, *post_norm;
   Matrix qkv, o, gate_up, down;
-  void *k_cache, *v_cache;  // [pages, kv_heads, page_size, dim] (kv_cache.py)
+  void *k_cache, *v_cache;  // runs of (page, KV head) (kv_pages.h)
 } Layer;
 
 typedef struct {
-  int64_t hidden, heads, kv_heads, dim, inner, page_size, bf16;
+  int64_t hidden, heads, kv_heads, dim, inner, page_size, bf16, kv_kind;
   double eps, scale;  // RMSNorm's epsilon, attention's 1 / sqrt(dim)
   const void *cos, *signed_sin;  // RoPE tables [positions, dim]
   qmatmul_fn qmatmul;
@@ -78,14 +79,20 @@ static int project(const Model *m, const Matrix *w, const void *x, int64_t n, in
 }
 
 // Layer i's K and V rows into their slots (each KV head into its run of the page), its
-// queries into qf as float32.
+// queries into qf as float32. 8-bit pages take K and V as float32, staged in af (free
+// until attention writes it).
 static void store_kv(const Model *m, const Step *s, const Layer *l) {
   int64_t item = m->bf16 ? 2 : 4, q = m->heads * m->dim, kv = m->kv_heads * m->dim;
   int64_t row = l->qkv.rows, ps = m->page_size, size = m->dim * item;
+  int scaled = m->kv_kind >= KV_E4M3;
   for (int64_t t = 0; t < s->n; t++) {
     const char *src = (const char *)s->qkv + t * row * item;
+    if (scaled) {  // K then V of row t, float32, at af + t * 2 * kv
+      float *staged = s->af + t * 2 * kv;
+      for (int64_t i = 0; i < 2 * kv; i++) staged[i] = get(src, q + i, (int)m->bf16);
+    }
     int64_t page = s->slots[t] / ps, offset = s->slots[t] % ps;
-    for (int64_t h = 0; h < m->kv_heads; h++) {
+    for (int64_t h = 0; h < m->kv_heads && !scaled; h++) {
       int64_t at = ((page * m->kv_heads + h) * ps + offset) * size;
       memcpy((char *)l->k_cache + at, src + (q + h * m->dim) * item, (size_t)size);
       memcpy((char *)l->v_cache + at, src + (q + kv + h * m->dim) * item, (size_t)size);
@@ -95,20 +102,26 @@ static void store_kv(const Model *m, const Step *s, const Layer *l) {
     else
       memcpy(s->qf + t * q, src, (size_t)(q * 4));
   }
+  if (scaled) {
+    kv_store_8bit(l->k_cache, (int)m->kv_kind, m->kv_heads, ps, m->dim, s->slots, s->n, s->af,
+                  2 * kv);
+    kv_store_8bit(l->v_cache, (int)m->kv_kind, m->kv_heads, ps, m->dim, s->slots, s->n,
+                  s->af + kv, 2 * kv);
+  }
 }
 
 static int attend(const Model *m, const Step *s, const Layer *l) {
   int64_t q = m->heads * m->dim;
-  int bf16 = (int)m->bf16;
+  int bf16 = (int)m->bf16, kind = (int)m->kv_kind;
   float scale = (float)m->scale;
   if (s->decodes && m->paged_attention(s->qf, s->af, m->heads, m->kv_heads, m->dim, l->k_cache,
-                                       l->v_cache, bf16, m->page_size, s->decode_pages,
+                                       l->v_cache, kind, m->page_size, s->decode_pages,
                                        s->decode_width, s->decode_lens, s->decodes, scale))
     return -1;
   for (int64_t c = 0; c < s->chunks; c++) {
     const int64_t *at = s->chunk + 4 * c;  // first row, rows, context, pages
     if (m->paged_prefill(s->qf + at[0] * q, s->af + at[0] * q, m->heads, m->kv_heads, m->dim,
-                         l->k_cache, l->v_cache, bf16, m->page_size,
+                         l->k_cache, l->v_cache, kind, m->page_size,
                          (const int64_t *)(intptr_t)at[3], at[2], at[1], scale))
       return -1;
   }

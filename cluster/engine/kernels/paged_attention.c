@@ -5,29 +5,29 @@
 // Each decode row attends to the first `len` tokens of its sequence, whose page ids are a
 // row of `tables`: token t lies in page tables[t / page_size], slot t % page_size. A decode
 // row's len is its context (its own K and V already stored).
-// Cache: [pages, kv_heads, page_size, dim] float32 or bfloat16 (head-major: a page's tokens
-// of one KV head are one run; kv_cache.py); q and out [rows, heads, dim] float32. The query heads of one KV head share its loads (GQA). The softmax is in
-// float32: the scores, their max, their exponentials (within 2 ulp of expf), then the
-// weighted sum of V.
+// Cache: runs of (page, KV head), each page_size tokens of dim values, float32, bfloat16
+// or 8-bit codes with the run's scale (kv_pages.h; `kind` says which); q and out [rows,
+// heads, dim] float32. The query heads of one KV head share its loads (GQA). The softmax
+// is in float32: the scores, their max, their exponentials (within 2 ulp of expf), then the
+// weighted sum of V. An 8-bit run's scale multiplies its scores and its weights.
 
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "bfloat16.h"
+#include "kv_pages.h"
 #include "lanes.h"
 
-// One token's head vector as float32: the cache's own for float32, else converted into `to`.
-static inline __attribute__((always_inline)) const float *head(const void *cache, int is_bf16,
-                                                               int64_t at, int64_t dim,
-                                                               float *to) {
-  if (!is_bf16) return (const float *)cache + at;
-  const uint16_t *c = (const uint16_t *)cache + at;
-#pragma omp simd
-  for (int64_t d = 0; d < dim; d++) to[d] = bf16_to_float(c[d]);
-  return to;
-}
+// The kernels below specialized per page format: CALL(kind) with kind a constant.
+#define BY_KIND(CALL)                 \
+  switch (kind) {                     \
+    case KV_F32: CALL(KV_F32); break;   \
+    case KV_BF16: CALL(KV_BF16); break; \
+    case KV_E4M3: CALL(KV_E4M3); break; \
+    case KV_E5M2: CALL(KV_E5M2); break; \
+    default: CALL(KV_I8);               \
+  }
 
 // SPLIT_PAGES: a decode task's pages. The prefill's BLOCK and TILE are below; LANES (floats
 // in a vector register) is lanes.h's.
@@ -40,25 +40,26 @@ enum { SPLIT_PAGES = 16, BLOCK = 16, TILE = 4 };
 // Query heads [kvh * group, (kvh + 1) * group) of one row over its tokens [begin, end),
 // begin a page's first: out gets each head's sum of e^(score - top) V, not yet divided by
 // `total`, the sum of those weights; `scores` holds group * (end - begin) rounded up to LANES.
-// Inlined where is_bf16 and dim are constants, so the loops over dim unroll.
+// Inlined where kind and dim are constants, so the loops over dim unroll.
 static inline __attribute__((always_inline)) void attend(
-    const float *q, const void *k_cache, const void *v_cache, int is_bf16, int64_t kv_heads,
+    const float *q, const void *k_cache, const void *v_cache, int kind, int64_t kv_heads,
     int64_t dim, int64_t page_size, const int64_t *pages, int64_t begin, int64_t end,
     int64_t kvh, int64_t group, float scale, float *scores, float *row, float *out, float *top,
     float *total) {
   int64_t len = end - begin, stride = (len + LANES - 1) / LANES * LANES;
   for (int64_t g = 0; g < group; g++) top[g] = -INFINITY, total[g] = 0.f;
   for (int64_t t0 = begin, p = begin / page_size; t0 < end; t0 += page_size, p++) {
-    int64_t first = (pages[p] * kv_heads + kvh) * page_size * dim;  // the page's head run
+    const uint8_t *run = kv_run(k_cache, kind, pages[p] * kv_heads + kvh, page_size, dim);
+    float run_scale = scale * kv_scale(run, kind, page_size, dim);
     int64_t n = end - t0 < page_size ? end - t0 : page_size;
     for (int64_t j = 0; j < n; j++) {
-      const float *k = head(k_cache, is_bf16, first + j * dim, dim, row);
+      const float *k = kv_token(run, kind, j, dim, row);
       for (int64_t g = 0; g < group; g++) {
         const float *qg = q + g * dim;
         float s = 0.f;
 #pragma omp simd reduction(+ : s)
         for (int64_t d = 0; d < dim; d++) s += qg[d] * k[d];
-        s *= scale;
+        s *= run_scale;
         scores[g * stride + t0 - begin + j] = s;
         top[g] = s > top[g] ? s : top[g];
       }
@@ -80,12 +81,13 @@ static inline __attribute__((always_inline)) void attend(
     memset(out + g * dim, 0, (size_t)dim * sizeof(float));
   }
   for (int64_t t0 = begin, p = begin / page_size; t0 < end; t0 += page_size, p++) {
-    int64_t first = (pages[p] * kv_heads + kvh) * page_size * dim;
+    const uint8_t *run = kv_run(v_cache, kind, pages[p] * kv_heads + kvh, page_size, dim);
+    float run_scale = kv_scale(run, kind, page_size, dim);
     int64_t n = end - t0 < page_size ? end - t0 : page_size;
     for (int64_t j = 0; j < n; j++) {
-      const float *v = head(v_cache, is_bf16, first + j * dim, dim, row);
+      const float *v = kv_token(run, kind, j, dim, row);
       for (int64_t g = 0; g < group; g++) {
-        float w = scores[g * stride + t0 - begin + j], *og = out + g * dim;
+        float w = scores[g * stride + t0 - begin + j] * run_scale, *og = out + g * dim;
 #pragma omp simd
         for (int64_t d = 0; d < dim; d++) og[d] += w * v[d];
       }
@@ -100,7 +102,7 @@ static inline __attribute__((always_inline)) void attend(
 // splits fall at fixed pages, so a row's output does not depend on its batch. Returns 0,
 // or -1 when scratch memory cannot be had.
 int paged_attention(const float *q, float *out, int64_t heads, int64_t kv_heads, int64_t dim,
-                    const void *k_cache, const void *v_cache, int is_bf16, int64_t page_size,
+                    const void *k_cache, const void *v_cache, int kind, int64_t page_size,
                     const int64_t *tables, int64_t table_width, const int64_t *lens,
                     int64_t rows, float scale) {
   int64_t group = heads / kv_heads, longest = 0, tasks = rows * kv_heads;
@@ -128,15 +130,18 @@ int paged_attention(const float *q, float *out, int64_t heads, int64_t kv_heads,
       const int64_t *pages = tables + r * table_width;
       float top[group], total[group], *o = out + at;
       if (parts) o = parts + i * group * (dim + 2);
-#define ATTEND(BF16, DIM)                                                                  \
-  attend(q + at, k_cache, v_cache, BF16, kv_heads, DIM, page_size, pages, begin, end, kvh, \
+#define ATTEND(KIND, DIM)                                                                  \
+  attend(q + at, k_cache, v_cache, KIND, kv_heads, DIM, page_size, pages, begin, end, kvh, \
          group, scale, scores + dim, scores, o, top, total)
+#define ATTEND_64(KIND) ATTEND(KIND, 64)
+#define ATTEND_128(KIND) ATTEND(KIND, 128)
+#define ATTEND_ANY(KIND) ATTEND(KIND, dim)
       if (dim == 64)
-        is_bf16 ? ATTEND(1, 64) : ATTEND(0, 64);
+        BY_KIND(ATTEND_64)
       else if (dim == 128)
-        is_bf16 ? ATTEND(1, 128) : ATTEND(0, 128);
+        BY_KIND(ATTEND_128)
       else
-        is_bf16 ? ATTEND(1, dim) : ATTEND(0, dim);
+        BY_KIND(ATTEND_ANY)
 #undef ATTEND
       if (parts) {
         memcpy(o + group * dim, top, (size_t)group * sizeof(float));
@@ -274,7 +279,7 @@ static inline __attribute__((always_inline)) void add_weighted(float *restrict o
 
 static inline __attribute__((always_inline)) void prefill_block(
     const float *restrict q, float *restrict out, int64_t heads, int64_t kv_heads, int64_t dim,
-    const void *k_cache, const void *v_cache, int is_bf16, int64_t page_size,
+    const void *k_cache, const void *v_cache, int kind, int64_t page_size,
     const int64_t *pages, int64_t first_row, int64_t i0, int64_t i1, int64_t kvh, float scale,
     float *restrict kt, float *restrict vt, float *restrict top, float *restrict total,
     float *restrict acc, const float **qs, const float *zeros) {
@@ -288,12 +293,17 @@ static inline __attribute__((always_inline)) void prefill_block(
   memset(s, 0, sizeof s);  // the padding past page_size: finite, masked
   for (int64_t t0 = 0, p = 0; t0 < end; t0 += page_size, p++) {
     int64_t n = end - t0 < page_size ? end - t0 : page_size;
+    const uint8_t *k_run = kv_run(k_cache, kind, pages[p] * kv_heads + kvh, page_size, dim);
+    const uint8_t *v_run = kv_run(v_cache, kind, pages[p] * kv_heads + kvh, page_size, dim);
+    float ks = kv_scale(k_run, kind, page_size, dim), vs = kv_scale(v_run, kind, page_size, dim);
     for (int64_t j = 0; j < n; j++) {
-      int64_t at = ((pages[p] * kv_heads + kvh) * page_size + j) * dim;
-      const float *k = head(k_cache, is_bf16, at, dim, vt + j * dim);  // vt: scratch here
-      for (int64_t d = 0; d < dim; d++) kt[d * page_size + j] = k[d];
-      const float *v = head(v_cache, is_bf16, at, dim, vt + j * dim);
-      if (v != vt + j * dim) memcpy(vt + j * dim, v, (size_t)dim * sizeof(float));
+      const float *k = kv_token(k_run, kind, j, dim, vt + j * dim);  // vt: scratch here
+      for (int64_t d = 0; d < dim; d++) kt[d * page_size + j] = kind < KV_E4M3 ? k[d] : k[d] * ks;
+      const float *v = kv_token(v_run, kind, j, dim, vt + j * dim);
+      if (kind >= KV_E4M3)
+        for (int64_t d = 0; d < dim; d++) vt[j * dim + d] = v[d] * vs;
+      else if (v != vt + j * dim)
+        memcpy(vt + j * dim, v, (size_t)dim * sizeof(float));
     }
     for (int64_t j = n; j < page_size; j++)  // a last page's empty slots: finite, masked
       for (int64_t d = 0; d < dim; d++) kt[d * page_size + j] = 0.f;
@@ -320,7 +330,7 @@ static inline __attribute__((always_inline)) void prefill_block(
 // out[i] for i < n, as above; q and out [n, heads, dim] float32. Returns 0, or -1 when
 // scratch memory cannot be had.
 int paged_prefill(const float *q, float *out, int64_t heads, int64_t kv_heads, int64_t dim,
-                  const void *k_cache, const void *v_cache, int is_bf16, int64_t page_size,
+                  const void *k_cache, const void *v_cache, int kind, int64_t page_size,
                   const int64_t *pages, int64_t context, int64_t n, float scale) {
   int64_t group = heads / kv_heads, blocks = (n + BLOCK - 1) / BLOCK;
   int64_t vectors = BLOCK * group;
@@ -342,15 +352,18 @@ int paged_prefill(const float *q, float *out, int64_t heads, int64_t kv_heads, i
       int64_t i0 = b * BLOCK, i1 = i0 + BLOCK < n ? i0 + BLOCK : n;
       float *kt = scratch, *vt = kt + page_size * dim, *top = vt + page_size * dim;
       float *total = top + vectors, *acc = total + vectors, *zeros = acc + vectors * dim;
-#define BLOCK_OF(BF16, PS, DIM)                                                          \
-  prefill_block(q, out, heads, kv_heads, DIM, k_cache, v_cache, BF16, PS, pages,         \
+#define BLOCK_OF(KIND, PS, DIM)                                                         \
+  prefill_block(q, out, heads, kv_heads, DIM, k_cache, v_cache, KIND, PS, pages,        \
                 context - n, i0, i1, kvh, scale, kt, vt, top, total, acc, qs, zeros)
+#define BLOCK_16_64(KIND) BLOCK_OF(KIND, 16, 64)
+#define BLOCK_16_128(KIND) BLOCK_OF(KIND, 16, 128)
+#define BLOCK_ANY(KIND) BLOCK_OF(KIND, page_size, dim)
       if (page_size == 16 && dim == 64)
-        is_bf16 ? BLOCK_OF(1, 16, 64) : BLOCK_OF(0, 16, 64);
+        BY_KIND(BLOCK_16_64)
       else if (page_size == 16 && dim == 128)
-        is_bf16 ? BLOCK_OF(1, 16, 128) : BLOCK_OF(0, 16, 128);
+        BY_KIND(BLOCK_16_128)
       else
-        is_bf16 ? BLOCK_OF(1, page_size, dim) : BLOCK_OF(0, page_size, dim);
+        BY_KIND(BLOCK_ANY)
 #undef BLOCK_OF
     }
     free(scratch);
@@ -360,3 +373,10 @@ int paged_prefill(const float *q, float *out, int64_t heads, int64_t kv_heads, i
 }
 
 #pragma GCC pop_options
+
+// x [n, kv_heads, dim] float32 (token t's at x + t * stride) into token slots slots[n] of
+// one layer's 8-bit pages (kv_pages.h: kv_store_8bit), for attention_cpu.py.
+void kv_store(void *cache, int kind, int64_t kv_heads, int64_t page_size, int64_t dim,
+              const int64_t *slots, int64_t n, const float *x, int64_t stride) {
+  kv_store_8bit(cache, kind, kv_heads, page_size, dim, slots, n, x, stride);
+}

@@ -1,0 +1,153 @@
+// The KV cache's page formats, as kv_cache.py's KVLayout defines them, for the C kernels
+// beside it: a layer's pages are runs, one per (page, KV head) (run r = page * kv_heads +
+// head), each page_size tokens of dim values: float32, bfloat16, or 8-bit codes followed
+// by the run's float32 scale (padded to KV_SCALE_BYTES). An 8-bit value is its code's
+// value times the scale; readers apply the scale to a dot product or a weight, not to each
+// element. Stores follow KVLayout.store bit for bit. native.py hashes the headers here
+// into each kernel's build key.
+#pragma once
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "bfloat16.h"
+
+enum { KV_F32 = 0, KV_BF16 = 1, KV_E4M3 = 2, KV_E5M2 = 3, KV_I8 = 4 };  // kv_cache.py's KIND
+enum { KV_SCALE_BYTES = 16 };
+
+static inline int64_t kv_run_bytes(int kind, int64_t page_size, int64_t dim) {
+  int64_t item = kind == KV_F32 ? 4 : kind == KV_BF16 ? 2 : 1;
+  return page_size * dim * item + (kind >= KV_E4M3 ? KV_SCALE_BYTES : 0);
+}
+
+static inline __attribute__((always_inline)) const uint8_t *kv_run(const void *cache, int kind,
+                                                                   int64_t run,
+                                                                   int64_t page_size,
+                                                                   int64_t dim) {
+  return (const uint8_t *)cache + run * kv_run_bytes(kind, page_size, dim);
+}
+
+static inline __attribute__((always_inline)) float kv_scale(const uint8_t *run, int kind,
+                                                            int64_t page_size, int64_t dim) {
+  if (kind < KV_E4M3) return 1.f;
+  float s;
+  memcpy(&s, run + page_size * dim, 4);
+  return s;
+}
+
+static inline __attribute__((always_inline)) float bits_float(uint32_t u) {
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+// An fp8 code's value (mbits mantissa bits, exponent bias `bias`): a normal one by moving
+// its bits into a float32's and re-biasing, a subnormal one as its mantissa times the
+// smallest step, so that no float32 subnormal is ever made (slow on x86).
+static inline __attribute__((always_inline)) float fp8_value(uint8_t b, int mbits, int bias) {
+  uint32_t mag = b & 0x7fu;
+  float normal = bits_float((mag << (23 - mbits)) + ((uint32_t)(127 - bias) << 23));
+  float step = bits_float((uint32_t)(127 + 1 - bias - mbits) << 23);
+  float v = (mag >> mbits) ? normal : (float)(mag & ((1u << mbits) - 1)) * step;
+  uint32_t u;
+  memcpy(&u, &v, 4);
+  return bits_float(u | (uint32_t)(b & 0x80u) << 24);
+}
+
+// x (|x| within the largest code) as the nearest fp8 code, ties to even.
+static inline uint8_t fp8_code(float x, int mbits, int bias) {
+  uint32_t u;
+  memcpy(&u, &x, 4);
+  uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
+  u &= 0x7fffffffu;
+  if (bits_float(u) < bits_float((uint32_t)(127 + 1 - bias) << 23))  // subnormal steps
+    return sign | (uint8_t)nearbyintf(bits_float(u) * bits_float((uint32_t)(127 - 1 + bias + mbits) << 23));
+  int shift = 23 - mbits;
+  uint32_t r = u + ((1u << (shift - 1)) - 1) + ((u >> shift) & 1u);
+  int e = (int)(r >> 23) - 127 + bias;
+  return sign | (uint8_t)((e << mbits) | ((r >> shift) & ((1u << mbits) - 1)));
+}
+
+// Token j of a run as float32 (8-bit: its codes' values, unscaled): the cache's own for
+// float32, else converted into `to`.
+static inline __attribute__((always_inline)) const float *kv_token(const uint8_t *run, int kind,
+                                                                   int64_t j, int64_t dim,
+                                                                   float *to) {
+  if (kind == KV_F32) return (const float *)run + j * dim;
+  if (kind == KV_BF16) {
+    const uint16_t *c = (const uint16_t *)run + j * dim;
+#pragma omp simd
+    for (int64_t d = 0; d < dim; d++) to[d] = bf16_to_float(c[d]);
+    return to;
+  }
+  const uint8_t *c = run + j * dim;
+  if (kind == KV_I8) {
+#pragma omp simd
+    for (int64_t d = 0; d < dim; d++) to[d] = (float)(int8_t)c[d];
+  } else if (kind == KV_E4M3) {
+#pragma omp simd
+    for (int64_t d = 0; d < dim; d++) to[d] = fp8_value(c[d], 3, 7);
+  } else {
+#pragma omp simd
+    for (int64_t d = 0; d < dim; d++) to[d] = fp8_value(c[d], 2, 15);
+  }
+  return to;
+}
+
+static inline float kv_qmax(int kind) {  // the largest code (kv_cache.py's QMAX)
+  return kind == KV_E4M3 ? 448.f : kind == KV_E5M2 ? 57344.f : 127.f;
+}
+
+static inline float kv_limit(int kind) {  // what a new scale maps the largest to (LIMIT)
+  return kind == KV_E4M3 ? 28.f : kind == KV_E5M2 ? 224.f : 127.f;
+}
+
+static inline uint8_t kv_code(float x, int kind) {
+  float q = kv_qmax(kind);
+  x = x > q ? q : x < -q ? -q : x;
+  if (kind == KV_I8) return (uint8_t)(int8_t)nearbyintf(x);
+  return kind == KV_E4M3 ? fp8_code(x, 3, 7) : fp8_code(x, 2, 15);
+}
+
+static inline float kv_value(uint8_t c, int kind) {
+  if (kind == KV_I8) return (float)(int8_t)c;
+  return kind == KV_E4M3 ? fp8_value(c, 3, 7) : fp8_value(c, 2, 15);
+}
+
+// Tokens [first, first + n) of an 8-bit run from float32 vectors x[t * stride], t < n; its
+// tokens before `first` kept, re-coded when the scale grows (KVLayout.store).
+static inline void kv_store_run(uint8_t *run, int kind, int64_t page_size, int64_t dim,
+                                int64_t first, int64_t n, const float *x, int64_t stride) {
+  float old = first > 0 ? kv_scale(run, kind, page_size, dim) : 0.f, amax = 0.f;
+  for (int64_t t = 0; t < n; t++)
+    for (int64_t d = 0; d < dim; d++) amax = fmaxf(amax, fabsf(x[t * stride + d]));
+  float scale = amax > old * kv_qmax(kind) ? amax / kv_limit(kind) : old;
+  float inv = scale > 0.f ? 1.f / scale : 0.f;
+  if (scale != old)
+    for (int64_t i = 0; i < first * dim; i++) run[i] = kv_code(kv_value(run[i], kind) * old * inv, kind);
+  for (int64_t t = 0; t < n; t++)
+    for (int64_t d = 0; d < dim; d++)
+      run[(first + t) * dim + d] = kv_code(x[t * stride + d] * inv, kind);
+  memcpy(run + page_size * dim, &scale, 4);
+}
+
+// x [n, kv_heads, dim] float32 (token t's at x + t * stride) into token slots slots[n]
+// (page * page_size + offset; a page's in order, each page's written by one call) of one
+// layer's 8-bit pages.
+static inline void kv_store_8bit(void *cache, int kind, int64_t kv_heads, int64_t page_size,
+                                 int64_t dim, const int64_t *slots, int64_t n, const float *x,
+                                 int64_t stride) {
+#pragma omp parallel for schedule(dynamic, 1) if (n * kv_heads >= 64)
+  for (int64_t t = 0; t < n; t++) {
+    int64_t page = slots[t] / page_size;
+    if (t > 0 && slots[t - 1] / page_size == page) continue;  // within a run begun above
+    int64_t count = 1;
+    while (t + count < n && slots[t + count] / page_size == page) count++;
+    for (int64_t h = 0; h < kv_heads; h++) {
+      uint8_t *run = (uint8_t *)cache + (page * kv_heads + h) * kv_run_bytes(kind, page_size, dim);
+      kv_store_run(run, kind, page_size, dim, slots[t] % page_size, count, x + t * stride + h * dim,
+                   stride);
+    }
+  }
+}

@@ -120,39 +120,51 @@ def gather_cost(
     engine: LLMEngine, batch: int, context_len: int, repeats: int, new_tokens: int = 1
 ) -> GatherCost:
     """One step of `batch` sequences of `context_len` tokens, the last `new_tokens` of each
-    new, on a scratch cache, both ways.
+    new, on a scratch cache, both ways (ScatteredStep)."""
+    step = ScatteredStep(engine, batch, context_len, new_tokens)
+    in_place = CpuBackend(engine.layout, engine.device)
+    gathered_s = step.best_s(CpuBackend(engine.layout, engine.device, in_place=False), repeats)
+    in_place_s = step.best_s(in_place, repeats) if in_place.kernel is not None else None
+    return GatherCost(batch, context_len, gathered_s, in_place_s, new_tokens)
+
+
+class ScatteredStep:
+    """One step's whole forward of `batch` sequences of `context_len` tokens, the last
+    `new_tokens` of each new (1: a decode step), on a scratch cache of the engine's size.
 
     Page tables are random pages (with repeats when the cache is too small for the batch),
     so the pages are read as scattered as a long-running server's.
     """
-    layout, ps, device = engine.layout, engine.layout.page_size, engine.device
-    cache = KVCache(layout, engine.cache.num_pages, device)
-    width = pages_for(context_len, ps)
-    pages = torch.randint(0, cache.num_pages, (batch, width), device=device)
-    at = torch.arange(context_len - new_tokens, context_len, device=device)
-    positions = at.repeat(batch)
-    rows = torch.arange(batch, device=device).repeat_interleave(new_tokens)
-    step = StepBatch(
-        num_decodes=batch if new_tokens == 1 else 0,
-        query_start=list(range(0, batch * new_tokens + 1, new_tokens)),
-        context_lens=[context_len] * batch,
-        page_table=pages,
-        slot_mapping=pages[rows, positions // ps] * ps + positions % ps,
-        positions=positions,
-    )
-    ids = torch.randint(0, engine.spec.vocab_size, (batch * new_tokens,), device=device)
-    last = torch.arange(new_tokens - 1, batch * new_tokens, new_tokens, device=device)
 
-    def best(backend: CpuBackend) -> float:
-        attn = backend.prepare(step)
-        forward = lambda: engine.model.forward(ids, positions, backend, attn, cache, last)
+    def __init__(self, engine: LLMEngine, batch: int, context_len: int, new_tokens: int) -> None:
+        layout, ps, device = engine.layout, engine.layout.page_size, engine.device
+        self.engine = engine
+        self.cache = KVCache(layout, engine.cache.num_pages, device)
+        width = pages_for(context_len, ps)
+        pages = torch.randint(0, self.cache.num_pages, (batch, width), device=device)
+        at = torch.arange(context_len - new_tokens, context_len, device=device)
+        self.positions = at.repeat(batch)
+        rows = torch.arange(batch, device=device).repeat_interleave(new_tokens)
+        self.step = StepBatch(
+            num_decodes=batch if new_tokens == 1 else 0,
+            query_start=list(range(0, batch * new_tokens + 1, new_tokens)),
+            context_lens=[context_len] * batch,
+            page_table=pages,
+            slot_mapping=pages[rows, self.positions // ps] * ps + self.positions % ps,
+            positions=self.positions,
+        )
+        self.ids = torch.randint(0, engine.spec.vocab_size, (batch * new_tokens,), device=device)
+        self.last = torch.arange(new_tokens - 1, batch * new_tokens, new_tokens, device=device)
+
+    def best_s(self, backend: CpuBackend, repeats: int) -> float:
+        """The best of `repeats` forwards through `backend`, after one to warm up."""
+        attn = backend.prepare(self.step)
+        model = self.engine.model
+        forward = lambda: model.forward(
+            self.ids, self.positions, backend, attn, self.cache, self.last
+        )
         forward()
         return min(timed(forward) for _ in range(repeats))
-
-    in_place = CpuBackend(layout, device)
-    gathered_s = best(CpuBackend(layout, device, in_place=False))
-    in_place_s = best(in_place) if in_place.kernel is not None else None
-    return GatherCost(batch, context_len, gathered_s, in_place_s, new_tokens)
 
 
 def timed(fn: Callable[[], object]) -> float:

@@ -1,6 +1,7 @@
 """Both pools on quantized weights (the GGUF's own blocks; float32 activations and KV, the
-mode that is fast on every CPU, and bfloat16 where this CPU computes it natively):
-disaggregated serving gives the same tokens as one colocated worker of the same mode."""
+mode that is fast on every CPU, and bfloat16 where this CPU computes it natively), and on
+8-bit KV pages (moved over NIXL as stored, codes and scales): disaggregated serving gives
+the same tokens as one colocated worker of the same mode."""
 
 from __future__ import annotations
 
@@ -15,20 +16,21 @@ from tests.integration.disagg import collect, run
 from tests.integration.test_disagg import GREEDY, SEEDED, long_prompt
 
 CASES = [
-    pytest.param("float32", GREEDY, id="float32-greedy"),
-    pytest.param("float32", SEEDED, id="float32-seeded"),
-    pytest.param("bfloat16", GREEDY, id="bfloat16-greedy", marks=needs_native_bf16),
+    pytest.param("float32", "auto", GREEDY, id="float32-greedy"),
+    pytest.param("float32", "auto", SEEDED, id="float32-seeded"),
+    pytest.param("bfloat16", "auto", GREEDY, id="bfloat16-greedy", marks=needs_native_bf16),
+    pytest.param("float32", "int8", GREEDY, id="float32-int8kv-greedy"),
 ]
 
 
-@pytest.mark.parametrize(("dtype", "sp"), CASES)
+@pytest.mark.parametrize(("dtype", "kv", "sp"), CASES)
 def test_gguf_pools_match_a_colocated_gguf_worker(
-    workers: Any, prompts: list[list[int]], dtype: str, sp: SamplingParams
+    workers: Any, prompts: list[list[int]], dtype: str, kv: str, sp: SamplingParams
 ) -> None:
-    gguf = {"quantization": "gguf", "dtype": dtype}
-    p = workers.prefill(f"prefill-gguf-{dtype}", engine=gguf)
-    d = workers.decode(f"decode-gguf-{dtype}", engine=gguf, local_prefill_tokens=0)
-    c = workers.decode(f"colocated-gguf-{dtype}", engine=gguf)
+    gguf = {"quantization": "gguf", "dtype": dtype, "kv_cache_dtype": kv}
+    p = workers.prefill(f"prefill-gguf-{dtype}-{kv}", engine=gguf)
+    d = workers.decode(f"decode-gguf-{dtype}-{kv}", engine=gguf, local_prefill_tokens=0)
+    c = workers.decode(f"colocated-gguf-{dtype}-{kv}", engine=gguf)
 
     async def go() -> None:
         disp = Dispatcher()

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from cluster.config import ConfigError
-from cluster.engine.kernels.kv_cache import KVCache, KVLayout
+from cluster.engine.kernels.kv_cache import KVCache, KVLayout, kv_dtype
 from cluster.engine.model.checkpoint import ModelSpec
 from cluster.transfer.endpoint import KVEndpoint
 from cluster.transfer.wire import Handshake, IncompatiblePeerError, Notice, NoticeKind, compat_hash
@@ -29,9 +29,9 @@ SRC = [PageId(p) for p in (3, 4, 5, 9, 10)]
 DST = [PageId(p) for p in (20, 21, 7, 8, 30)]
 
 
-def _receive(device: str, conn: Any, spec: ModelSpec) -> None:
-    cache = KVCache(LAYOUT, 40, torch.device(device))
-    ep = KVEndpoint("receiver", cache, compat_hash(spec, "float32", "auto", 16, "none"), "lo")
+def _receive(device: str, conn: Any, spec: ModelSpec, kv: str = "auto") -> None:
+    cache = KVCache(_layout(kv), 40, torch.device(device))
+    ep = KVEndpoint("receiver", cache, compat_hash(spec, "float32", kv, 16, "none"), "lo")
     conn.send(ep.handshake())
     notices: list[Notice] = []
     deadline = time.monotonic() + 30
@@ -44,26 +44,31 @@ def _receive(device: str, conn: Any, spec: ModelSpec) -> None:
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+def _layout(kv: str) -> KVLayout:
+    return dataclasses.replace(LAYOUT, dtype=kv_dtype(kv, torch.float32))
+
+
 @pytest.mark.parametrize(
-    ("device", "receiver_device"),
+    ("device", "receiver_device", "kv"),
     [
-        ("cpu", "cpu"),
-        pytest.param("cuda", "cuda", marks=GPU),
-        pytest.param("cuda", "cpu", marks=GPU),  # the receiver's memory type is its own
+        ("cpu", "cpu", "auto"),
+        ("cpu", "cpu", "int8"),  # 8-bit pages: codes and their scales, in the same runs
+        pytest.param("cuda", "cuda", "auto", marks=GPU),
+        pytest.param("cuda", "cpu", "auto", marks=GPU),  # the receiver's memory is its own
     ],
 )
 def test_a_write_lands_in_exactly_the_named_pages_and_its_notice_follows(
-    device: str, receiver_device: str
+    device: str, receiver_device: str, kv: str
 ) -> None:
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
-    receiver = ctx.Process(target=_receive, args=(receiver_device, there, SPEC))
+    receiver = ctx.Process(target=_receive, args=(receiver_device, there, SPEC, kv))
     receiver.start()
     try:
-        cache = KVCache(LAYOUT, 12, torch.device(device))
-        cache.k.copy_(torch.randn(cache.k.shape))
-        cache.v.copy_(torch.randn(cache.v.shape))
-        ep = KVEndpoint("sender", cache, compat_hash(SPEC, "float32", "auto", 16, "none"), "lo")
+        cache = KVCache(_layout(kv), 12, torch.device(device))
+        for t in (cache.k, cache.v):  # every byte a page holds, its scales too
+            t.copy_(torch.randn(t.shape) if t.is_floating_point() else torch.randint_like(t, 256))
+        ep = KVEndpoint("sender", cache, compat_hash(SPEC, "float32", kv, 16, "none"), "lo")
         peer = ep.connect(here.recv())
         layers = range(1, 2)  # layer 1 only: layer 0 must stay untouched
         notice = Notice(NoticeKind.LAYERS, RequestId("r"), 1, 2, tuple(DST), 2 * 5 * ep.page_bytes)
@@ -72,6 +77,9 @@ def test_a_write_lands_in_exactly_the_named_pages_and_its_notice_follows(
         while not ep.finished(write):
             assert time.monotonic() < deadline
         assert write.num_bytes == 2 * len(SRC) * ep.page_bytes
+        # 8-bit: a quarter of float32's bytes, and the scales' 16 bytes a run
+        run = 16 * SPEC.head_dim
+        assert ep.page_bytes == SPEC.num_kv_heads * (run + 16 if kv == "int8" else 4 * run)
         ep.notify(peer, Notice(NoticeKind.DONE, RequestId("r"), num_writes=1, first_token=5))
         notices, k_np, v_np = here.recv()
         k, v = torch.from_numpy(k_np), torch.from_numpy(v_np)

@@ -244,7 +244,7 @@ def store_tokens(pages: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> N
     """x [N, kv_heads, head_dim] into token slots `slots` [N] (page * page_size + offset)
     of one layer's pages of a float dtype (KVLayout.store: any)."""
     page_size = pages.shape[2]
-    pages[slots // page_size, :, slots % page_size] = x
+    pages[slots // page_size, :, slots % page_size] = x.to(pages.dtype)
 
 
 def gather_tokens(pages: torch.Tensor, ids: torch.Tensor, n: int) -> torch.Tensor:

@@ -7,6 +7,7 @@
 // into each kernel's build key.
 #pragma once
 
+#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -69,8 +70,46 @@ static inline uint8_t fp8_code(float x, int mbits, int bias) {
   return sign | (uint8_t)((e << mbits) | ((r >> shift) & ((1u << mbits) - 1)));
 }
 
-// Token j of a run as float32 (8-bit: its codes' values, unscaled): the cache's own for
-// float32, else converted into `to`.
+// fp8 codes as float16 bits, which F16C widens exactly (subnormals too): e5m2 is float16's
+// top byte; e4m3 is that shifted one bit down (its sign put back), which is its value over
+// 256. `codes << 8` a 16-bit lane each: zero bytes interleaved below them.
+#if defined(__AVX512F__) || defined(__F16C__)
+static inline __attribute__((always_inline)) __m128i fp8_halves(__m128i high, int e4m3) {
+  if (!e4m3) return high;
+  return _mm_and_si128(_mm_srai_epi16(high, 1), _mm_set1_epi16((short)0xbfff));
+}
+#endif
+
+// dim fp8 codes' values into `to`, e4m3's over 256 (kv_read_scale makes up for it).
+static inline __attribute__((always_inline)) void fp8_row(const uint8_t *c, float *to,
+                                                          int64_t dim, int e4m3) {
+  int64_t d = 0;
+#if defined(__AVX512F__) || defined(__F16C__)
+  for (; d + 16 <= dim; d += 16) {
+    __m128i codes = _mm_loadu_si128((const __m128i *)(c + d)), zero = _mm_setzero_si128();
+    __m128i lo = fp8_halves(_mm_unpacklo_epi8(zero, codes), e4m3);
+    __m128i hi = fp8_halves(_mm_unpackhi_epi8(zero, codes), e4m3);
+#if defined(__AVX512F__)
+    _mm512_storeu_ps(to + d, _mm512_cvtph_ps(_mm256_set_m128i(hi, lo)));
+#else
+    _mm256_storeu_ps(to + d, _mm256_cvtph_ps(lo));
+    _mm256_storeu_ps(to + d + 8, _mm256_cvtph_ps(hi));
+#endif
+  }
+#endif
+  for (; d < dim; d++) to[d] = e4m3 ? fp8_value(c[d], 3, 7) / 256.f : fp8_value(c[d], 2, 15);
+}
+
+// A run's scale as readers apply it to kv_token's values (1 for float runs).
+static inline __attribute__((always_inline)) float kv_read_scale(const uint8_t *run, int kind,
+                                                                 int64_t page_size,
+                                                                 int64_t dim) {
+  float s = kv_scale(run, kind, page_size, dim);
+  return kind == KV_E4M3 ? s * 256.f : s;
+}
+
+// Token j of a run as float32 (8-bit: its codes' values; e4m3's over 256): the cache's own
+// for float32, else converted into `to`. Times kv_read_scale: the value.
 static inline __attribute__((always_inline)) const float *kv_token(const uint8_t *run, int kind,
                                                                    int64_t j, int64_t dim,
                                                                    float *to) {
@@ -85,12 +124,8 @@ static inline __attribute__((always_inline)) const float *kv_token(const uint8_t
   if (kind == KV_I8) {
 #pragma omp simd
     for (int64_t d = 0; d < dim; d++) to[d] = (float)(int8_t)c[d];
-  } else if (kind == KV_E4M3) {
-#pragma omp simd
-    for (int64_t d = 0; d < dim; d++) to[d] = fp8_value(c[d], 3, 7);
   } else {
-#pragma omp simd
-    for (int64_t d = 0; d < dim; d++) to[d] = fp8_value(c[d], 2, 15);
+    fp8_row(c, to, dim, kind == KV_E4M3);
   }
   return to;
 }

@@ -50,7 +50,7 @@ static inline __attribute__((always_inline)) void attend(
   for (int64_t g = 0; g < group; g++) top[g] = -INFINITY, total[g] = 0.f;
   for (int64_t t0 = begin, p = begin / page_size; t0 < end; t0 += page_size, p++) {
     const uint8_t *run = kv_run(k_cache, kind, pages[p] * kv_heads + kvh, page_size, dim);
-    float run_scale = scale * kv_scale(run, kind, page_size, dim);
+    float run_scale = scale * kv_read_scale(run, kind, page_size, dim);
     int64_t n = end - t0 < page_size ? end - t0 : page_size;
     for (int64_t j = 0; j < n; j++) {
       const float *k = kv_token(run, kind, j, dim, row);
@@ -82,7 +82,7 @@ static inline __attribute__((always_inline)) void attend(
   }
   for (int64_t t0 = begin, p = begin / page_size; t0 < end; t0 += page_size, p++) {
     const uint8_t *run = kv_run(v_cache, kind, pages[p] * kv_heads + kvh, page_size, dim);
-    float run_scale = kv_scale(run, kind, page_size, dim);
+    float run_scale = kv_read_scale(run, kind, page_size, dim);
     int64_t n = end - t0 < page_size ? end - t0 : page_size;
     for (int64_t j = 0; j < n; j++) {
       const float *v = kv_token(run, kind, j, dim, row);
@@ -295,7 +295,8 @@ static inline __attribute__((always_inline)) void prefill_block(
     int64_t n = end - t0 < page_size ? end - t0 : page_size;
     const uint8_t *k_run = kv_run(k_cache, kind, pages[p] * kv_heads + kvh, page_size, dim);
     const uint8_t *v_run = kv_run(v_cache, kind, pages[p] * kv_heads + kvh, page_size, dim);
-    float ks = kv_scale(k_run, kind, page_size, dim), vs = kv_scale(v_run, kind, page_size, dim);
+    float ks = kv_read_scale(k_run, kind, page_size, dim);
+    float vs = kv_read_scale(v_run, kind, page_size, dim);
     for (int64_t j = 0; j < n; j++) {
       const float *k = kv_token(k_run, kind, j, dim, vt + j * dim);  // vt: scratch here
       for (int64_t d = 0; d < dim; d++) kt[d * page_size + j] = kind < KV_E4M3 ? k[d] : k[d] * ks;

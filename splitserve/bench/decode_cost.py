@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from cluster.engine.engine import LLMEngine
+from cluster.engine.kernels import attention_cpu
 from cluster.engine.kernels.attention_cpu import CpuBackend
-from cluster.engine.kernels.kv_cache import KVCache
+from cluster.engine.kernels.kv_cache import KVCache, KVLayout
 from cluster.engine.kernels.step_batch import StepBatch
 from cluster.engine.sched.page_pool import pages_for
 from cluster.types import SamplingParams
@@ -128,18 +129,35 @@ def gather_cost(
     return GatherCost(batch, context_len, gathered_s, in_place_s, new_tokens)
 
 
+def fill_normal(pages: torch.Tensor, layout: KVLayout, chunk: int = 2**16) -> None:
+    """One layer's pages filled with N(0, 1) K (or V) as its store writes them."""
+    slots = torch.arange(pages.shape[0] * layout.page_size)
+    kernel = attention_cpu._kernel() if layout.scaled else None
+    for at in range(0, len(slots), chunk):
+        part = slots[at : at + chunk]
+        x = torch.randn(len(part), layout.num_kv_heads, layout.head_dim)
+        if kernel is not None:
+            attention_cpu.store_in_place(kernel, pages, part, x, layout)
+        else:
+            layout.store(pages, part, x)
+
+
 class ScatteredStep:
     """One step's whole forward of `batch` sequences of `context_len` tokens, the last
     `new_tokens` of each new (1: a decode step), on a scratch cache of the engine's size.
 
     Page tables are random pages (with repeats when the cache is too small for the batch),
-    so the pages are read as scattered as a long-running server's.
+    so the pages are read as scattered as a long-running server's. The pages hold random
+    normal K and V (8-bit ones coded by the store: zeroed runs would re-code on every
+    token, where a server's re-code on a few).
     """
 
     def __init__(self, engine: LLMEngine, batch: int, context_len: int, new_tokens: int) -> None:
         layout, ps, device = engine.layout, engine.layout.page_size, engine.device
         self.engine = engine
         self.cache = KVCache(layout, engine.cache.num_pages, device)
+        for pages in (*self.cache.k, *self.cache.v):
+            fill_normal(pages, layout)
         width = pages_for(context_len, ps)
         pages = torch.randint(0, self.cache.num_pages, (batch, width), device=device)
         at = torch.arange(context_len - new_tokens, context_len, device=device)

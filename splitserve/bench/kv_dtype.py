@@ -4,13 +4,15 @@ context; prefill within 5%).
 
 Each KV dtype gets an engine (the bundled model, its dtype as `--dtype` says) whose cache
 holds every page the batch reads, so a step reads distinct pages as a full server's does
-(decode_cost.ScatteredStep: random pages, the whole forward through our kernels); the best
-of a few steps is taken, and each dtype is shown against the first (auto).
+(decode_cost.ScatteredStep: random pages, the whole forward through our kernels). All are
+built first, then timed round by round (each step once a round after a warm-up), the best
+kept, and each dtype shown against the first (auto).
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 import torch
 
@@ -25,20 +27,25 @@ from splitserve.bench.decode_cost import ScatteredStep
 from splitserve.hardware import host_line
 
 
-def step_times(
-    kv: str, dtype: str, batch: int, context: int, prefill: int, repeats: int
-) -> tuple[float, float]:
-    """Seconds of a decode step of `batch` x `context` and of a `prefill`-token prompt."""
+@dataclass
+class Rig:
+    """One KV dtype's engine, its cache holding every page the batch reads, and its steps."""
+
+    engine: LLMEngine
+    backend: CpuBackend
+    decode: ScatteredStep
+    prefill: ScatteredStep
+
+
+def rig(kv: str, dtype: str, batch: int, context: int, prefill: int) -> Rig:
     model_dtype = getattr(torch, pick_dtype(dtype, torch.device("cpu")))
     layout = KVLayout.of(read_spec(bundled_model_path()), 16, kv_dtype(kv, model_dtype))
     pages = batch * pages_for(context, 16) + 16
     gib = pages * layout.bytes_per_page / 2**30
     engine = LLMEngine(EngineConfig(dtype=dtype, kv_cache_dtype=kv, kv_cache_gb=gib))
     backend = CpuBackend(engine.layout, engine.device)
-    decode = ScatteredStep(engine, batch, context, 1).best_s(backend, repeats)
-    fill = ScatteredStep(engine, 1, prefill, prefill).best_s(backend, repeats)
-    engine.close()
-    return decode, fill
+    decode = ScatteredStep(engine, batch, context, 1)
+    return Rig(engine, backend, decode, ScatteredStep(engine, 1, prefill, prefill))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,12 +61,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| KV dtype | decode B{args.batch} x {args.context} (ms) | vs first | "
           f"prefill {args.prefill} (ms) | vs first |")  # fmt: skip
     print("| --- | ---: | ---: | ---: | ---: |")
-    first: tuple[float, float] | None = None
-    for kv in args.kv_dtypes.split(","):
-        d, p = step_times(kv, args.dtype, args.batch, args.context, args.prefill, args.repeats)
-        first = first or (d, p)
+    rigs = {
+        kv: rig(kv, args.dtype, args.batch, args.context, args.prefill)
+        for kv in args.kv_dtypes.split(",")
+    }
+    best = {kv: [float("inf"), float("inf")] for kv in rigs}
+    for _ in range(args.repeats):  # round by round, so drift in the host falls on all alike
+        for kv, r in rigs.items():
+            best[kv][0] = min(best[kv][0], r.decode.best_s(r.backend, 1))
+            best[kv][1] = min(best[kv][1], r.prefill.best_s(r.backend, 1))
+    first = next(iter(best.values()))
+    for kv, (d, p) in best.items():
         print(f"| {kv} | {d * 1e3:.1f} | {d / first[0]:.2f}x | {p * 1e3:.0f} | "
-              f"{p / first[1]:.2f}x |", flush=True)  # fmt: skip
+              f"{p / first[1]:.2f}x |")  # fmt: skip
     return 0
 
 

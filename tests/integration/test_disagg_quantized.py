@@ -14,6 +14,8 @@ from router.dispatch import Dispatcher
 from tests.helpers import needs_native_bf16
 from tests.integration.disagg import collect, run
 from tests.integration.test_disagg import GREEDY, SEEDED, long_prompt
+from tests.integration.test_migration import GREEDY as GREEDY_48
+from tests.integration.test_migration import kill_then_continue
 
 CASES = [
     pytest.param("float32", "auto", GREEDY, id="float32-greedy"),
@@ -39,5 +41,26 @@ def test_gguf_pools_match_a_colocated_gguf_worker(
             alone = await collect(disp, ids, sp, c)
             assert split.finish is not None and split.finish is not FinishReason.ERROR
             assert (split.tokens, split.finish) == (alone.tokens, alone.finish)
+
+    run(go())
+
+
+def test_a_stream_on_int8_pages_moved_off_a_dead_worker_goes_on_as_if_never_moved(
+    workers: Any, prompts: list[list[int]]
+) -> None:
+    # The continuation's prompt (the prompt and the 6 tokens delivered) is prefilled at once
+    # on the prefill worker and its pages moved; the unmoved run wrote those 6 a token a
+    # step. A page's codes do not depend on that (kv_cache.py), so neither do the tokens.
+    int8 = {"quantization": "gguf", "dtype": "float32", "kv_cache_dtype": "int8"}
+    p = workers.prefill("prefill-gguf-float32-int8", engine=int8)
+    d = workers.decode("decode-gguf-float32-int8", engine=int8, local_prefill_tokens=0)
+    c = workers.decode("colocated-gguf-float32-int8", engine=int8)
+    workers.decode("doomed-int8", engine=int8, local_prefill_tokens=0)
+
+    async def go() -> None:
+        alone = await collect(Dispatcher(), prompts[5], GREEDY_48, c)
+        moved = await kill_then_continue(workers, prompts[5], GREEDY_48, "doomed-int8", p, d, 6)
+        assert len(moved.tokens) == 48
+        assert (moved.tokens, moved.text) == (alone.tokens, alone.text)
 
     run(go())

@@ -21,3 +21,17 @@ def started(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
 
     monkeypatch.setattr(splitserve.launch, "_serve", _serve)
     return calls
+
+
+@pytest.fixture(params=["native", "haswell"], ids=["this-cpu", "avx2"])
+def build(request: pytest.FixtureRequest) -> Any:
+    """paged_attention.c built for this CPU, and for AVX2 alone (its other vector width)."""
+    from cluster.engine.kernels import attention_cpu, native
+    from cluster.engine.kernels.cpu_isa import cpu
+
+    if request.param == "haswell" and not {"avx2", "fma", "f16c"} <= cpu()[1]:
+        pytest.skip("this CPU cannot run an AVX2 build")
+    lib = native.library("paged_attention.c", request.param)
+    if lib is None:
+        pytest.skip(f"no {request.param} build of paged_attention.c here")
+    return attention_cpu.bind(lib)

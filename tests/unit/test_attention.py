@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
 from cluster.config import ConfigError
-from cluster.engine.kernels import attention_cpu, native
+from cluster.engine.kernels import attention_cpu
 from cluster.engine.kernels.attention import resolve_backend
 from cluster.engine.kernels.attention_cpu import (
     CpuBackend,
@@ -23,7 +23,6 @@ from cluster.engine.kernels.attention_cpu import (
     _decode_attention,
     paged_attention,
 )
-from cluster.engine.kernels.cpu_isa import cpu
 from cluster.engine.kernels.kv_cache import KVCache, KVLayout, gather_tokens
 from cluster.engine.kernels.step_batch import StepBatch
 from cluster.engine.sched.page_pool import pages_for
@@ -193,17 +192,6 @@ def test_a_long_decode_is_split_merged_and_the_same_alone_or_batched() -> None:
     torch.testing.assert_close(ours, ref, rtol=0, atol=1e-5)
     one = in_place.forward(0, q[:1], k[:1], v[:1], cache, in_place.prepare(alone))
     assert torch.equal(one[0], ours[0])
-
-
-@pytest.fixture(params=["native", "haswell"], ids=["this-cpu", "avx2"])
-def build(request: pytest.FixtureRequest) -> ctypes.CDLL:
-    """paged_attention.c built for this CPU, and for AVX2 alone (its other vector width)."""
-    if request.param == "haswell" and not {"avx2", "fma", "f16c"} <= cpu()[1]:
-        pytest.skip("this CPU cannot run an AVX2 build")
-    lib = native.library("paged_attention.c", request.param)
-    if lib is None:
-        pytest.skip(f"no {request.param} build of paged_attention.c here")
-    return attention_cpu.bind(lib)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -149,7 +149,7 @@ def paged_attention(
 ) -> torch.Tensor:
     for cache, x in ((k_cache, k), (v_cache, v)):
         if layout.scaled and kernel is not None:
-            _store_in_place(kernel, cache, batch.slot_mapping, x, layout)
+            store_in_place(kernel, cache, batch.slot_mapping, x, layout)
         else:
             layout.store(cache, batch.slot_mapping, x)
     outs: list[torch.Tensor] = []
@@ -190,7 +190,7 @@ def paged_attention(
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def _store_in_place(
+def store_in_place(
     kernel: ctypes.CDLL, cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, lay: KVLayout
 ) -> None:
     """x [N, kv_heads, head_dim] into 8-bit pages by paged_attention.c's kv_store."""

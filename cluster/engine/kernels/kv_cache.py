@@ -9,18 +9,24 @@ contiguous run (what a transfer between different tensor-parallel splits sends a
 descriptor). Token slot `page * page_size + offset` of head h lies at
 `((page * num_kv_heads + h) * page_size + offset) * head_dim` elements.
 
-8-bit KV (`engine.kv_cache_dtype` fp8_e4m3, fp8_e5m2, int8) keeps a scale per page and KV
-head: each head run is its page_size * head_dim codes, then its float32 scale, padded to
-SCALE_BYTES (so runs stay 16-byte aligned); a layer's tensor is those runs as bytes,
-[num_pages, num_kv_heads, head_bytes] uint8. A value is its code times its run's scale.
-A run's first write sets its scale from its largest magnitude (LIMIT below); a later
-token beyond the largest code re-scales the run and re-codes its earlier tokens (at most
-page_size - 1 of them, within the step that writes it). Why per page and head,
-not per token: a page of 16 tokens x 64 dims carries 16 bytes of scale (1.5%), so 8-bit
-holds 1.97x the tokens of bfloat16 at head_dim 64 (a float32 scale per token would hold
-1.88x), and the scale travels inside the run a transfer, a tier copy or a copy-on-write
-moves anyway. Every reader (paged_attention.c, the Triton kernels) reads codes in place
-and applies the scale to the dot product, not to each element.
+8-bit KV (`engine.kv_cache_dtype` fp8_e4m3, fp8_e5m2, int8) keeps a scale per token and
+KV head, a power of two in one byte (an exponent, as OCP's MX formats' E8M0): each head run
+is its page_size * head_dim codes, then its tokens' scale bytes, padded to a multiple of
+16 (SCALE_BYTES at 16-token pages, so runs stay 16-byte aligned); a layer's tensor is those
+runs as bytes, [num_pages, num_kv_heads, head_bytes] uint8. A value is its code times
+2^(its token's byte - 127). A token's scale is set from its own largest magnitude alone
+(that magnitude over it falls in [2^(SHIFT-1), 2^SHIFT), below the dtype's largest code),
+and dividing by a power of two is exact, so a token's codes never change once written and
+depend on its values only: a row reads the same bytes whatever the batching (a prompt at
+once, in chunks, on another worker, recomputed after preemption), as with float pages.
+Why this and not a float32 scale per page and head (the same 16 bytes a run): a page's
+scale is set before its later tokens come, so either a larger one re-codes the earlier
+(and a row that read them before reads other bytes than one after: measured, tokens moved
+with the chunking) or it clips them; and per token the scale fits each token, not the
+page's largest. Against a float32 scale per token: 1 byte, not 4 (1.97x bfloat16's tokens
+at head_dim 64, not 1.88x). Every reader (paged_attention.c, the Triton kernels) reads
+codes in place and applies a token's scale to its score and its weight, not to each
+element.
 """
 
 from __future__ import annotations
@@ -45,14 +51,13 @@ KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
     "fp8_e5m2": torch.float8_e5m2,
     "int8": torch.int8,
 }
-# An 8-bit dtype's largest code (QMAX), and the code a run's scale maps its largest
-# magnitude to when the run's first tokens set it or a later one outgrows it (LIMIT): the
-# whole range for int8, whose steps are even; far below it for fp8, whose relative steps
-# are the same over its range, so a run's later tokens up to 16x (256x for e5m2) larger
-# fit without re-coding its earlier ones (each re-coding rounds them again).
+# An 8-bit dtype's largest code (QMAX), and where a token's scale puts its largest
+# magnitude: in [2^(SHIFT-1), 2^SHIFT), below QMAX (int8: up to 127.5, rounded to 127 at
+# most; e4m3 up to 256 of 448, e5m2 up to 2^15 of 57344: their relative steps are the same
+# over the range, so leaving its top unused costs nothing).
 QMAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0, torch.int8: 127.0}
-LIMIT = {torch.float8_e4m3fn: 28.0, torch.float8_e5m2: 224.0, torch.int8: 127.0}
-SCALE_BYTES = 16  # a run's float32 scale and its padding
+SHIFT = {torch.float8_e4m3fn: 8, torch.float8_e5m2: 15, torch.int8: 7}
+SCALE_BYTES = 16  # a 16-token run's scale bytes, one a token (a multiple of 16 in general)
 # The C kernels' name for each stored dtype (kv_pages.h).
 KIND = {
     torch.float32: 0,
@@ -119,7 +124,7 @@ class KVLayout:
     def head_bytes(self) -> int:
         """One KV head of one page of one layer of K (or V): one contiguous run."""
         codes = self.page_size * self.head_dim * self.dtype.itemsize
-        return codes + (SCALE_BYTES if self.scaled else 0)
+        return codes + (-(-self.page_size // 16) * 16 if self.scaled else 0)
 
     @property
     def page_bytes(self) -> int:
@@ -165,37 +170,30 @@ class KVLayout:
         codes = pages[..., : self.page_size * self.head_dim].view(self.dtype)
         return codes.unflatten(-1, (self.page_size, self.head_dim))
 
-    def scales(self, pages: torch.Tensor) -> torch.Tensor:
-        """8-bit: one layer's runs' scales, a float32 view [pages, kv_heads]."""
+    def scale_bytes(self, pages: torch.Tensor) -> torch.Tensor:
+        """8-bit: one layer's tokens' scale bytes, a uint8 view [pages, kv_heads, page_size]."""
         at = self.page_size * self.head_dim
-        return pages[..., at : at + 4].view(torch.float32).squeeze(-1)
+        return pages[..., at : at + self.page_size]
+
+    def scales(self, pages: torch.Tensor) -> torch.Tensor:
+        """8-bit: one layer's tokens' scales as float32 [pages, kv_heads, page_size]."""
+        exponents = self.scale_bytes(pages).int() - 127
+        return torch.ldexp(torch.ones(exponents.shape), exponents)
 
     def store(self, pages: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
         """x [N, kv_heads, head_dim] into token slots `slots` [N] (page * page_size +
-        offset, a page's in order) of one layer's pages (k[layer] or v[layer]). 8-bit: as
-        the module docstring says, bit for bit as paged_attention.c's kv_store."""
+        offset) of one layer's pages (k[layer] or v[layer]). 8-bit: each token and head
+        coded at its own power-of-two scale (the module docstring), bit for bit as
+        kv_pages.h's store."""
         if not self.scaled:
             store_tokens(pages, slots, x)
             return
-        ps = self.page_size
-        page, offset = slots // ps, slots % ps
-        qmax, values, scales = QMAX[self.dtype], self.values(pages), self.scales(pages)
-        touched, which = torch.unique(page, return_inverse=True)
         x = x.float()
-        u = (len(touched), self.num_kv_heads)
-        amax = torch.zeros(u).scatter_reduce_(
-            0, which[:, None].expand(-1, u[1]), x.abs().amax(-1), "amax"
-        )
-        first = torch.full(u[:1], ps).scatter_reduce_(0, which, offset, "amin")
-        old = torch.where((first > 0)[:, None], scales[touched], 0.0)
-        new = torch.where(amax > old * qmax, amax / LIMIT[self.dtype], old)
-        inv = torch.where(new > 0, 1.0 / new, 0.0)
-        held = values[touched].float() * old[..., None, None]  # the earlier tokens, re-coded
-        earlier = (torch.arange(ps) < first[:, None])[:, None, :, None]
-        codes = torch.where(earlier, self._code(held * inv[..., None, None]), values[touched])
-        values[touched] = codes
-        values[page, :, offset] = self._code(x * inv[which][..., None])
-        scales[touched] = new
+        _, k = torch.frexp(x.abs().amax(-1))  # amax = m 2^k, m in [0.5, 1)
+        e = (k - SHIFT[self.dtype]).clamp(-127, 127)
+        page, offset = slots // self.page_size, slots % self.page_size
+        self.values(pages)[page, :, offset] = self._code(torch.ldexp(x, -e[..., None]))
+        self.scale_bytes(pages)[page, :, offset] = (e + 127).to(torch.uint8)
 
     def _code(self, x: torch.Tensor) -> torch.Tensor:
         """float32 values (over their scale) as the nearest 8-bit codes (ties to even)."""
@@ -208,7 +206,7 @@ class KVLayout:
         [n, kv_heads, head_dim] (8-bit: decoded to float32)."""
         if not self.scaled:
             return gather_tokens(pages, ids, n)
-        held = self.values(pages)[ids].float() * self.scales(pages)[ids][..., None, None]
+        held = self.values(pages)[ids].float() * self.scales(pages)[ids][..., None]
         return held.transpose(1, 2).flatten(0, 1)[:n]
 
     def capacity_report(self, num_pages: int, max_len: int) -> str:

@@ -1,9 +1,9 @@
 // The KV cache's page formats, as kv_cache.py's KVLayout defines them, for the C kernels
 // beside it: a layer's pages are runs, one per (page, KV head) (run r = page * kv_heads +
 // head), each page_size tokens of dim values: float32, bfloat16, or 8-bit codes followed
-// by the run's float32 scale (padded to KV_SCALE_BYTES). An 8-bit value is its code's
-// value times the scale; readers apply the scale to a dot product or a weight, not to each
-// element. Stores follow KVLayout.store bit for bit. native.py hashes the headers here
+// by a scale byte a token (padded to a multiple of 16): an 8-bit value is its code's value
+// times 2^(byte - 127). Readers apply a token's scale to its score or its weight, not to
+// each element. Stores follow KVLayout.store bit for bit. native.py hashes the headers here
 // into each kernel's build key.
 #pragma once
 
@@ -15,11 +15,9 @@
 #include "bfloat16.h"
 
 enum { KV_F32 = 0, KV_BF16 = 1, KV_E4M3 = 2, KV_E5M2 = 3, KV_I8 = 4 };  // kv_cache.py's KIND
-enum { KV_SCALE_BYTES = 16 };
-
 static inline int64_t kv_run_bytes(int kind, int64_t page_size, int64_t dim) {
   int64_t item = kind == KV_F32 ? 4 : kind == KV_BF16 ? 2 : 1;
-  return page_size * dim * item + (kind >= KV_E4M3 ? KV_SCALE_BYTES : 0);
+  return page_size * dim * item + (kind >= KV_E4M3 ? (page_size + 15) / 16 * 16 : 0);
 }
 
 static inline __attribute__((always_inline)) const uint8_t *kv_run(const void *cache, int kind,
@@ -29,12 +27,14 @@ static inline __attribute__((always_inline)) const uint8_t *kv_run(const void *c
   return (const uint8_t *)cache + run * kv_run_bytes(kind, page_size, dim);
 }
 
-static inline __attribute__((always_inline)) float kv_scale(const uint8_t *run, int kind,
-                                                            int64_t page_size, int64_t dim) {
-  if (kind < KV_E4M3) return 1.f;
-  float s;
-  memcpy(&s, run + page_size * dim, 4);
-  return s;
+// The next run a reader takes, asked of memory ahead: a run is one short stream (1-4 KiB),
+// too short for the hardware's prefetchers to learn before it ends.
+static inline __attribute__((always_inline)) void prefetch_run(const void *cache, int kind,
+                                                              int64_t run, int64_t page_size,
+                                                              int64_t dim) {
+  const uint8_t *at = kv_run(cache, kind, run, page_size, dim);
+  for (int64_t b = 0; b < kv_run_bytes(kind, page_size, dim); b += 64)
+    __builtin_prefetch(at + b);
 }
 
 static inline __attribute__((always_inline)) float bits_float(uint32_t u) {
@@ -63,7 +63,8 @@ static inline uint8_t fp8_code(float x, int mbits, int bias) {
   uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
   u &= 0x7fffffffu;
   if (bits_float(u) < bits_float((uint32_t)(127 + 1 - bias) << 23))  // subnormal steps
-    return sign | (uint8_t)nearbyintf(bits_float(u) * bits_float((uint32_t)(127 - 1 + bias + mbits) << 23));
+    return sign | (uint8_t)nearbyintf(bits_float(u) *
+                                      bits_float((uint32_t)(127 - 1 + bias + mbits) << 23));
   int shift = 23 - mbits;
   uint32_t r = u + ((1u << (shift - 1)) - 1) + ((u >> shift) & 1u);
   int e = (int)(r >> 23) - 127 + bias;
@@ -100,12 +101,13 @@ static inline __attribute__((always_inline)) void fp8_row(const uint8_t *c, floa
   for (; d < dim; d++) to[d] = e4m3 ? fp8_value(c[d], 3, 7) / 256.f : fp8_value(c[d], 2, 15);
 }
 
-// A run's scale as readers apply it to kv_token's values (1 for float runs).
+// Token j's scale as readers apply it to kv_token's values (1 for float runs).
 static inline __attribute__((always_inline)) float kv_read_scale(const uint8_t *run, int kind,
-                                                                 int64_t page_size,
+                                                                 int64_t j, int64_t page_size,
                                                                  int64_t dim) {
-  float s = kv_scale(run, kind, page_size, dim);
-  return kind == KV_E4M3 ? s * 256.f : s;
+  if (kind < KV_E4M3) return 1.f;
+  uint32_t e = run[page_size * dim + j];  // 2^(e - 127); e4m3 read as its value over 256
+  return bits_float(e << 23) * (kind == KV_E4M3 ? 256.f : 1.f);
 }
 
 // Token j of a run as float32 (8-bit: its codes' values; e4m3's over 256): the cache's own
@@ -134,55 +136,40 @@ static inline float kv_qmax(int kind) {  // the largest code (kv_cache.py's QMAX
   return kind == KV_E4M3 ? 448.f : kind == KV_E5M2 ? 57344.f : 127.f;
 }
 
-static inline float kv_limit(int kind) {  // what a new scale maps the largest to (LIMIT)
-  return kind == KV_E4M3 ? 28.f : kind == KV_E5M2 ? 224.f : 127.f;
+static inline int kv_shift(int kind) {  // a token's largest over its scale: below 2^this
+  return kind == KV_E4M3 ? 8 : kind == KV_E5M2 ? 15 : 7;
 }
 
-static inline uint8_t kv_code(float x, int kind) {
+static inline __attribute__((always_inline)) uint8_t kv_code(float x, int kind) {
   float q = kv_qmax(kind);
   x = x > q ? q : x < -q ? -q : x;
   if (kind == KV_I8) return (uint8_t)(int8_t)nearbyintf(x);
   return kind == KV_E4M3 ? fp8_code(x, 3, 7) : fp8_code(x, 2, 15);
 }
 
-static inline float kv_value(uint8_t c, int kind) {
-  if (kind == KV_I8) return (float)(int8_t)c;
-  return kind == KV_E4M3 ? fp8_value(c, 3, 7) : fp8_value(c, 2, 15);
-}
-
-// Tokens [first, first + n) of an 8-bit run from float32 vectors x[t * stride], t < n; its
-// tokens before `first` kept, re-coded when the scale grows (KVLayout.store).
-static inline void kv_store_run(uint8_t *run, int kind, int64_t page_size, int64_t dim,
-                                int64_t first, int64_t n, const float *x, int64_t stride) {
-  float old = first > 0 ? kv_scale(run, kind, page_size, dim) : 0.f, amax = 0.f;
-  for (int64_t t = 0; t < n; t++)
-    for (int64_t d = 0; d < dim; d++) amax = fmaxf(amax, fabsf(x[t * stride + d]));
-  float scale = amax > old * kv_qmax(kind) ? amax / kv_limit(kind) : old;
-  float inv = scale > 0.f ? 1.f / scale : 0.f;
-  if (scale != old)
-    for (int64_t i = 0; i < first * dim; i++) run[i] = kv_code(kv_value(run[i], kind) * old * inv, kind);
-  for (int64_t t = 0; t < n; t++)
-    for (int64_t d = 0; d < dim; d++)
-      run[(first + t) * dim + d] = kv_code(x[t * stride + d] * inv, kind);
-  memcpy(run + page_size * dim, &scale, 4);
+// Token `at` of an 8-bit run from float32 x[dim]: its scale 2^e from its largest
+// magnitude alone (KVLayout.store), its codes x / 2^e (exact) rounded.
+static inline void kv_store_token(uint8_t *run, int kind, int64_t page_size, int64_t dim,
+                                  int64_t at, const float *x) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < dim; d++) amax = fmaxf(amax, fabsf(x[d]));
+  int k;
+  frexpf(amax, &k);  // amax = m 2^k, m in [0.5, 1); 0 for 0
+  int e = k - kv_shift(kind);
+  e = e < -127 ? -127 : e > 127 ? 127 : e;
+  for (int64_t d = 0; d < dim; d++) run[at * dim + d] = kv_code(ldexpf(x[d], -e), kind);
+  run[page_size * dim + at] = (uint8_t)(e + 127);
 }
 
 // x [n, kv_heads, dim] float32 (token t's at x + t * stride) into token slots slots[n]
-// (page * page_size + offset; a page's in order, each page's written by one call) of one
-// layer's 8-bit pages.
+// (page * page_size + offset) of one layer's 8-bit pages.
 static inline void kv_store_8bit(void *cache, int kind, int64_t kv_heads, int64_t page_size,
                                  int64_t dim, const int64_t *slots, int64_t n, const float *x,
                                  int64_t stride) {
-#pragma omp parallel for schedule(dynamic, 1) if (n * kv_heads >= 64)
-  for (int64_t t = 0; t < n; t++) {
-    int64_t page = slots[t] / page_size;
-    if (t > 0 && slots[t - 1] / page_size == page) continue;  // within a run begun above
-    int64_t count = 1;
-    while (t + count < n && slots[t + count] / page_size == page) count++;
-    for (int64_t h = 0; h < kv_heads; h++) {
-      uint8_t *run = (uint8_t *)cache + (page * kv_heads + h) * kv_run_bytes(kind, page_size, dim);
-      kv_store_run(run, kind, page_size, dim, slots[t] % page_size, count, x + t * stride + h * dim,
-                   stride);
-    }
+#pragma omp parallel for if (n * kv_heads >= 256)
+  for (int64_t i = 0; i < n * kv_heads; i++) {
+    int64_t t = i / kv_heads, h = i % kv_heads, page = slots[t] / page_size;
+    uint8_t *run = (uint8_t *)kv_run(cache, kind, page * kv_heads + h, page_size, dim);
+    kv_store_token(run, kind, page_size, dim, slots[t] % page_size, x + t * stride + h * dim);
   }
 }

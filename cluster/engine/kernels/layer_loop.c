@@ -5,8 +5,8 @@
 // between the kernels (about 20 calls a layer). Built on the host by native.py.
 //
 // Every matrix is one of qmatmul.c's (quantized groups); activations are float32 or
-// bfloat16 (`bf16`), the KV cache the same or 8-bit (`kv_kind`, kv_pages.h). Rows run decodes first, then prefill chunks, as
-// attention_cpu.py lays them out.
+// bfloat16 (`bf16`), the KV cache the same or 8-bit (`kv_kind`, kv_pages.h). Rows run
+// decodes first, then prefill chunks, as attention_cpu.py lays them out.
 
 #include <stdint.h>
 #include <string.h>

@@ -6,10 +6,10 @@
 // row of `tables`: token t lies in page tables[t / page_size], slot t % page_size. A decode
 // row's len is its context (its own K and V already stored).
 // Cache: runs of (page, KV head), each page_size tokens of dim values, float32, bfloat16
-// or 8-bit codes with the run's scale (kv_pages.h; `kind` says which); q and out [rows,
+// or 8-bit codes with a scale a token (kv_pages.h; `kind` says which); q and out [rows,
 // heads, dim] float32. The query heads of one KV head share its loads (GQA). The softmax
 // is in float32: the scores, their max, their exponentials (within 2 ulp of expf), then the
-// weighted sum of V. An 8-bit run's scale multiplies its scores and its weights.
+// weighted sum of V. An 8-bit token's scale multiplies its scores and its weights.
 
 #include <math.h>
 #include <stdint.h>
@@ -50,7 +50,8 @@ static inline __attribute__((always_inline)) void attend(
   for (int64_t g = 0; g < group; g++) top[g] = -INFINITY, total[g] = 0.f;
   for (int64_t t0 = begin, p = begin / page_size; t0 < end; t0 += page_size, p++) {
     const uint8_t *run = kv_run(k_cache, kind, pages[p] * kv_heads + kvh, page_size, dim);
-    float run_scale = scale * kv_read_scale(run, kind, page_size, dim);
+    if (t0 + page_size < end)
+      prefetch_run(k_cache, kind, pages[p + 1] * kv_heads + kvh, page_size, dim);
     int64_t n = end - t0 < page_size ? end - t0 : page_size;
     for (int64_t j = 0; j < n; j++) {
       const float *k = kv_token(run, kind, j, dim, row);
@@ -59,7 +60,7 @@ static inline __attribute__((always_inline)) void attend(
         float s = 0.f;
 #pragma omp simd reduction(+ : s)
         for (int64_t d = 0; d < dim; d++) s += qg[d] * k[d];
-        s *= run_scale;
+        s *= scale * kv_read_scale(run, kind, j, page_size, dim);
         scores[g * stride + t0 - begin + j] = s;
         top[g] = s > top[g] ? s : top[g];
       }
@@ -82,12 +83,14 @@ static inline __attribute__((always_inline)) void attend(
   }
   for (int64_t t0 = begin, p = begin / page_size; t0 < end; t0 += page_size, p++) {
     const uint8_t *run = kv_run(v_cache, kind, pages[p] * kv_heads + kvh, page_size, dim);
-    float run_scale = kv_read_scale(run, kind, page_size, dim);
+    if (t0 + page_size < end)
+      prefetch_run(v_cache, kind, pages[p + 1] * kv_heads + kvh, page_size, dim);
     int64_t n = end - t0 < page_size ? end - t0 : page_size;
     for (int64_t j = 0; j < n; j++) {
       const float *v = kv_token(run, kind, j, dim, row);
+      float v_scale = kv_read_scale(run, kind, j, page_size, dim);
       for (int64_t g = 0; g < group; g++) {
-        float w = scores[g * stride + t0 - begin + j] * run_scale, *og = out + g * dim;
+        float w = scores[g * stride + t0 - begin + j] * v_scale, *og = out + g * dim;
 #pragma omp simd
         for (int64_t d = 0; d < dim; d++) og[d] += w * v[d];
       }
@@ -295,11 +298,16 @@ static inline __attribute__((always_inline)) void prefill_block(
     int64_t n = end - t0 < page_size ? end - t0 : page_size;
     const uint8_t *k_run = kv_run(k_cache, kind, pages[p] * kv_heads + kvh, page_size, dim);
     const uint8_t *v_run = kv_run(v_cache, kind, pages[p] * kv_heads + kvh, page_size, dim);
-    float ks = kv_read_scale(k_run, kind, page_size, dim);
-    float vs = kv_read_scale(v_run, kind, page_size, dim);
+    if (t0 + page_size < end) {
+      prefetch_run(k_cache, kind, pages[p + 1] * kv_heads + kvh, page_size, dim);
+      prefetch_run(v_cache, kind, pages[p + 1] * kv_heads + kvh, page_size, dim);
+    }
     for (int64_t j = 0; j < n; j++) {
+      float ks = kv_read_scale(k_run, kind, j, page_size, dim);
+      float vs = kv_read_scale(v_run, kind, j, page_size, dim);
       const float *k = kv_token(k_run, kind, j, dim, vt + j * dim);  // vt: scratch here
-      for (int64_t d = 0; d < dim; d++) kt[d * page_size + j] = kind < KV_E4M3 ? k[d] : k[d] * ks;
+      for (int64_t d = 0; d < dim; d++)
+        kt[d * page_size + j] = kind < KV_E4M3 ? k[d] : k[d] * ks;
       const float *v = kv_token(v_run, kind, j, dim, vt + j * dim);
       if (kind >= KV_E4M3)
         for (int64_t d = 0; d < dim; d++) vt[j * dim + d] = v[d] * vs;

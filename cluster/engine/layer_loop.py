@@ -215,6 +215,7 @@ def build(model: LlamaModel, cache: KVCache, attention: AttentionBackend) -> Lay
     mats = [m for layer in model.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     if (
         model.group is not None
+        or model.spec.qk_norm  # Qwen3's q/k norm: not in layer_loop.c yet
         or model.kernels is None  # the C layer ops, built for the model's dtype
         or model.kernels is not layer_kernels_cpu.module(model.cos.dtype)
         or not isinstance(attention, CpuBackend)

@@ -143,11 +143,17 @@ def hf_greedy(hf_model: Any, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def _save_tiny(root: Any, name: str, config: Any) -> Any:
-    """A tiny random checkpoint saved by transformers, with the bundled tokenizer beside it."""
+    """A tiny random checkpoint saved by transformers, with the bundled tokenizer beside it;
+    its norms' weights random too (transformers starts them at ones, which would hide a
+    weight left out)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for key, t in model.named_parameters():
+            if key.endswith("norm.weight"):
+                t.uniform_(0.5, 1.5)
     path = root / name
     model.save_pretrained(path)
     Tokenizer.load(bundled_model_path()).hf.save_pretrained(path)
@@ -181,6 +187,15 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
     config = Qwen2Config(**TINY, num_key_value_heads=1, tie_word_embeddings=True)
     return _save_tiny(tmp_path_factory.mktemp("ckpt"), "tiny-qwen2", config)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Qwen3: an RMSNorm over each q and k head, head_dim set apart from hidden / heads."""
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(**TINY, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)
+    return _save_tiny(tmp_path_factory.mktemp("ckpt"), "tiny-qwen3", config)
 
 
 # --- real Ray workers ----------------------------------------------------------------------

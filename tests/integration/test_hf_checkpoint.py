@@ -42,7 +42,7 @@ def _engine_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("which", ["tiny_llama_dir", "tiny_qwen2_dir"])
+@pytest.mark.parametrize("which", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])
 def test_logits_match_transformers(which: str, request: pytest.FixtureRequest):
     from transformers import AutoModelForCausalLM
 
@@ -61,11 +61,13 @@ def test_logits_match_transformers(which: str, request: pytest.FixtureRequest):
     assert_no_leak(engine)
 
 
-def test_generate_on_a_hf_checkpoint(tiny_llama_dir: Path):
+@pytest.mark.parametrize("which", ["tiny_llama_dir", "tiny_qwen3_dir"])
+def test_generate_on_a_hf_checkpoint(which: str, request: pytest.FixtureRequest):
     from transformers import AutoModelForCausalLM
 
-    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", kv_cache_gb=0.01))
-    ref_model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    path: Path = request.getfixturevalue(which)
+    engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", kv_cache_gb=0.01))
+    ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompt = engine.tokenizer.encode("Hello there, tiny model")
     done = engine.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True))[0]
     with torch.inference_mode():

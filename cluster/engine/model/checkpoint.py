@@ -31,7 +31,12 @@ from cluster.engine.model.quantization import (
 if TYPE_CHECKING:  # gguf is imported where a GGUF is read: an HF checkpoint needs no gguf
     from cluster.engine.model.gguf_file import GGUFFile
 
-HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+HF_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
 GGUF_ARCHITECTURES = ("llama", "qwen2")
 ROPE_TYPES = ("default", "linear", "llama3")
 CPU = torch.device("cpu")
@@ -57,6 +62,7 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...]
     rope_scaling: dict[str, Any] = field(default_factory=dict)
     name: str = ""
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and of k before RoPE
 
     def rope_inv_freq(self) -> torch.Tensor:
         """Inverse frequencies of the rotary embedding, computed as transformers does."""
@@ -195,6 +201,7 @@ def spec_from_hf_config(path: Path) -> ModelSpec:
         eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
         rope_scaling=rope,
         name=cfg.get("_name_or_path") or path.parent.name,
+        qk_norm=archs[0] == "Qwen3ForCausalLM",
     )
 
 

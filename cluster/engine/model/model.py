@@ -47,11 +47,13 @@ class Layer:
     post_norm: torch.Tensor
     gate_up: Linear  # hidden -> 2 * intermediate
     down: Linear
+    qk_norms: tuple[torch.Tensor, torch.Tensor] | None = None  # Qwen3's [head_dim] each
 
     @property
     def tensors(self) -> list[torch.Tensor]:
         mats = (self.qkv, self.o, self.gate_up, self.down)
-        return [self.input_norm, self.post_norm, *(t for m in mats for t in m.tensors)]
+        norms = [self.input_norm, self.post_norm, *(self.qk_norms or ())]
+        return [*norms, *(t for m in mats for t in m.tensors)]
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -136,6 +138,9 @@ class LlamaModel:
             bias = None
             if spec.qkv_bias:
                 bias = torch.cat([vec(att + f"{n}_proj.bias") for n in "qkv"])
+            qk_norms = None
+            if spec.qk_norm:
+                qk_norms = (vec(att + "q_norm.weight"), vec(att + "k_norm.weight"))
             self.layers.append(
                 Layer(
                     input_norm=vec(p + "input_layernorm.weight"),
@@ -144,6 +149,7 @@ class LlamaModel:
                     post_norm=vec(p + "post_attention_layernorm.weight"),
                     gate_up=mat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
                     down=mat(p + "mlp.down_proj.weight"),
+                    qk_norms=qk_norms,
                 )
             )
         vocab = spec.vocab_size if group is None else group.shard.vocab_width
@@ -188,6 +194,8 @@ class LlamaModel:
         for i in range(len(self.layers)):
             x, qkv = self.before_attention(i, x, mlp)
             qk, v = self.heads(qkv)
+            if s.qk_norm:
+                qk = self.norm_heads(i, qk)
             if not attention.fuses_rope:  # else attention rotates q and k as it stores k
                 qk = self.rope(qk, positions, rows)  # q and k together: one RoPE
             a = attention.forward(i, qk[:, : s.num_heads], qk[:, s.num_heads :], v, cache, metadata)
@@ -225,6 +233,14 @@ class LlamaModel:
         s, n = self.spec, qkv.shape[0]
         split = (s.num_heads + s.num_kv_heads) * s.head_dim
         return qkv[:, :split].view(n, -1, s.head_dim), qkv[:, split:].view(n, -1, s.head_dim)
+
+    def norm_heads(self, i: int, qk: torch.Tensor) -> torch.Tensor:
+        """Qwen3's RMSNorm over each head of q and of k (layer i's two weights), before RoPE."""
+        norms = self.layers[i].qk_norms
+        assert norms is not None
+        h, eps, d = self.spec.num_heads, self.spec.rms_norm_eps, (self.spec.head_dim,)
+        q = F.rms_norm(qk[:, :h], d, norms[0], eps)
+        return torch.cat([q, F.rms_norm(qk[:, h:], d, norms[1], eps)], 1)
 
     def after_attention(
         self, i: int, x: torch.Tensor, a: torch.Tensor

@@ -82,3 +82,28 @@ def check_fit(config: ServeConfig) -> None:
         too_big = fits(weights, engine.kv_cache_gb * 2**30, memory, workspace_bytes=workspace)
         if too_big:
             raise ConfigError(f"{phase}.engine.kv_cache_gb: one {phase} worker: {too_big}")
+        _check_tier(phase, engine, weights, workspace, device)
+
+
+def _check_tier(
+    phase: str, engine: EngineConfig, weights: float, workspace: float, device: torch.device
+) -> None:
+    """The KV tier is host memory: beside the cache, weights and workspace on a CPU (the
+    same memory), alone in the host's on a GPU (pinned)."""
+    tier = engine.kv_offload_gb * 2**30
+    if not tier:
+        return
+    host = device_memory(torch.device("cpu"))
+    assert engine.kv_cache_gb is not None
+    on_host = device.type == "cpu"
+    too_big = fits(
+        weights if on_host else 0,
+        tier + (engine.kv_cache_gb * 2**30 if on_host else 0),
+        host,
+        workspace_bytes=workspace if on_host else 0,
+    )
+    if too_big:
+        raise ConfigError(
+            f"{phase}.engine.kv_offload_gb: one {phase} worker's KV tier "
+            f"({engine.kv_offload_gb:g} GiB of host memory) does not fit beside it: {too_big}"
+        )

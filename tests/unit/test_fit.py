@@ -29,6 +29,21 @@ def test_a_kv_cache_larger_than_this_hosts_ram_is_refused_before_anything_starts
     )  # float32 weights: 134.5M parameters x 4 bytes; the runner's workspace, as the engine
 
 
+def test_a_kv_tier_larger_than_this_hosts_ram_is_refused_before_anything_starts(
+    tmp_path: Path, started: list[Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "serve.yaml"
+    config.write_text("engine: {device: cpu}\ndecode:\n  engine: {kv_offload_gb: 100000}\n")
+    assert main(["serve", "--config", str(config)]) == 2
+    assert started == []
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(
+        "splitserve: error: decode.engine.kv_offload_gb: one decode worker's KV tier "
+        "(100000 GiB of host memory) does not fit beside it: weights "
+    )
+    assert main(["serve", "--kv-offload-gb", "1"]) == 0  # a tier that fits goes on to start
+
+
 def test_a_share_of_a_gpu_is_refused_for_a_cpu_engine_before_anything_starts(
     tmp_path: Path, started: list[Any], capsys: pytest.CaptureFixture[str]
 ) -> None:

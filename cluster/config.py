@@ -18,9 +18,11 @@ class ConfigError(ValueError):
 
 T = TypeVar("T")
 
-DTYPES = ("auto", "float32", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # float16: CUDA only (engine.pick_dtype)
 # auto: the model's dtype; fp8 is fp8_e4m3 (cluster/engine/kernels/kv_cache.py)
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+KV_CACHE_DTYPES = (
+    "auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"
+)  # fmt: skip
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")  # cluster/engine/model/quantization.py
 ATTENTION_BACKENDS = ("auto", "cpu", "triton", "flashinfer")  # cluster/engine/kernels/attention.py
@@ -595,7 +597,10 @@ class ServeConfig:
             )
         # auto resolves per device, so two pools on different devices would hold different KV.
         devices = self.prefill.engine.device, self.decode.engine.device
-        for name, named in (("dtype", "float32 or bfloat16"), ("quantization", "none or gguf")):
+        for name, named in (
+            ("dtype", "float32, bfloat16 or float16"),
+            ("quantization", "none or gguf"),
+        ):
             _check(
                 getattr(self.decode.engine, name) != "auto" or devices[0] == devices[1],
                 f"prefill.engine.{name}",

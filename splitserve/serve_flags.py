@@ -126,7 +126,7 @@ FLAGS = (
         "--dtype",
         _engines("dtype"),
         "activations and KV (default auto: bfloat16 on a GPU and on a CPU with native bf16, "
-        "else float32)",
+        "else float32; float16 on a GPU only)",
         choices=DTYPES,
     ),
     Flag(

@@ -136,7 +136,14 @@ def pick_dtype(name: str, device: torch.device) -> str:
     other CPU, where torch emulates bf16 several times slower (cluster/engine/kernels/cpu_isa.py).
     The rule reads the CPU's flags, never a timing, so every worker on a host resolves it
     alike: their KV must match. Every user of an engine's dtype (its KV layout, the
-    compatibility hash, the fit check) reads this resolved name, never "auto"."""
+    compatibility hash, the fit check) reads this resolved name, never "auto". float16 is
+    refused on a CPU: none of our kernels there take it, and torch's are several times
+    slower than bfloat16's or float32's."""
+    if name == "float16" and device.type == "cpu":
+        raise ConfigError(
+            "dtype: float16 runs on CUDA only here (no CPU kernel takes it); on the CPU "
+            "bfloat16, float32 or auto (the fast one of the two for this CPU) serve"
+        )
     if name != "auto":
         return name
     return fast_dtype(device.type)

@@ -195,7 +195,7 @@ def test_serve_reads_its_own_environment(
             "SPLITSERVE_PORT: router.http_port: must be an integer in [0, 65535]",
         ),
         (
-            {"SPLITSERVE_DTYPE": "float16"},
+            {"SPLITSERVE_DTYPE": "float8"},
             [],
             "SPLITSERVE_DTYPE: prefill.engine.dtype: must be one of",
         ),

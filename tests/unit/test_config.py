@@ -27,7 +27,7 @@ def test_the_defaults_are_valid() -> None:
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("dtype", "float16"),
+        ("dtype", "float8"),
         ("quantization", "int3"),
         ("device", "tpu"),
         ("kv_cache_gb", 0),

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.config import EngineConfig
+from cluster.config import ConfigError, EngineConfig
 from cluster.engine.engine import describe_modes, pick_dtype, pick_quantization
 from cluster.engine.kernels import qmatmul
 from cluster.engine.kernels.cpu_isa import cpu, fast_dtype, native_bf16
@@ -24,6 +24,13 @@ def test_auto_dtype_is_bfloat16_on_cuda_and_the_cpus_fast_dtype_on_the_cpu() -> 
     assert pick_dtype("auto", CPU) == ("bfloat16" if native_bf16(cpu()[1]) else "float32")
     assert pick_dtype("float32", CUDA) == "float32"
     assert pick_dtype("bfloat16", CPU) == "bfloat16"
+
+
+def test_float16_is_a_cuda_dtype_and_refused_on_the_cpu_naming_what_serves() -> None:
+    assert EngineConfig(dtype="float16").dtype == "float16"
+    assert pick_dtype("float16", CUDA) == "float16"
+    with pytest.raises(ConfigError, match=r"dtype: float16 runs on CUDA only .* bfloat16, float32"):
+        pick_dtype("float16", CPU)
 
 
 def test_auto_quantization_serves_a_gguf_as_stored_on_the_cpu_only(tmp_path: Path) -> None:

@@ -45,6 +45,7 @@ from cluster.engine.sched.page_pool import pages_for
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
     "auto": None,
     "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
     "float32": torch.float32,
     "fp8": torch.float8_e4m3fn,
     "fp8_e4m3": torch.float8_e4m3fn,

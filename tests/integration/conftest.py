@@ -198,6 +198,15 @@ def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return _save_tiny(tmp_path_factory.mktemp("ckpt"), "tiny-qwen3", config)
 
 
+@pytest.fixture(scope="session")
+def tiny_phi3_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Phi-3: q, k and v in one fused matrix, gate and up in another."""
+    from transformers import Phi3Config
+
+    config = Phi3Config(**TINY, num_key_value_heads=2, pad_token_id=0, tie_word_embeddings=False)
+    return _save_tiny(tmp_path_factory.mktemp("ckpt"), "tiny-phi3", config)
+
+
 # --- real Ray workers ----------------------------------------------------------------------
 
 # A small token budget makes prompts of a few hundred tokens prefill in several chunks.

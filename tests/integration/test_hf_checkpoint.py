@@ -42,7 +42,9 @@ def _engine_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("which", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])
+@pytest.mark.parametrize(
+    "which", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_phi3_dir"]
+)
 def test_logits_match_transformers(which: str, request: pytest.FixtureRequest):
     from transformers import AutoModelForCausalLM
 
@@ -61,7 +63,7 @@ def test_logits_match_transformers(which: str, request: pytest.FixtureRequest):
     assert_no_leak(engine)
 
 
-@pytest.mark.parametrize("which", ["tiny_llama_dir", "tiny_qwen3_dir"])
+@pytest.mark.parametrize("which", ["tiny_llama_dir", "tiny_qwen3_dir", "tiny_phi3_dir"])
 def test_generate_on_a_hf_checkpoint(which: str, request: pytest.FixtureRequest):
     from transformers import AutoModelForCausalLM
 

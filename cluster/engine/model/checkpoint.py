@@ -36,6 +36,7 @@ HF_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
 )
 GGUF_ARCHITECTURES = ("llama", "qwen2")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -114,13 +115,57 @@ def load_checkpoint(
         if keep_blocks:
             raise QuantizationError(f"{p} is a checkpoint directory, not a .gguf file")
         spec = spec_from_hf_config(p / "config.json")
-        return spec, StreamedWeights(p, dtype, device, progress)
+        return spec, Unfused(StreamedWeights(p, dtype, device, progress), spec)
     if p.suffix == ".gguf":
         return _load_gguf(p, keep_blocks, progress)
     raise ModelLoadError(f"model path {p}: expected a .gguf file or a checkpoint directory")
 
 
 # --- Hugging Face directory ---------------------------------------------------------------
+
+
+class Unfused:
+    """A checkpoint's fused projections (Phi-3's qkv_proj and gate_up_proj) as the separate
+    ones the model takes, each part cut from the fused rows when it is asked for (the
+    fused tensor read once, its other parts held until taken); every other name as the
+    checkpoint has it. Below tensor_parallel.ShardedWeights, which cuts the parts as any."""
+
+    def __init__(self, weights: Weights, spec: ModelSpec) -> None:
+        self.weights, self.held = weights, dict[str, torch.Tensor | GroupQuant]()
+        q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        inner = spec.intermediate_size
+        self.parts: dict[str, tuple[str, list[str], list[int]]] = {}  # part -> fused, all
+        for i in range(spec.num_layers):
+            p = f"model.layers.{i}."
+            for fused, names, sizes in (
+                (p + "self_attn.qkv_proj", [p + f"self_attn.{n}_proj" for n in "qkv"], [q, kv, kv]),
+                (p + "mlp.gate_up_proj", [p + "mlp.gate_proj", p + "mlp.up_proj"], [inner, inner]),
+            ):
+                for name in names:
+                    self.parts[name + ".weight"] = (
+                        fused + ".weight",
+                        [n + ".weight" for n in names],
+                        sizes,
+                    )
+
+    def __contains__(self, name: object) -> bool:
+        if name in self.held or name in self.weights:
+            return True
+        return isinstance(name, str) and name in self.parts and self.parts[name][0] in self.weights
+
+    def pop(self, name: str) -> torch.Tensor | GroupQuant:
+        if name in self.held:
+            return self.held.pop(name)
+        if name in self.weights or name not in self.parts:
+            return self.weights.pop(name)
+        fused, names, sizes = self.parts[name]
+        whole = self.weights.pop(fused)
+        if not isinstance(whole, torch.Tensor):
+            raise ModelLoadError(f"{fused}: a fused matrix must be float to be split")
+        if whole.shape[0] != sum(sizes):
+            raise ModelLoadError(f"{fused}: {whole.shape[0]} rows, the config says {sum(sizes)}")
+        self.held.update(zip(names, whole.split(sizes), strict=True))
+        return self.held.pop(name)
 
 
 class StreamedWeights:
@@ -183,6 +228,16 @@ def spec_from_hf_config(path: Path) -> ModelSpec:
         raise ModelLoadError(f"{path}: rope_type {kind!r} is not supported ({ROPE_TYPES})")
     rope["rope_type"] = kind
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    if partial != 1.0:
+        raise ModelLoadError(f"{path}: partial_rotary_factor {partial} is not supported (1.0)")
+    # A sliding window (Phi-3-mini's 2047, Mistral 7B v0.1's 4096; Qwen2's off unless
+    # use_sliding_window) is not computed here: the context is capped to it, where every
+    # token attends to all before it anyway.
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    max_position = cfg.get("max_position_embeddings", 2048)
+    if isinstance(window, int) and 0 < window < max_position:
+        max_position = window
     eos = cfg.get("eos_token_id")
     heads = cfg["num_attention_heads"]
     return ModelSpec(
@@ -195,7 +250,7 @@ def spec_from_hf_config(path: Path) -> ModelSpec:
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=float(theta),
-        max_position=cfg.get("max_position_embeddings", 2048),
+        max_position=max_position,
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=archs[0] == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
         eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),

@@ -1,0 +1,53 @@
+"""A Hugging Face config.json read into a ModelSpec: the families served, and what is refused
+naming the key or capped where the engine does not compute it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cluster.engine.model.checkpoint import HF_ARCHITECTURES, spec_from_hf_config
+from cluster.engine.model.model_files import ModelLoadError
+
+BASE = {
+    "vocab_size": 100,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 512,
+}
+
+
+def _spec(tmp_path: Path, architecture: str, **keys: Any) -> Any:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**BASE, "architectures": [architecture], **keys}))
+    return spec_from_hf_config(path)
+
+
+def test_qwen3_normalizes_its_q_and_k_heads_and_the_others_do_not(tmp_path: Path) -> None:
+    assert _spec(tmp_path, "Qwen3ForCausalLM", head_dim=32).qk_norm
+    assert _spec(tmp_path, "Qwen3ForCausalLM", head_dim=32).head_dim == 32
+    assert not _spec(tmp_path, "LlamaForCausalLM").qk_norm
+    assert _spec(tmp_path, "Qwen2ForCausalLM").qkv_bias
+
+
+def test_a_family_not_served_is_refused_naming_it_and_those_that_are(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="'GemmaForCausalLM' is not supported") as e:
+        _spec(tmp_path, "GemmaForCausalLM")
+    assert all(name in str(e.value) for name in HF_ARCHITECTURES)
+
+
+def test_partial_rotary_embeddings_are_refused_naming_the_key(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match=r"partial_rotary_factor 0\.5 is not supported"):
+        _spec(tmp_path, "Phi3ForCausalLM", partial_rotary_factor=0.5)
+
+
+def test_a_sliding_window_caps_the_context_unless_it_is_off(tmp_path: Path) -> None:
+    assert _spec(tmp_path, "Phi3ForCausalLM", sliding_window=100).max_position == 100
+    assert _spec(tmp_path, "MistralForCausalLM", sliding_window=4096).max_position == 512
+    off = {"sliding_window": 100, "use_sliding_window": False}
+    assert _spec(tmp_path, "Qwen2ForCausalLM", **off).max_position == 512

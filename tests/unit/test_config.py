@@ -248,6 +248,12 @@ def test_pool_engines_override_the_shared_engine_field_by_field() -> None:
             "config.prefill.engine.dtype: must equal decode.engine.dtype ('auto')",
         ),
         (
+            {"decode": {"engine": {"kv_cache_dtype": "int8"}}},
+            "config.prefill.engine.kv_cache_dtype: must equal decode.engine.kv_cache_dtype "
+            "('int8')",
+        ),
+        ({"engine": {"kv_cache_dtype": "int4"}}, "prefill.engine.kv_cache_dtype: must be one of"),
+        (
             {"prefill": {"engine": {"device": "cpu"}}},
             "config.prefill.engine.dtype: auto resolves per device: with prefill.engine.device "
             "'cpu' and decode.engine.device 'auto', name the dtype",

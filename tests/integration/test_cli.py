@@ -28,7 +28,7 @@ def test_generate_prints_what_the_engine_generates_in_the_auto_modes() -> None:
     done = _run("generate", prompt, "--chat", "--max-tokens", "12", "--kv-cache-gb", "0.05")
     assert done.returncode == 0, done.stderr
     assert done.stdout == expected + "\n"
-    assert "KV cache:" in done.stderr and "pages of 16 tokens" in done.stderr
+    assert "KV cache (" in done.stderr and "pages of 16 tokens" in done.stderr
     # The start-up line says what auto chose and why.
     assert f"dtype auto: {fast_dtype('cpu')} (" in done.stderr
     assert "quantization auto: gguf (the GGUF's blocks as stored)" in done.stderr

@@ -1,9 +1,10 @@
 """`splitserve plan capacity`: how many sequences a KV budget holds, and how fast a model
 can decode on given hardware (the memory wall). Pure arithmetic over a ModelSpec.
 
-- KV bytes per token = 2 (K and V) x layers x KV heads x head dim x KV dtype bytes; the
-  cache holds whole pages, and a sequence of n tokens needs ceil(n / page_size) pages
-  (the engine's own rule, so the numbers equal its start-up report).
+- KV bytes per token and per page are the engine's own page format's (KVLayout): 2 (K and
+  V) x layers x KV heads x head dim x the KV dtype's bytes, and an 8-bit page's scale
+  bytes; the cache holds whole pages, and a sequence of n tokens needs ceil(n / page_size)
+  pages (the engine's own rule, so the numbers equal its start-up report).
 - Weight bytes = parameters x bits per weight / 8 (nominal: 16 for bf16, 8 for int8, 4
   for int4; group scales add ~0.5 bits more, which `scale_bits` can include).
 - A decode step of B sequences at context C must read the weights once and every
@@ -26,11 +27,15 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
+import torch
 
+from cluster.config import KV_CACHE_DTYPES, ConfigError
+from cluster.engine.kernels.kv_cache import KVLayout, kv_dtype
 from cluster.engine.model.checkpoint import ModelSpec
 from splitserve.hardware import Hardware
 
-BITS = {"float32": 32, "bfloat16": 16, "float16": 16, "int8": 8, "int4": 4}
+BITS = {"float32": 32, "bfloat16": 16, "float16": 16, "int8": 8, "int4": 4}  # a weight's
+KV_DTYPES = KV_CACHE_DTYPES[1:]  # the engine's names but auto (the model's dtype)
 
 
 def num_params(spec: ModelSpec) -> int:
@@ -49,21 +54,36 @@ def kv_heads_per_rank(spec: ModelSpec, tp: int) -> int:
     return -(-spec.num_kv_heads // tp)
 
 
-def kv_bytes_per_token(spec: ModelSpec, kv_dtype: str, tp: int = 1) -> int:
-    """KV bytes a token takes on one rank of tp (tp 1: on the one device)."""
+def kv_layout(spec: ModelSpec, name: str, page_size: int = 16, tp: int = 1) -> KVLayout:
+    """The pages of KV dtype `name` one rank of tp holds (tp 1: the one device), in the
+    engine's own format."""
+    if name not in KV_DTYPES:
+        raise ConfigError(f"kv_dtype: one of {', '.join(KV_DTYPES)}, got {name!r}")
     heads = kv_heads_per_rank(spec, tp)
-    return 2 * spec.num_layers * heads * spec.head_dim * BITS[kv_dtype] // 8
+    return KVLayout(spec.num_layers, heads, spec.head_dim, page_size, kv_dtype(name, torch.float32))
+
+
+def kv_bytes_per_token(spec: ModelSpec, kv_dtype: str, tp: int = 1, page_size: int = 16) -> float:
+    """KV bytes a token takes on one rank of tp, its share of its page's scales counted."""
+    return kv_layout(spec, kv_dtype, page_size, tp).bytes_per_token
 
 
 @dataclass(frozen=True)
 class KVCapacity:
-    bytes_per_token: int
-    page_size: int
+    layout: KVLayout
     pages: int
 
     @property
+    def page_size(self) -> int:
+        return self.layout.page_size
+
+    @property
     def bytes_per_page(self) -> int:
-        return self.bytes_per_token * self.page_size
+        return self.layout.bytes_per_page
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.layout.bytes_per_token
 
     @property
     def tokens(self) -> int:
@@ -78,8 +98,8 @@ def kv_capacity(
     spec: ModelSpec, kv_dtype: str, page_size: int, kv_cache_gb: float, tp: int = 1
 ) -> KVCapacity:
     """Pages of a `kv_cache_gb` GiB cache (on each of tp ranks), as the engine sizes it."""
-    per_token = kv_bytes_per_token(spec, kv_dtype, tp)
-    return KVCapacity(per_token, page_size, int(kv_cache_gb * 2**30 // (per_token * page_size)))
+    layout = kv_layout(spec, kv_dtype, page_size, tp)
+    return KVCapacity(layout, layout.pages_for(kv_cache_gb * 2**30))
 
 
 @dataclass(frozen=True)

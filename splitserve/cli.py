@@ -20,6 +20,7 @@ import grpc
 
 from cluster.config import (
     DTYPES,
+    KV_CACHE_DTYPES,
     QUANTIZATIONS,
     ConfigError,
     EngineConfig,
@@ -297,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
         "this CPU's fast dtype; it stops there with what it has and says so",
     )
     plan.add_argument("--kv-cache-gb", type=float, default=40.0)
-    plan.add_argument("--kv-dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
+    plan.add_argument("--kv-dtype", choices=KV_CACHE_DTYPES[1:], default="bfloat16")
     plan.add_argument("--page-size", type=int, default=16)
     plan.add_argument("--plot", default=None, help="capacity, cluster: write a PNG here")
     cap = plan.add_argument_group("capacity")

@@ -29,11 +29,10 @@ from typing import Any
 from aiohttp import web
 
 from cluster.config import ConfigError
-from splitserve.capacity import ARCHITECTURES, decode_bound, kv_capacity, weight_bytes
+from splitserve.capacity import ARCHITECTURES, KV_DTYPES, decode_bound, kv_capacity, weight_bytes
 from splitserve.hardware import GPUS
 
 WEIGHT_BITS = (16, 8, 4)
-KV_DTYPES = ("bfloat16", "float16", "float32")
 TENSOR_PARALLEL = (1, 2, 4, 8)
 TP_LINK_GB_S = 300.0  # plan capacity's --tp-link-gb-s default (NVLink 3)
 

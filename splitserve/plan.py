@@ -16,7 +16,6 @@ from cluster.engine.model.checkpoint import ModelSpec
 from router.policy import PolicyConfig, PolicyName
 from splitserve.arrivals import send_offsets
 from splitserve.capacity import (
-    BITS,
     decode_bound,
     kv_bytes_per_token,
     kv_capacity,
@@ -47,7 +46,6 @@ def report(
     tp: int = 1,
     link_gb_s: float = 0.0,  # with tp > 1: each device's link to the others, each way
 ) -> str:
-    per_token = kv_bytes_per_token(spec, kv_dtype, tp)
     cap = kv_capacity(spec, kv_dtype, page_size, kv_cache_gb, tp)
     rank = " per device" if tp > 1 else ""
     lines = [
@@ -70,7 +68,7 @@ def report(
         + ", ".join(f"{w} {weight_bytes(spec, bits, tp) / 1e9:.3g} GB" for w, bits in WEIGHTS),
         f"with {kv_cache_gb:g} GiB of KV{rank}, the device's {hw.memory_gb:.0f} GB hold: "
         + ", ".join(f"{w} {'yes' if fit(bits) else 'no'}" for w, bits in WEIGHTS),
-        f"KV cache ({kv_dtype}){rank}: {per_token / 1024:.1f} KiB per token, "
+        f"KV cache ({kv_dtype}){rank}: {cap.bytes_per_token / 1024:.1f} KiB per token, "
         f"{cap.bytes_per_page / 2**20:.2f} MiB per page of {page_size}; {kv_cache_gb:g} GiB "
         f"holds {cap.pages} pages = {cap.tokens} tokens",
         "",
@@ -261,7 +259,9 @@ def counts(text: str) -> list[int]:
 def plan_cluster(args: argparse.Namespace, spec: ModelSpec, hw: Hardware) -> str:
     """`splitserve plan cluster`: sweep the worker counts, print the table, maybe plot."""
     serve = load_serve_config(args.config) if args.config else ServeConfig()
-    bits = {"none": BITS[args.kv_dtype], "int8": 8.0, "int4": 4.0, "gguf": 4.5}
+    # quantization none: float32 weights beside float32 KV, else bfloat16
+    none = 32.0 if args.kv_dtype == "float32" else 16.0
+    bits = {"none": none, "int8": 8.0, "int4": 4.0, "gguf": 4.5}
     tps = (args.prefill_tp, args.decode_tp)
     if min(tps) < 1 or (args.calibration and tps != (1, 1)):
         raise ConfigError(
@@ -313,7 +313,7 @@ def plan_cluster(args: argparse.Namespace, spec: ModelSpec, hw: Hardware) -> str
             pool("prefill", serve.prefill, p, tps[0]),
             pool("decode", serve.decode, d, tps[1]),
             policy,
-            kv_bytes_per_token(spec, args.kv_dtype),
+            kv_bytes_per_token(spec, args.kv_dtype, page_size=args.page_size),
             args.link_gb_s,
         )
 

@@ -86,7 +86,7 @@ class Cluster:
     prefill: Pool
     decode: Pool
     policy: PolicyConfig
-    kv_bytes_per_token: int
+    kv_bytes_per_token: float
     link_gb_s: float  # prefill -> decode KV bandwidth, per prefill worker
     link_latency_s: float = 0.0001
     router_s: float = 0.001  # added to each request's first token (the router's hop)
@@ -445,7 +445,7 @@ class Simulation:
             return
         w.sched.finish(seq, FinishReason.LENGTH)
         assert r.seq is not None
-        size = (r.seq.num_prompt - r.seq.num_computed) * self.c.kv_bytes_per_token
+        size = round((r.seq.num_prompt - r.seq.num_computed) * self.c.kv_bytes_per_token)
         start = max(now, w.link_free)
         w.link_free = start + size / (self.c.link_gb_s * 1e9)
         self._transfer_bytes += size

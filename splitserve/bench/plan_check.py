@@ -18,8 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from cluster.config import EngineConfig, serve_config_from_dict
+from cluster.engine.engine import pick_dtype
 from cluster.engine.model.checkpoint import read_spec
 from cluster.engine.model.model_files import bundled_model_path
 from router.policy import PolicyConfig, PolicyName
@@ -40,6 +42,13 @@ TOLERANCE = 0.2
 PROBE_ROW_S = 0.001
 
 
+def kv_name(engine: EngineConfig) -> str:
+    """The KV dtype this CPU's engine stores (kv_cache_dtype auto: its model's dtype)."""
+    if engine.kv_cache_dtype != "auto":
+        return engine.kv_cache_dtype
+    return pick_dtype(engine.dtype, torch.device("cpu"))
+
+
 def cluster(config: str, costs: dict[int, Linear], overhead: tuple[float, float]) -> Cluster:
     """The serve config's cluster; `overhead` is (per decode row, per request) seconds."""
     row_s, request_s = overhead
@@ -48,7 +57,7 @@ def cluster(config: str, costs: dict[int, Linear], overhead: tuple[float, float]
 
     def pool(p: Any) -> Pool:
         e = p.engine
-        pages = kv_capacity(spec, e.dtype, e.page_size, e.kv_cache_gb).pages
+        pages = kv_capacity(spec, kv_name(e), e.page_size, e.kv_cache_gb).pages
         # threads None: torch's default, both cores here
         cost = costs[e.threads or 2]
         cost = dataclasses.replace(cost, per_row_s=cost.per_row_s + row_s)
@@ -63,7 +72,7 @@ def cluster(config: str, costs: dict[int, Linear], overhead: tuple[float, float]
             serve.router.affinity_slack_tokens,
             serve.router.seq_cost_tokens,
         ),
-        kv_bytes_per_token(spec, serve.decode.engine.dtype),
+        kv_bytes_per_token(spec, kv_name(serve.decode.engine)),
         LINK_GB_S,
         router_s=ROUTER_S + request_s,
     )

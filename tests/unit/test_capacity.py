@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.engine.kernels.kv_cache import KVLayout
+from cluster.config import ConfigError
+from cluster.engine.kernels.kv_cache import KVLayout, kv_dtype
 from splitserve.capacity import (
     ARCHITECTURES,
     decode_bound,
@@ -66,6 +67,20 @@ def test_kv_arithmetic_by_hand_and_as_the_engine_reports_it() -> None:
         for dtype in ("float32", "bfloat16"):
             layout = KVLayout.of(SMOL, 16, getattr(torch, dtype))
             assert kv_capacity(SMOL, dtype, 16, gb).pages == layout.pages_for(gb * 2**30)
+
+
+def test_8bit_kv_as_the_engine_stores_it_scale_bytes_counted() -> None:
+    """An 8-bit token-head is 64 codes + 1 scale byte (16 a 16-token run): 2 x 30 x 3 x 65 =
+    11,700 bytes a token at pages of 16, 1.97x bfloat16's tokens in the same GiB (the
+    engine's own KVLayout sizes both); a name the engine does not store is refused."""
+    for name in ("int8", "fp8", "fp8_e4m3", "fp8_e5m2"):
+        assert kv_bytes_per_token(SMOL, name) == 11_700
+        layout = KVLayout.of(SMOL, 16, kv_dtype(name, torch.float32))
+        assert kv_capacity(SMOL, name, 16, 1.0).pages == layout.pages_for(2**30) == 5735
+    assert kv_capacity(SMOL, "bfloat16", 16, 1.0).pages == 2912  # 5735 / 2912 = 1.97
+    assert kv_bytes_per_token(SMOL, "int8", page_size=32) == 2 * 30 * 3 * 65
+    with pytest.raises(ConfigError, match=r"kv_dtype: one of bfloat16, .*int8, got 'int4'"):
+        kv_capacity(SMOL, "int4", 16, 1.0)
 
 
 def test_parameters_of_published_models() -> None:

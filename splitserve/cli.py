@@ -180,7 +180,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _lab(args: argparse.Namespace) -> int:
-    from splitserve.lab import serve
+    from splitserve.lab import measured, serve
 
     if not args.plan_only:
         raise ConfigError(
@@ -188,8 +188,9 @@ def _lab(args: argparse.Namespace) -> int:
             "(http://127.0.0.1:8000/lab under `splitserve serve`'s defaults); --plan-only "
             "serves the capacity explorer alone"
         )
+    points = measured(Path(args.kv_capacity)) if args.kv_capacity else None
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(args.port))
+        asyncio.run(serve(args.port, points))
     return 0
 
 
@@ -365,6 +366,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--plan-only", action="store_true", help="the capacity explorer alone, on 127.0.0.1"
     )
     lab.add_argument("--port", type=int, default=8100, help="default %(default)s; 0: any free one")
+    lab.add_argument(
+        "--kv-capacity", default=None, help="a `splitserve bench kv-capacity` result to show"
+    )
     lab.set_defaults(func=_lab)
 
     bench = sub.add_parser("bench", help="benchmarks (splitserve/bench/)")

@@ -12,6 +12,10 @@
   reads router/lab.py's GET /lab/live (with the API key when the router has one) twice a
   second.
 
+- Measured points: `splitserve lab --plan-only --kv-capacity FILE` adds a table of what
+  `splitserve bench kv-capacity` measured (its JSON): per KV cache size and dtype, the
+  sequences plan capacity predicts beside the peak the engine ran, and goodput.
+
 One HTML file (splitserve/lab.html) with its script and style inline: no build step, no
 CDN; it ships in the wheel. `splitserve lab --plan-only` serves the capacity explorer
 alone, on 127.0.0.1.
@@ -24,6 +28,7 @@ import json
 import math
 from collections.abc import Mapping
 from importlib.resources import files
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -87,7 +92,24 @@ def capacity(q: Mapping[str, str]) -> dict[str, Any]:
     }
 
 
-def page() -> str:
+MEASURED = ("kv_gb", "kv_dtype", "pages", "predicted_seqs", "predicted_held", "peak_seqs",
+            "held_seqs", "goodput")  # fmt: skip
+
+
+def measured(path: Path) -> dict[str, Any]:
+    """The rows of a `bench kv-capacity` result the page shows; ConfigError naming the
+    flag for a file that is not one."""
+    try:
+        result = json.loads(path.read_text())
+        rows = [{k: row[k] for k in MEASURED} for row in result["rows"]]
+        return {"host": str(result["host"]), "rows": rows}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(
+            f"--kv-capacity: {path} is not a `splitserve bench kv-capacity` result ({e!r})"
+        ) from None
+
+
+def page(points: dict[str, Any] | None = None) -> str:
     options = {
         "models": list(ARCHITECTURES),
         "hardware": list(GPUS),
@@ -96,11 +118,8 @@ def page() -> str:
         "tensor_parallel": list(TENSOR_PARALLEL),
     }
     html = files("splitserve").joinpath("lab.html").read_text()
+    html = html.replace("__MEASURED__", json.dumps(points))
     return html.replace("__OPTIONS__", json.dumps(options))
-
-
-async def _page(request: web.Request) -> web.Response:
-    return web.Response(text=page(), content_type="text/html")
 
 
 async def _capacity(request: web.Request) -> web.Response:
@@ -110,15 +129,21 @@ async def _capacity(request: web.Request) -> web.Response:
         return web.json_response({"error": str(e)}, status=400)
 
 
-def routes() -> list[web.RouteDef]:
-    """The page and its capacity arithmetic (a router adds its own GET /lab/live)."""
+def routes(points: dict[str, Any] | None = None) -> list[web.RouteDef]:
+    """The page (with measured `points`, if any) and its capacity arithmetic (a router adds
+    its own GET /lab/live)."""
+    text = page(points)
+
+    async def _page(request: web.Request) -> web.Response:
+        return web.Response(text=text, content_type="text/html")
+
     return [web.get("/lab", _page), web.get("/lab/capacity", _capacity)]
 
 
-async def serve(port: int) -> None:
+async def serve(port: int, points: dict[str, Any] | None = None) -> None:
     """The capacity explorer alone on 127.0.0.1:port (0: any free one), until cancelled."""
     app = web.Application()
-    app.router.add_routes(routes())
+    app.router.add_routes(routes(points))
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     try:

@@ -50,15 +50,27 @@ def _printed(kv_cache_gb: int) -> dict[int, int]:
     return dict(zip(map(int, header.group(1).split()), map(int, row.group(1).split()), strict=True))
 
 
-def test_the_capacity_explorer_shows_what_plan_capacity_prints(browser: Browser) -> None:
-    lab_cli = [*CLI, "lab", "--plan-only", "--port", "0"]
+MEASURED_ROW = {
+    "kv_gb": 0.02, "kv_dtype": "int8", "pages": 114, "predicted_seqs": 3, "predicted_held": 4,
+    "peak_seqs": 6, "held_seqs": 4.25, "goodput": 1.5, "runs": [],
+}  # fmt: skip
+MEASURED_CELLS = "[...document.querySelectorAll('#measured td')].map(td => td.textContent)"
+
+
+def test_the_capacity_explorer_shows_what_plan_capacity_prints(
+    browser: Browser, tmp_path: Any
+) -> None:
+    """... and the points of a `bench kv-capacity` result given with --kv-capacity."""
+    result = tmp_path / "kv-capacity.json"
+    result.write_text(json.dumps({"host": "host: this one", "rows": [MEASURED_ROW]}))
+    lab_cli = [*CLI, "lab", "--plan-only", "--port", "0", "--kv-capacity", str(result)]
     server = subprocess.Popen(lab_cli, stdout=subprocess.PIPE, text=True)
     try:
         assert server.stdout is not None
         found = re.search(r"(http://\S+/lab)", server.stdout.readline())
         assert found is not None
 
-        async def scenario() -> tuple[str, str, bool]:
+        async def scenario() -> tuple[str, str, bool, Any]:
             async with Page(browser.page()) as page:
                 await page.goto(found.group(1))  # llama-3-8b, H100, 16 bits, 40 GiB, 2048
                 before = await page.wait_for(SEQUENCES, "the first plan")
@@ -70,17 +82,21 @@ def test_the_capacity_explorer_shows_what_plan_capacity_prints(browser: Browser)
                     f"{SEQUENCES} !== {json.dumps(before)} && {SEQUENCES}", "the plan for 20 GiB"
                 )
                 hidden = await page.eval("document.getElementById('live').hidden")
-                return before, after, hidden
+                return before, after, hidden, await page.eval(MEASURED_CELLS)
 
-        before, after, hidden = asyncio.run(scenario())
+        before, after, hidden, cells = asyncio.run(scenario())
     finally:
         server.terminate()
         server.wait(30)
     assert int(before) == _printed(40)[2048] == 160
     assert int(after) == _printed(20)[2048] == 80
     assert hidden  # `splitserve lab --plan-only` has no cluster to show
+    assert cells == ["0.02", "int8", "114", "3 / 4", "6", "4.3", "1.5"]
     live = subprocess.run([*CLI, "lab"], capture_output=True, text=True)
     assert live.returncode == 2 and "/lab" in live.stderr and "--plan-only" in live.stderr
+    result.write_text(json.dumps({"rows": [{"kv_gb": 1}]}))
+    bad = subprocess.run([*lab_cli, "--port", "0"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--kv-capacity: " in bad.stderr, bad.stderr
 
 
 def test_the_live_view_shows_the_workers_and_a_request_in_flight_until_it_goes(

@@ -1,0 +1,235 @@
+"""`splitserve bench kv-capacity`: does KV memory bound how many sequences a worker batches?
+Answered by measurement on the bundled model's engine, beside `splitserve plan capacity`'s
+prediction for the same memory (issue 43's capacity question).
+
+For each KV cache size (`--kv-gb`) and KV dtype (`--kv-dtypes`; auto is the model's), an
+engine of that cache serves a chat load at each rate of `--rates`: `--requests` requests
+arriving as a Poisson process (arrivals.send_offsets), each a prompt of random tokens
+(no shared prefix, so the prefix cache holds nothing for another request) of 128-384
+tokens and a reply of 32-96 tokens (ignore_eos), greedy. A request's times are the
+engine's, taken as its steps return (no router, no transport): TTFT from its arrival to
+the step that samples its first token, TPOT the mean gap after it. Per run: the peak
+number of sequences the scheduler ran at once, and their mean over the steps taken while
+requests waited (the cache full, if KV binds), preemptions, TTFT and TPOT percentiles,
+and the share of requests meeting both SLOs; per cache size and dtype, goodput: the
+highest rate at which 90% do (DistServe's, interpolated between swept rates).
+
+The prediction is plan capacity's own arithmetic (splitserve/capacity.py over the
+engine's KVLayout): the sequences of the load's mean final length (prompt + reply) the
+cache holds, as a user would ask it; and at the mean length a sequence holds over its life
+(prompt + half its reply), which is what a full cache holds in steady state. `--plot`
+draws KV GiB against the measured peak and goodput, one line per dtype, the prediction
+dashed; `splitserve lab --kv-capacity FILE` shows the points.
+The multi-turn half (a working set 10x the pool, with and without the KV tier) is
+`splitserve bench kv-tier`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cluster.config import EngineConfig
+from cluster.engine.engine import LLMEngine, pick_dtype
+from cluster.types import RequestId, SamplingParams
+from splitserve.arrivals import send_offsets
+from splitserve.bench import RESULTS
+from splitserve.capacity import kv_capacity
+from splitserve.hardware import host_line
+from splitserve.plan import pyplot
+from splitserve.serve_metrics import RequestRecord, Slo, interpolated_goodput, summarize
+
+PROMPT_TOKENS = (128, 384)
+REPLY_TOKENS = (32, 96)
+
+
+def chat_load(n: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
+    """n (prompt, reply length) pairs of the chat load."""
+    rng = random.Random(seed)
+    return [
+        ([rng.randrange(100, vocab) for _ in range(rng.randint(*PROMPT_TOKENS))],
+         rng.randint(*REPLY_TOKENS))
+        for _ in range(n)
+    ]  # fmt: skip
+
+
+def serve_load(
+    engine: LLMEngine, load: list[tuple[list[int], int]], offsets: list[float]
+) -> tuple[list[RequestRecord], int, float]:
+    """Each request added at its arrival, the engine stepped until all end: every request's
+    record (times on one clock), the most sequences running at once, and their mean over
+    the steps taken while requests waited (0 if none did)."""
+    start = time.perf_counter()
+    arrivals = deque(zip(offsets, load, strict=True))
+    sent: dict[RequestId, tuple[float, int]] = {}
+    messages: dict[RequestId, list[tuple[float, int]]] = {}
+    records: list[RequestRecord] = []
+    peak, full = 0, []
+    while arrivals or engine.has_unfinished():
+        now = time.perf_counter() - start
+        while arrivals and arrivals[0][0] <= now:
+            offset, (prompt, reply) = arrivals.popleft()
+            sampling = SamplingParams(max_tokens=reply, temperature=0.0, ignore_eos=True)
+            rid = engine.add_request(prompt, sampling)
+            sent[rid], messages[rid] = (start + offset, len(prompt)), []
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, arrivals[0][0] - now))
+            continue
+        outputs = engine.step()
+        at = time.perf_counter()
+        running = len(engine.scheduler.running)
+        peak = max(peak, running)
+        if engine.scheduler.waiting:
+            full.append(running)
+        for out in outputs:
+            if out.new_token_ids:
+                messages[out.request_id].append((at, len(out.new_token_ids)))
+            if out.finish_reason is not None:
+                send_s, prompt_tokens = sent.pop(out.request_id)
+                got = tuple(messages.pop(out.request_id))
+                records.append(RequestRecord(send_s, at, got, prompt_tokens))
+    return records, peak, statistics.mean(full) if full else 0.0
+
+
+def kv_name(kv: str, dtype: str) -> str:
+    """The dtype a cache of `engine.kv_cache_dtype: kv` stores on this CPU."""
+    return pick_dtype(dtype, torch.device("cpu")) if kv == "auto" else kv
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    slo = Slo(args.slo_ttft, args.slo_tpot)
+    rows: list[dict[str, Any]] = []
+    for gb in args.kv_gb:
+        for kv in args.kv_dtypes:
+            config = EngineConfig(dtype=args.dtype, kv_cache_dtype=kv, kv_cache_gb=gb)
+            engine = LLMEngine(config)
+            load = chat_load(args.requests, engine.spec.vocab_size, args.seed)
+            prompt = statistics.mean(len(p) for p, _ in load)
+            reply = statistics.mean(r for _, r in load)
+            cap = kv_capacity(engine.spec, kv_name(kv, args.dtype), 16, gb)
+            assert cap.pages == engine.pool.num_pages, "plan and engine size the pool alike"
+            engine.generate([load[0][0][:32]], SamplingParams(max_tokens=2))  # warm
+            runs = []
+            for rate in args.rates:
+                before = engine.counts.preemptions
+                offsets = send_offsets(args.requests, rate, args.seed)
+                records, peak, held = serve_load(engine, load, offsets)
+                s = summarize(records, slo)
+                assert s.ttft_s is not None and s.tpot_s is not None
+                runs.append({
+                    "rate": rate, "peak_seqs": peak, "held_seqs": held,
+                    "preemptions": engine.counts.preemptions - before,
+                    "attainment": s.slo_attainment, "tok_s": s.output_throughput,
+                    "ttft_p50": s.ttft_s.p50, "ttft_p99": s.ttft_s.p99,
+                    "tpot_p50": s.tpot_s.p50, "tpot_p99": s.tpot_s.p99,
+                })  # fmt: skip
+                print(f"  {gb:g} GiB {kv}: rate {rate:g}/s peak {peak} seqs, "
+                      f"{runs[-1]['preemptions']} preemptions, "
+                      f"attainment {s.slo_attainment:.0%}", flush=True)  # fmt: skip
+            engine.close()
+            goodput = interpolated_goodput({r["rate"]: r["attainment"] for r in runs})
+            rows.append({
+                "kv_gb": gb, "kv_dtype": kv_name(kv, args.dtype), "pages": cap.pages,
+                "predicted_seqs": cap.sequences(round(prompt + reply)),
+                "predicted_held": cap.sequences(round(prompt + reply / 2)),
+                "peak_seqs": max(r["peak_seqs"] for r in runs),
+                "held_seqs": max(r["held_seqs"] for r in runs),
+                "goodput": goodput or 0.0, "runs": runs,
+            })  # fmt: skip
+    return {
+        "host": host_line(), "requests": args.requests, "slo_ttft_s": args.slo_ttft,
+        "slo_tpot_s": args.slo_tpot, "rows": rows,
+    }  # fmt: skip
+
+
+def report(result: dict[str, Any]) -> list[str]:
+    """The table (markdown) and the targets' lines."""
+    lines = [
+        result["host"],
+        f"{result['requests']} requests a rate; SLO TTFT {result['slo_ttft_s']:g} s, "
+        f"TPOT {result['slo_tpot_s'] * 1e3:g} ms",
+        "| KV GiB | KV dtype | pages | predicted seqs: final length / held | peak seqs | "
+        "mean seqs while full | preemptions | goodput (req/s) | TTFT p50 / p99 (s) at it | "
+        "TPOT p50 / p99 (ms) |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for row in result["rows"]:
+        met = [r for r in row["runs"] if r["rate"] <= max(row["goodput"], row["runs"][0]["rate"])]
+        at = met[-1]
+        lines.append(
+            f"| {row['kv_gb']:g} | {row['kv_dtype']} | {row['pages']} | "
+            f"{row['predicted_seqs']} / {row['predicted_held']} | {row['peak_seqs']} | "
+            f"{row['held_seqs']:.1f} | "
+            f"{sum(r['preemptions'] for r in row['runs'])} | {row['goodput']:.2f} | "
+            f"{at['ttft_p50']:.2f} / {at['ttft_p99']:.2f} | "
+            f"{at['tpot_p50'] * 1e3:.0f} / {at['tpot_p99'] * 1e3:.0f} |"
+        )
+    by = {(r["kv_gb"], r["kv_dtype"]): r for r in result["rows"]}
+    for (gb, kv), row in by.items():
+        base = next((by[gb, d] for d in ("bfloat16", "float32") if (gb, d) in by), None)
+        if base is None or row is base or not base["goodput"]:
+            continue
+        ratio = row["goodput"] / base["goodput"]
+        lines.append(f"target: {kv} goodput / {base['kv_dtype']} at {gb:g} GiB >= 1.8: "
+                     f"{ratio:.2f}x ({'met' if ratio >= 1.8 else 'missed'})")  # fmt: skip
+    for measured, predicted in (("peak_seqs", "predicted_seqs"), ("held_seqs", "predicted_held")):
+        worst = max(abs(r[measured] / r[predicted] - 1) for r in result["rows"])
+        lines.append(f"target: {measured} within 10% of plan capacity's {predicted}: worst "
+                     f"{worst:.0%} ({'met' if worst <= 0.1 else 'missed'})")  # fmt: skip
+    return lines
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """KV GiB against sequences (measured solid, predicted dashed) and goodput."""
+    plt = pyplot()
+    fig, (seqs, goodput) = plt.subplots(1, 2, figsize=(10, 4))
+    for kv in dict.fromkeys(r["kv_dtype"] for r in result["rows"]):
+        rows = [r for r in result["rows"] if r["kv_dtype"] == kv]
+        gbs = [r["kv_gb"] for r in rows]
+        (line,) = seqs.plot(gbs, [r["peak_seqs"] for r in rows], "o-", label=f"{kv} measured")
+        seqs.plot(gbs, [r["predicted_seqs"] for r in rows], "--", color=line.get_color(),
+                  label=f"{kv} plan capacity")  # fmt: skip
+        goodput.plot(gbs, [r["goodput"] for r in rows], "o-", color=line.get_color(), label=kv)
+    seqs.set(xlabel="KV cache (GiB)", ylabel="sequences running at once (peak)")
+    goodput.set(xlabel="KV cache (GiB)", ylabel="goodput (requests/s, 90% within SLO)")
+    for ax in (seqs, goodput):
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.suptitle("bench kv-capacity: the bundled model's engine, chat load")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="splitserve bench kv-capacity", description=__doc__)
+    floats = lambda text: [float(x) for x in text.split(",")]
+    parser.add_argument("--kv-gb", type=floats, default=[0.02, 0.04, 0.08])
+    parser.add_argument("--kv-dtypes", type=lambda t: t.split(","), default=["auto", "int8"])
+    parser.add_argument("--dtype", default="auto", help="the model's (engine.dtype)")
+    parser.add_argument("--rates", type=floats, default=[1.0, 2.0, 4.0, 8.0])
+    parser.add_argument("--requests", type=int, default=32, help="a rate's")
+    parser.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
+    parser.add_argument("--slo-tpot", type=float, default=0.1, help="seconds")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=RESULTS / "kv-capacity.json")
+    parser.add_argument("--plot", type=Path, default=None, help="write a PNG here")
+    args = parser.parse_args(argv)
+    result = measure(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print("\n".join(report(result)))
+    if args.plot:
+        plot(result, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

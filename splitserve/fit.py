@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from cluster.config import ConfigError, EngineConfig, ServeConfig
-from cluster.engine.engine import pick_device, pick_dtype, pick_quantization
+from cluster.engine.build import pick_device, pick_dtype, pick_quantization
 from cluster.engine.kernels.attention import resolve_backend
 from cluster.engine.memory import device_memory, fits, kv_share
 from cluster.engine.model.checkpoint import ModelSpec, read_spec

@@ -12,33 +12,30 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from cluster.config import ConfigError, EngineConfig
-from cluster.engine.kernels import qmatmul
+from cluster.engine.build import (
+    describe_modes,
+    kv_pages,
+    load_model,
+    pick_device,
+    pick_dtype,
+    pick_quantization,
+)
 from cluster.engine.kernels.attention import resolve_backend
-from cluster.engine.kernels.cpu_isa import BF16_FLAGS, cpu, fast_dtype, isa, native_bf16
 from cluster.engine.kernels.kv_cache import KVCache, KVLayout, kv_dtype
 from cluster.engine.kv_sink import KVSink, PageHolds, PromptDone, layer_hook
 from cluster.engine.kv_tier import KVTier
-from cluster.engine.memory import device_memory, fits, kv_share
-from cluster.engine.model.checkpoint import (
-    ModelSpec,
-    Progress,
-    gguf_blocks_servable,
-    load_checkpoint,
-    read_sampling_defaults,
-)
-from cluster.engine.model.model import LlamaModel
+from cluster.engine.memory import device_memory
+from cluster.engine.model.checkpoint import ModelSpec, Progress, read_sampling_defaults
 from cluster.engine.model.model_files import model_name, model_path
-from cluster.engine.model.quantization import QuantizationError
 from cluster.engine.model.tokenizer import TextStream, Tokenizer
+from cluster.engine.output import Request, append, record_prompt_logprobs
 from cluster.engine.runner import build_runner, prompt_rows, workspace_bytes
 from cluster.engine.sampler import History, adjust, sample, skip_draws, top_logprobs
 from cluster.engine.sched.page_pool import PagePool
@@ -62,125 +59,10 @@ from cluster.types import (
 )
 
 if TYPE_CHECKING:  # xgrammar loads only for structured output, torch.distributed for TP
-    from xgrammar import GrammarMatcher
-
     from cluster.engine.grammar import Grammars
     from cluster.engine.model.tensor_parallel import Rank, Ranks, TensorGroup
 
 log = logging.getLogger(__name__)
-
-
-def _load_model(
-    path: Path,
-    quantization: str,
-    dtype: torch.dtype,
-    device: torch.device,
-    progress: Progress | None,
-    split: Callable[[ModelSpec], TensorGroup] | None,
-) -> tuple[ModelSpec, LlamaModel]:
-    """The checkpoint as a model whose weights are stored as `quantization` says (`split`:
-    its shard on this rank, once the rank has joined the group `split` returns);
-    ConfigError naming the field when this model cannot take that mode or split."""
-    try:
-        if quantization != "none" and device.type != "cpu":
-            raise QuantizationError(f"its kernels run on CPU only so far, not {device.type}")
-        # int8 / int4 quantize from float32, as they were measured
-        load_dtype = dtype if quantization == "none" else torch.float32
-        keep = quantization == "gguf"
-        spec, weights = load_checkpoint(path, keep, load_dtype, device, progress)
-        if split is None:
-            return spec, LlamaModel(spec, weights, dtype, device, quantization)
-        from cluster.engine.model.tensor_parallel import ShardedWeights
-
-        group = split(spec)
-        sharded = ShardedWeights(weights, group.shard, spec.head_dim)
-        local = group.shard.local(spec)
-        return spec, LlamaModel(local, sharded, dtype, device, quantization, group)
-    except QuantizationError as e:
-        raise ConfigError(f"quantization: {quantization}: {e}") from None
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        why = cpu_torch_on_gpu_host(torch.version.cuda, _nvidia_gpus())
-        if why:
-            log.warning("%s", why)
-        return torch.device("cpu")
-    return torch.device(name)
-
-
-def cpu_torch_on_gpu_host(torch_cuda: str | None, nvidia_gpus: int) -> str | None:
-    """Why device auto takes the CPU of a host with NVIDIA GPUs when torch is a CPU build
-    (as a pip index or a pin can choose: scripts/setup's torch==2.13.0 is one where pip
-    reads the CPU index); None otherwise."""
-    if torch_cuda is not None or nvidia_gpus == 0:
-        return None
-    return (
-        f"device auto: this host has {nvidia_gpus} NVIDIA GPU(s) but torch "
-        f"{torch.__version__} is a CPU build, so the engine runs on the CPU; install a CUDA "
-        f"build (pip install torch --index-url https://download.pytorch.org/whl/cu128)"
-    )
-
-
-def _nvidia_gpus() -> int:
-    """GPUs the NVIDIA driver lists (Linux); 0 without the driver."""
-    gpus = Path("/proc/driver/nvidia/gpus")
-    return len(list(gpus.iterdir())) if gpus.is_dir() else 0
-
-
-def pick_dtype(name: str, device: torch.device) -> str:
-    """The dtype `engine.dtype: name` means on `device`. auto: bfloat16 on CUDA (half the
-    weight bytes, tensor cores) and on a CPU with native bf16 arithmetic; float32 on any
-    other CPU, where torch emulates bf16 several times slower (cluster/engine/kernels/cpu_isa.py).
-    The rule reads the CPU's flags, never a timing, so every worker on a host resolves it
-    alike: their KV must match. Every user of an engine's dtype (its KV layout, the
-    compatibility hash, the fit check) reads this resolved name, never "auto". float16 is
-    refused on a CPU: none of our kernels there take it, and torch's are several times
-    slower than bfloat16's or float32's."""
-    if name == "float16" and device.type == "cpu":
-        raise ConfigError(
-            "dtype: float16 runs on CUDA only here (no CPU kernel takes it); on the CPU "
-            "bfloat16, float32 or auto (the fast one of the two for this CPU) serve"
-        )
-    if name != "auto":
-        return name
-    return fast_dtype(device.type)
-
-
-def pick_quantization(name: str, path: Path, device: torch.device) -> str:
-    """The weight mode `engine.quantization: name` means for the model at `path`. auto: a
-    GGUF file's own blocks as stored (gguf) on the CPU, whose kernels read them, when each
-    block type has a kernel; float weights (none) otherwise: a checkpoint directory, a GPU,
-    a GGUF of K-quants. Read from the file, never timed: every worker resolves it alike."""
-    if name != "auto":
-        return name
-    gguf = path.suffix == ".gguf" and path.is_file() and device.type == "cpu"
-    return "gguf" if gguf and gguf_blocks_servable(path) else "none"
-
-
-def describe_modes(config: EngineConfig, dtype: str, quantization: str, device: str) -> str:
-    """What the start-up line says of the modes: each as chosen, and why when auto chose."""
-    parts = [dtype]
-    if config.dtype == "auto":
-        flags = cpu()[1]
-        why = (
-            "a GPU"
-            if device == "cuda"
-            else f"native bf16: {' '.join(sorted(flags & BF16_FLAGS))}"
-            if native_bf16(flags)
-            else f"bf16 would be emulated: {isa(flags)}"
-        )
-        parts = [f"dtype auto: {dtype} ({why})"]
-    if config.quantization == "auto":
-        why = "the GGUF's blocks as stored" if quantization == "gguf" else "float weights"
-        parts.append(f"quantization auto: {quantization} ({why})")
-    else:
-        parts.append(f"quantization {quantization}")
-    if quantization != "none":
-        parts[-1] += f" on {qmatmul.describe()}"
-    return ", ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -189,19 +71,6 @@ class Reservation:
 
     pages: list[PageId]
     num_cached_tokens: int  # the prefix already here; the writer fills the pages after it
-
-
-@dataclass(eq=False, kw_only=True)
-class Request(Sequence):
-    """A request in the engine: its Sequence (what the scheduler reads) and its output's
-    state. The scheduler holds it (Scheduler.requests) from admission to its end."""
-
-    text: TextStream
-    generator: torch.Generator | None  # a seeded request's own; unseeded rows draw together
-    stop_ids: frozenset[int]
-    output_from: int  # where its output starts in token_ids (resumed tokens are output)
-    matcher: GrammarMatcher | None = None  # a structured output's place in its grammar
-    prompt_logprobs: list[PromptLogprob] | None = None  # filled as the prompt is computed
 
 
 class LLMEngine:
@@ -238,7 +107,7 @@ class LLMEngine:
                 )
                 return group
 
-        self.spec, self.model = _load_model(
+        self.spec, self.model = load_model(
             path, self.quantization, dtype, self.device, progress, split
         )
         group = self.model.group
@@ -258,20 +127,9 @@ class LLMEngine:
             config.max_num_seqs,
             config.max_num_batched_tokens,
         )
-        share = config.gpu_memory_utilization
-        if share is not None:  # kv_cache_gb null: the KV cache is what the share leaves
-            kv_bytes = kv_share(share, self.device, memory, self.model.weight_bytes, workspace)
-        else:
-            assert config.kv_cache_gb is not None  # EngineConfig: one of the two
-            kv_bytes = config.kv_cache_gb * 2**30
-            too_big = fits(self.model.weight_bytes, kv_bytes, memory, workspace_bytes=workspace)
-            if too_big:
-                raise ConfigError(f"kv_cache_gb: {too_big}")
-        num_pages = self.layout.pages_for(kv_bytes)
-        if group is not None:  # every rank's cache holds as many pages as rank 0's
-            num_pages = group.fewest(num_pages)
-        if num_pages < 1:
-            raise ValueError(f"kv_cache_gb: {kv_bytes / 2**30:g} GiB holds no page of KV")
+        num_pages = kv_pages(
+            config, self.layout, self.device, memory, self.model.weight_bytes, workspace, group
+        )
         if num_pages * config.page_size < self.max_model_len:
             # One request must fit the whole cache (vLLM refuses to start here instead).
             log.warning(
@@ -409,7 +267,7 @@ class LLMEngine:
         if req.generator is not None:  # that worker drew the first token from this seed
             skip_draws(req.generator, self.spec.vocab_size, 1)
         self.scheduler.activate(req)
-        return self._append(req, token, logprob if req.sampling.logprobs else None, top)
+        return self._output(req, token, logprob if req.sampling.logprobs else None, top)
 
     def recompute(self, request_id: RequestId) -> None:
         """The prompt's KV will not arrive: drop the reserved pages and prefill it here."""
@@ -496,7 +354,7 @@ class LLMEngine:
         prompt_parts = prompt_rows(step)  # before the commit moves num_computed
         sampled, logits = self.runner.run(step, on_layer)
         if prompt_parts:
-            self._record_prompt_logprobs(prompt_parts, logits[len(sampled) :])
+            record_prompt_logprobs(prompt_parts, logits[len(sampled) :], self.scheduler.requests)
             logits = logits[: len(sampled)]
         for seq in step.decodes:
             self.scheduler.commit(seq, 1)
@@ -526,7 +384,7 @@ class LLMEngine:
         )
         self._generated_tokens += len(tokens)
         outputs = [
-            self._append(r, tok, logprobs[i] if logprobs else None, tops[i])
+            self._output(r, tok, logprobs[i] if logprobs else None, tops[i])
             for i, (r, tok) in enumerate(zip(reqs, tokens, strict=True))
         ]
         if sink is not None:
@@ -634,34 +492,6 @@ class LLMEngine:
             prompt_logprobs=prompt_lps,
         )
 
-    @staticmethod
-    def _take_prompt_logprobs(req: Request) -> list[PromptLogprob] | None:
-        """The prompt's logprobs, once: with the request's first output token."""
-        taken, req.prompt_logprobs = req.prompt_logprobs, None
-        return taken
-
-    def _record_prompt_logprobs(
-        self, parts: list[tuple[Sequence, int, int]], logits: torch.Tensor
-    ) -> None:
-        """Each prompt position's logprob of the prompt's next token, and its alternatives."""
-        logprobs = torch.log_softmax(logits, dim=-1)
-        at = 0
-        for seq, start, count in parts:
-            rows, at = logprobs[at : at + count], at + count
-            recorded = self.scheduler.requests[seq.request_id].prompt_logprobs
-            if recorded is None:  # a resumed request's were delivered before it moved
-                continue
-            nexts = torch.tensor(seq.token_ids[start + 1 : start + 1 + count], device=rows.device)
-            chosen = rows.gather(1, nexts[:, None]).squeeze(1).tolist()
-            k = seq.sampling.prompt_logprobs or 0
-            tops: list[TopLogprobs] = [()] * count
-            if k:
-                values, ids = rows.topk(k, dim=-1)
-                pairs = zip(ids.tolist(), values.tolist(), strict=True)
-                tops = [tuple(zip(i, v, strict=True)) for i, v in pairs]
-            for j in range(count):
-                recorded[start + 1 + j] = (seq.token_ids[start + 1 + j], chosen[j], tops[j])
-
     def _grammar(self) -> Grammars:
         if self._grammars is None:  # xgrammar is loaded by the first request that needs it
             from cluster.engine.grammar import Grammars
@@ -697,36 +527,11 @@ class LLMEngine:
         refuse_long_prompt("prompt", len(ids), self.max_model_len)
         return ids
 
-    def _append(
+    def _output(
         self, req: Request, token: int, logprob: float | None, top: TopLogprobs = ()
     ) -> RequestOutput:
-        req.token_ids.append(token)
-        if logprob is not None:
-            req.logprobs.append(logprob)
-        reason = None
-        if req.matcher is not None and not req.matcher.accept_token(token):
-            reason = FinishReason.ERROR  # the mask allowed no such token: a bug, not a reply
-            log.error("request %s: token %d breaks its grammar", req.request_id, token)
-        elif (
-            req.text.add(token)
-            or token in req.stop_ids
-            or (req.matcher is not None and req.matcher.is_terminated())
-        ):
-            reason = FinishReason.STOP
-        elif len(req.token_ids) - req.num_prompt >= req.sampling.max_tokens:
-            reason = FinishReason.LENGTH
-        if reason is not None:
-            self.scheduler.finish(req, reason)
-        text_offset = req.text.emitted
-        return RequestOutput(
-            request_id=req.request_id,
-            new_token_ids=[token],
-            text_offset=text_offset,
-            new_text=req.text.take(final=reason is not None),
-            finish_reason=reason,
-            new_logprobs=[logprob] if logprob is not None else [],
-            new_top_logprobs=[top] if req.sampling.top_logprobs else [],
-            prompt_logprobs=self._take_prompt_logprobs(req),
-            num_prompt_tokens=req.num_prompt,
-            num_cached_tokens=req.num_cached,
-        )
+        """`token` appended to `req`; a request it ends is finished (its pages freed)."""
+        out = append(req, token, logprob, top)
+        if out.finish_reason is not None:
+            self.scheduler.finish(req, out.finish_reason)
+        return out

@@ -413,7 +413,7 @@ def _modes() -> str:
     import torch
 
     from cluster.config import EngineConfig
-    from cluster.engine.engine import describe_modes, pick_dtype, pick_quantization
+    from cluster.engine.build import describe_modes, pick_dtype, pick_quantization
 
     cpu_device = torch.device("cpu")
     dtype = pick_dtype(str(_ENGINE["dtype"]), cpu_device)

@@ -38,7 +38,8 @@ from typing import Any
 import torch
 
 from cluster.config import EngineConfig
-from cluster.engine.engine import LLMEngine, pick_dtype
+from cluster.engine.build import pick_dtype
+from cluster.engine.engine import LLMEngine
 from cluster.types import RequestId, SamplingParams
 from splitserve.arrivals import send_offsets
 from splitserve.bench import RESULTS

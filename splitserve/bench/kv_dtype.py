@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from cluster.config import EngineConfig
-from cluster.engine.engine import LLMEngine, pick_dtype
+from cluster.engine.build import pick_dtype
+from cluster.engine.engine import LLMEngine
 from cluster.engine.kernels.attention_cpu import CpuBackend
 from cluster.engine.kernels.kv_cache import KVLayout, kv_dtype
 from cluster.engine.model.checkpoint import read_spec

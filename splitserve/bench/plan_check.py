@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from cluster.config import EngineConfig, serve_config_from_dict
-from cluster.engine.engine import pick_dtype
+from cluster.engine.build import pick_dtype
 from cluster.engine.model.checkpoint import read_spec
 from cluster.engine.model.model_files import bundled_model_path
 from router.policy import PolicyConfig, PolicyName

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cluster.config import ConfigError, EngineConfig
-from cluster.engine.engine import describe_modes, pick_dtype, pick_quantization
+from cluster.engine.build import describe_modes, pick_dtype, pick_quantization
 from cluster.engine.kernels import qmatmul
 from cluster.engine.kernels.cpu_isa import cpu, fast_dtype, native_bf16
 from cluster.engine.model import quantization

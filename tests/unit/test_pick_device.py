@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from cluster.engine.engine import cpu_torch_on_gpu_host
+from cluster.engine.build import cpu_torch_on_gpu_host
 
 
 def test_a_cpu_torch_on_a_gpu_host_is_named_with_the_fix() -> None:

@@ -52,10 +52,11 @@ from cluster.types import (
 )
 from router import admission, cors, lab
 from router.auth import UNAUTHORIZED, http_middleware
+from router.errors import Overloaded, RequestFailed, Unavailable
 from router.metrics import RouterMetrics
 from router.reasoning import ReasoningSplit
 from router.request import Prepared, prepare_off_loop, shown
-from router.router import Final, Overloaded, RequestFailed, Router, Unavailable
+from router.router import Final, Router
 from router.tokenize_pool import TokenizePool
 from router.tools import CallStream, HermesStream, ToolCall, Tools, parser_for, read_tools
 from splitserve_api.v1 import splitserve_pb2 as pb

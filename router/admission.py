@@ -47,7 +47,8 @@ from collections.abc import Callable
 from aiohttp import hdrs, web
 from aiohttp.typedefs import Handler, Middleware
 
-from router.router import Overloaded, Router
+from router.errors import Overloaded
+from router.router import Router
 
 # Calls past max_pending the router's Python handles at once before gRPC's limit refuses
 # the rest: health checks and reflection while full (a prober's Health.Watch holds one

@@ -12,7 +12,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from google.protobuf.message import Message
 from google.protobuf.unknown_fields import UnknownFieldSet
@@ -21,11 +21,9 @@ from cluster.engine.model.tokenizer import Tokenizer
 from cluster.request_checks import refuse_long_prompt, refuse_past_context
 from cluster.types import InvalidRequestError, ModelInfo, RequestId, SamplingParams, Structured
 from router.token_count import CHUNK_CHARS, count_tokens
+from router.tokenize_pool import TokenizePool
 from router.tools import with_tool_prompt
 from splitserve_api.v1 import splitserve_pb2 as pb
-
-if TYPE_CHECKING:  # it refuses with the router's Overloaded, and the router imports this
-    from router.tokenize_pool import TokenizePool
 
 ROLES = ("system", "user", "assistant", "tool")
 MAX_MESSAGES = 1024

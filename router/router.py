@@ -37,6 +37,7 @@ from typing import Any
 from cluster.types import FinishReason, SamplingParams, TokenDelta
 from router import lifecycle
 from router.dispatch import Dispatcher, Progress, WorkerLost, seeded
+from router.errors import Overloaded, RequestFailed, Unavailable
 from router.placement import Placement, PlacementStore
 from router.policy import (
     NoWorkerError,
@@ -55,26 +56,6 @@ log = logging.getLogger(__name__)
 
 
 _FAILED = (FinishReason.ERROR, FinishReason.ABORT)
-
-
-class Overloaded(Exception):
-    """Refused by a limit (`limit`, its config name) before any work: try again later."""
-
-    def __init__(self, limit: str, why: str) -> None:
-        super().__init__(why)
-        self.limit = limit
-
-
-class Unavailable(Exception):
-    """No worker can take the request now."""
-
-
-class RequestFailed(Exception):
-    """An accepted request ended with an error or was aborted; the message says why."""
-
-    def __init__(self, reason: FinishReason, why: str) -> None:
-        super().__init__(why)
-        self.reason = reason
 
 
 @dataclass(frozen=True)

@@ -28,9 +28,10 @@ from cluster.protocol import DecodeStats
 from cluster.types import FinishReason, InvalidRequestError, ModelInfo, TokenDelta
 from router.admission import grpc_limit
 from router.auth import GrpcKeyCheck
+from router.errors import Overloaded, RequestFailed, Unavailable
 from router.metrics import RouterMetrics
 from router.request import prepare_off_loop
-from router.router import Final, Overloaded, RequestFailed, Router, Unavailable
+from router.router import Final, Router
 from router.tokenize_pool import TokenizePool
 from router.unparsable import RateLimitedLog, Unparsable, parse_generate
 from splitserve_api.v1 import splitserve_pb2 as pb

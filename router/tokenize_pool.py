@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from router.router import Overloaded
+from router.errors import Overloaded
 
 T = TypeVar("T")
 NICENESS = 19  # the lowest; Ray's workers run at 15 (RAY_worker_niceness)

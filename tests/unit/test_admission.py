@@ -8,8 +8,9 @@ import contextlib
 
 import pytest
 
+from router.errors import Overloaded
 from router.policy import PolicyConfig
-from router.router import Overloaded, Router
+from router.router import Router
 from router.workers import WorkerRegistry
 
 

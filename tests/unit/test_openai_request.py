@@ -9,7 +9,8 @@ import pytest
 from google.protobuf.json_format import MessageToDict
 
 from cluster.types import InvalidRequestError
-from router.openai import HONOURED, INERT, UNSERVED, Call, invalid, to_call
+from router.openai_reply import invalid
+from router.openai_request import HONOURED, INERT, UNSERVED, Call, to_call
 
 
 def test_a_chat_body_becomes_a_chat_request_with_its_sampling() -> None:

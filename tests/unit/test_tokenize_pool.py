@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from router.router import Overloaded
+from router.errors import Overloaded
 from router.tokenize_pool import NICENESS, TokenizePool
 from tests.helpers import until
 

@@ -169,7 +169,7 @@ def fused_per_call(dry: bool, device: torch.device, rows: int) -> dict[str, floa
     calls = {
         "add_rms_norm": lambda: layer_kernels.add_rms_norm(x, delta, weight, 1e-5),
         "rope_store_kv": lambda: paged_kernels.rope_store_kv(
-            q, k, v, cache.k[0], cache.v[0], slots, slots, cos, signed_sin
+            q, k, v, cache.k[0], cache.v[0], cache.layout, slots, slots, cos, signed_sin
         ),
         "silu_mul": lambda: layer_kernels.silu_mul(gate_up),
     }

@@ -1,7 +1,8 @@
 """The engine with the triton attention backend: on the CPU under Triton's interpreter it
 produces the CPU backend's greedy tokens and logprobs on a two-layer Llama with grouped
-KV heads (prefix hit and chunked prefill included; the bundled model's 30 layers took the
-interpreter 43 s), and one decode step of this GPU path stays within its host budget.
+KV heads, with float and int8 KV pages (prefix hit and chunked prefill included; the
+bundled model's 30 layers took the interpreter 43 s), and one decode step of this GPU path
+stays within its host budget.
 On a CUDA device, decode runs as CUDA graphs and matches the CPU engine on the bundled
 model."""
 
@@ -31,11 +32,16 @@ ENGINE = dict(
 )
 
 
-def test_triton_backend_greedy_tokens_equal_the_cpu_backend(tiny_llama_dir: Path) -> None:
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_triton_backend_greedy_tokens_equal_the_cpu_backend(tiny_llama_dir: Path, kv: str) -> None:
+    """int8 KV: each backend codes its pages as KVLayout.store does and reads them in place."""
+    model = str(tiny_llama_dir)
     triton = LLMEngine(
-        EngineConfig(model=str(tiny_llama_dir), attention_backend="triton", device="cpu", **ENGINE)
+        EngineConfig(
+            model=model, attention_backend="triton", device="cpu", kv_cache_dtype=kv, **ENGINE
+        )
     )
-    cpu = LLMEngine(EngineConfig(model=str(tiny_llama_dir), device="cpu", **ENGINE))
+    cpu = LLMEngine(EngineConfig(model=model, device="cpu", kv_cache_dtype=kv, **ENGINE))
     assert triton.runner.attention.name == "triton"
     assert triton.dtype == "float32"  # auto on the CPU: exact, as transformers
     assert cpu.runner.attention.name == "cpu"

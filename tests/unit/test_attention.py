@@ -51,10 +51,23 @@ def test_auto_backend_takes_flashinfer_only_where_it_has_kernels_for_the_dtype(
     assert resolve_backend("auto", CPU, "bfloat16", "auto") == "cpu"
     with pytest.raises(ConfigError, match="attention_backend: flashinfer has no float32 kernels"):
         resolve_backend("flashinfer", CUDA, "float32", "auto")
-    # 8-bit pages' scales per page and head: FlashInfer does not read them, triton does.
-    assert resolve_backend("auto", CUDA, "bfloat16", "fp8") == "triton"
+    # 8-bit pages' scales per token and head: FlashInfer does not read them, triton does.
+    assert resolve_backend("auto", CUDA, "bfloat16", "int8") == "triton"
     with pytest.raises(ConfigError, match=r"kv_cache_dtype: int8 .* attention_backend triton"):
         resolve_backend("flashinfer", CUDA, "bfloat16", "int8")
+
+
+def test_fp8_pages_are_refused_on_a_gpu_without_fp8_conversions(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))  # an A100
+    for name, kv in (("auto", "fp8"), ("triton", "fp8_e5m2")):
+        with pytest.raises(ConfigError, match=rf"kv_cache_dtype: {kv} .* 8\.0.* int8 or bfloat16"):
+            resolve_backend(name, CUDA, "bfloat16", kv)
+    assert resolve_backend("triton", CUDA, "bfloat16", "int8") == "triton"
+    assert resolve_backend("triton", CPU, "float32", "fp8") == "triton"  # the interpreter's
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))  # an H100
+    assert resolve_backend("auto", CUDA, "bfloat16", "fp8") == "triton"
 
 
 def test_bfloat16_decode_attention_matches_float32_sdpa() -> None:

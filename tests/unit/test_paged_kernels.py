@@ -5,12 +5,13 @@ one (bfloat16 then multiplies in bfloat16), else under Triton's interpreter on t
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
 
-from cluster.engine.kernels.kv_cache import gather_tokens
+from cluster.engine.kernels.kv_cache import KVCache, KVLayout, gather_tokens
 from tests.helpers import scattered_pages
 
 paged_kernels = pytest.importorskip("cluster.engine.kernels.paged_kernels")
@@ -25,6 +26,11 @@ def _cache(
     shape = (NUM_PAGES, kv_heads, PAGE, DIM)
     k, v = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
     return k.to(device, dtype), v.to(device, dtype)
+
+
+def _layout(pages: torch.Tensor) -> KVLayout:
+    """The format of one layer's float pages [pages, kv_heads, page_size, head_dim]."""
+    return KVLayout(1, pages.shape[1], pages.shape[3], pages.shape[2], pages.dtype)
 
 
 def _tables(lens: list[int], seed: int, device: torch.device) -> torch.Tensor:
@@ -65,7 +71,9 @@ def test_paged_decode_matches_reference_on_a_ragged_batch(
     q = q.to(kernel_device, dtype)
     out = torch.empty_like(q)
     lens_t = torch.tensor(lens, dtype=torch.int32, device=kernel_device)
-    paged_kernels.paged_decode(q, k_cache, v_cache, table, lens_t, splits, out, 16)
+    paged_kernels.paged_decode(
+        q, k_cache, v_cache, _layout(k_cache), table, lens_t, splits, out, 16
+    )
     assert out.dtype == dtype and out.shape == q.shape
     for i, n in enumerate(lens):
         ref = _reference(q[i : i + 1], k_cache, v_cache, table[i], n)[0]
@@ -78,7 +86,7 @@ def test_paged_decode_of_an_empty_context_is_zero(kernel_device: torch.device) -
     lens = torch.tensor([0, 5], dtype=torch.int32, device=kernel_device)
     out = torch.full_like(q, float("nan"))
     table = _tables([1, 5], 3, kernel_device)
-    paged_kernels.paged_decode(q, k_cache, v_cache, table, lens, 2, out, 16)
+    paged_kernels.paged_decode(q, k_cache, v_cache, _layout(k_cache), table, lens, 2, out, 16)
     assert not out[0].any()
     assert out[1].isfinite().all()
 
@@ -107,6 +115,7 @@ def test_paged_prefill_matches_reference_for_fresh_prefix_hit_and_later_chunks(
         q,
         k_cache,
         v_cache,
+        _layout(k_cache),
         table,
         ints(lens),
         ints(starts),
@@ -145,7 +154,9 @@ def test_rope_store_rotates_q_and_k_and_stores_k_and_v_in_their_slots_skipping_p
     want_q, want_k = rotate(q.float(), *rows), rotate(k.float(), *rows)
     want_v = v.clone()
     slots = torch.tensor([37, -1, 5], dtype=torch.int32, device=kernel_device)  # -1: padding
-    paged_kernels.rope_store_kv(q, k, v, k_cache, v_cache, slots, positions, cos, sin)
+    paged_kernels.rope_store_kv(
+        q, k, v, k_cache, v_cache, _layout(k_cache), slots, positions, cos, sin
+    )
     tolerance = {"atol": TOLERANCE[dtype], "rtol": TOLERANCE[dtype]}
     torch.testing.assert_close(q.float(), want_q, **tolerance)  # padding's q too
     # Slot 37 is page 2's token 5, slot 5 page 0's: each head in its page's run of that head.
@@ -182,3 +193,118 @@ def test_what_changes_from_step_to_step_compiles_no_new_variant() -> None:
         {"table", "lens", "query_start"},
     )
     assert _unspecialised(paged_kernels._rope_store_kernel) == (set(), {"slots", "positions"})
+
+
+KV8 = [torch.float8_e4m3fn, torch.float8_e5m2, torch.int8]
+KV8_IDS = ["fp8_e4m3", "fp8_e5m2", "int8"]
+
+
+def _identity_rope(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ones(64, DIM, device=device), torch.zeros(64, DIM, device=device)
+
+
+@pytest.mark.parametrize("dtype", KV8, ids=KV8_IDS)
+def test_rope_store_writes_8bit_pages_bit_for_bit_as_the_layout_s_store(
+    dtype: torch.dtype, kernel_device: torch.device
+) -> None:
+    # Values on a grid of sixteenths (many ties to even once scaled), a head a thousand
+    # times smaller than the other, a token of zeros (its scale from amax 0), a padding slot;
+    # RoPE the identity so that the kernel's k is the one KVLayout.store is given.
+    layout = KVLayout(1, KV_HEADS, DIM, PAGE, dtype)
+    ours = KVCache(layout, 4, kernel_device)
+    theirs = KVCache(layout, 4, torch.device("cpu"))
+    g = torch.Generator().manual_seed(7)
+    k, v = (torch.randint(-4000, 4000, (6, KV_HEADS, DIM), generator=g) / 16 for _ in "kv")
+    k[:, 1] *= 1e-3
+    k[2], v[4] = 0.0, 0.0
+    slots = torch.tensor([37, -1, 5, 6, 63, 16])
+    q = torch.zeros(6, HEADS, DIM, device=kernel_device)
+    on = lambda x: x.to(kernel_device)
+    paged_kernels.rope_store_kv(
+        q, on(k), on(v), ours.k[0], ours.v[0], layout, on(slots).int(), on(slots).int() % 64,
+        *_identity_rope(kernel_device),
+    )  # fmt: skip
+    real = slots >= 0
+    layout.store(theirs.k[0], slots[real], k[real])
+    layout.store(theirs.v[0], slots[real], v[real])
+    assert torch.equal(ours.k.cpu(), theirs.k) and torch.equal(ours.v.cpu(), theirs.v)
+
+
+def _stored(dtype: torch.dtype, seed: int, device: torch.device) -> tuple[KVCache, KVCache]:
+    """Every slot of one layer's pages of `dtype` written by KVLayout.store from normal
+    noise (one head's 1e-3 as large), and float32 pages of the same values as written."""
+    layout = KVLayout(1, KV_HEADS, DIM, PAGE, dtype)
+    coded = KVCache(layout, NUM_PAGES, torch.device("cpu"))
+    exact = KVCache(replace(layout, dtype=torch.float32), NUM_PAGES, torch.device("cpu"))
+    g = torch.Generator().manual_seed(seed)
+    every = torch.arange(NUM_PAGES * PAGE)
+    for c, f in ((coded.k[0], exact.k[0]), (coded.v[0], exact.v[0])):
+        x = torch.randn(NUM_PAGES * PAGE, KV_HEADS, DIM, generator=g)
+        x[:, 1] *= 1e-3
+        layout.store(c, every, x)
+        f[every // PAGE, :, every % PAGE] = x
+    moved = lambda c: KVCache(c.layout, NUM_PAGES, device)
+    on_device = moved(coded)
+    on_device.k.copy_(coded.k)
+    on_device.v.copy_(coded.v)
+    return on_device, exact
+
+
+def _decoded(cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """An 8-bit cache's layer 0 as float32 pages of the values its codes and scales hold."""
+    lay = cache.layout
+    pages = lambda t: lay.values(t).float() * lay.scales(t)[..., None]
+    return pages(cache.k[0].cpu()), pages(cache.v[0].cpu())
+
+
+# Against the float pages the values were coded from (unit normal noise, each token's
+# largest in [2, 4)): a step of the codes there (a half step in the values, the keys'
+# errors moving the weights).
+LOOSE = {torch.float8_e4m3fn: 2**-2, torch.float8_e5m2: 2**-1, torch.int8: 2**-5}
+
+
+@pytest.mark.parametrize("dtype", KV8, ids=KV8_IDS)
+def test_paged_decode_reads_8bit_pages_in_place(
+    dtype: torch.dtype, kernel_device: torch.device
+) -> None:
+    lens = [1, 17, 70, 300]
+    cache, exact = _stored(dtype, 8, kernel_device)
+    table = _tables(lens, 9, kernel_device)
+    q = torch.randn(len(lens), HEADS, DIM, generator=torch.Generator().manual_seed(10))
+    q = q.to(kernel_device)
+    out = torch.empty_like(q)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=kernel_device)
+    k_cache, v_cache = cache.k[0], cache.v[0]
+    paged_kernels.paged_decode(q, k_cache, v_cache, cache.layout, table, lens_t, 3, out, 16)
+    decoded, cpu_table = _decoded(cache), table.cpu()
+    for i, n in enumerate(lens):
+        got = out[i].cpu()
+        ref = _reference(q[i : i + 1].cpu(), *decoded, cpu_table[i], n)[0]
+        assert (got - ref).abs().max().item() < 1e-5, f"row {i}"
+        ref = _reference(q[i : i + 1].cpu(), exact.k[0], exact.v[0], cpu_table[i], n)[0]
+        assert (got - ref).abs().max().item() < LOOSE[dtype], f"row {i}"
+
+
+@pytest.mark.parametrize("dtype", KV8, ids=KV8_IDS)
+def test_paged_prefill_reads_8bit_pages_in_place(
+    dtype: torch.dtype, kernel_device: torch.device
+) -> None:
+    chunks = [(20, 20), (9, 41)]  # a fresh prompt; a chunk after a prefix hit, mid-page
+    lens = [c for _, c in chunks]
+    cache, exact = _stored(dtype, 11, kernel_device)
+    table = _tables(lens, 12, kernel_device)
+    q = torch.randn(29, HEADS, DIM, generator=torch.Generator().manual_seed(13))
+    q = q.to(kernel_device)
+    out = torch.empty_like(q)
+    ints = lambda xs: torch.tensor(xs, dtype=torch.int32, device=kernel_device)
+    paged_kernels.paged_prefill(
+        q, cache.k[0], cache.v[0], cache.layout, table, ints(lens), ints([0, 20, 29]), 20, out,
+        16, 16,
+    )  # fmt: skip
+    decoded, cpu_table = _decoded(cache), table.cpu()
+    for i, rows in enumerate((slice(0, 20), slice(20, 29))):
+        got = out[rows].cpu()
+        ref = _reference(q[rows].cpu(), *decoded, cpu_table[i], lens[i])
+        assert (got - ref).abs().max().item() < 1e-5, f"chunk {i}"
+        ref = _reference(q[rows].cpu(), exact.k[0], exact.v[0], cpu_table[i], lens[i])
+        assert (got - ref).abs().max().item() < LOOSE[dtype], f"chunk {i}"

@@ -52,9 +52,19 @@ def resolve_backend(name: str, device: torch.device, dtype: str, kv_cache_dtype:
     """The backend `engine.attention_backend: name` means on `device` at `dtype` (resolved,
     not auto) over pages of `kv_cache_dtype`; ConfigError when it cannot run there. auto: cpu
     on CPU; on CUDA FlashInfer if installed, the dtype is bfloat16 (it has no float32
-    kernels) and the pages are not 8-bit (it has no scale per page and head), else triton."""
+    kernels) and the pages are not 8-bit (it reads no scale per token and head), else triton.
+    fp8 pages on a GPU without fp8 conversions (compute capability below 8.9) are refused."""
     has = lambda module: importlib.util.find_spec(module) is not None
-    scaled = kv_dtype(kv_cache_dtype, torch.float32) in QMAX
+    kv = kv_dtype(kv_cache_dtype, torch.float32)
+    scaled = kv in QMAX
+    if scaled and kv != torch.int8 and device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            raise ConfigError(
+                f"kv_cache_dtype: {kv_cache_dtype} needs fp8 conversions, which this GPU "
+                f"(compute capability {major}.{minor}, below 8.9) lacks; kv_cache_dtype int8 "
+                f"or bfloat16 serves on it"
+            )
     if name == "auto":
         if device.type == "cpu":
             return "cpu"
@@ -62,7 +72,7 @@ def resolve_backend(name: str, device: torch.device, dtype: str, kv_cache_dtype:
         return "flashinfer" if fits else "triton"
     if scaled and name == "flashinfer":
         raise ConfigError(
-            f"kv_cache_dtype: {kv_cache_dtype} pages carry a scale per page and KV head, which "
+            f"kv_cache_dtype: {kv_cache_dtype} pages carry a scale per token and KV head, which "
             f"FlashInfer's kernels do not read; attention_backend triton (or auto) serves them"
         )
     if name == "triton" and not has("triton"):

@@ -108,7 +108,7 @@ class TritonBackend:
         md, nd = metadata, metadata.num_decodes
         k_cache, v_cache = cache.k[layer], cache.v[layer]
         paged_kernels.rope_store_kv(
-            q, k, v, k_cache, v_cache, md.slot_mapping, md.positions, *self.rope
+            q, k, v, k_cache, v_cache, cache.layout, md.slot_mapping, md.positions, *self.rope
         )
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if nd:
@@ -116,6 +116,7 @@ class TritonBackend:
                 q[:nd],
                 k_cache,
                 v_cache,
+                cache.layout,
                 md.page_table[:nd],
                 md.context_lens[:nd],
                 md.num_splits,
@@ -127,6 +128,7 @@ class TritonBackend:
                 q,
                 k_cache,
                 v_cache,
+                cache.layout,
                 md.page_table[nd:],
                 md.context_lens[nd:],
                 md.query_start[nd:],

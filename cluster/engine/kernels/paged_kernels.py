@@ -1,9 +1,12 @@
 """Triton kernels that read and write KV pages where they lie, through the page table.
 
-Layout (cluster/engine/kernels/kv_cache.py): one layer's cache is [pages, kv_heads,
-page_size, head_dim] (head-major), so one KV head's tokens of a page are page_size *
-head_dim contiguous values. Keys are found through `table[seq, pos // page_size]`: no
-gather copy, no mask tensor. Scores, softmax and accumulators are float32 whatever the
+Layout (cluster/engine/kernels/kv_cache.py's KVLayout): one layer's cache is [pages,
+kv_heads, page_size, head_dim] (head-major), so one KV head's tokens of a page are one run
+of page_size * head_dim contiguous values; 8-bit pages are the same runs as bytes, each
+codes and then a scale byte a token. Keys are found through `table[seq, pos // page_size]`:
+no gather copy, no mask tensor. 8-bit codes are read in place and widened exactly to the
+matmuls' dtype, and a token's scale multiplies its score (K) and its weight (V), not each
+element, as paged_attention.c does. Scores, softmax and accumulators are float32 whatever the
 input dtype; float32 inputs multiply in IEEE float32 (no TF32), so a float32 engine
 matches the CPU one. Scores are kept in base-2 units (scaled by log2 e once) so the
 softmax takes exp2, and only the blocks that hold the context's end (decode) or the
@@ -40,9 +43,25 @@ import torch
 import triton
 import triton.language as tl
 
+from cluster.engine.kernels.kv_cache import QMAX, SHIFT, KVLayout
 from cluster.engine.kernels.layer_kernels import rotated
 
 LOG2E = math.log2(math.e)  # scores times this: exp(x) = exp2(x * log2 e)
+# Each 8-bit dtype as the kernels take it: its Triton type, and how its codes round in
+# float32: to steps of 2^(max(b, MIN_EXP) - MBITS) for a value in [2^b, 2^(b+1)) (fp8's
+# subnormals below 2^MIN_EXP; int8 steps of 1 throughout, as if every code were subnormal).
+CODES = {
+    torch.float8_e4m3fn: (tl.float8e4nv, 3, -6),
+    torch.float8_e5m2: (tl.float8e5, 2, -14),
+    torch.int8: (tl.int8, 7, 7),
+}
+
+
+def _runs(layout: KVLayout) -> tuple[int, tl.dtype | None]:
+    """A layout as its kernels take it: (RUN, CODE), a head run's length in the cache
+    tensor's elements and (8-bit) the codes' Triton type; None for float pages."""
+    code = CODES[layout.dtype][0] if layout.scaled else None
+    return layout.head_bytes // layout.tensor_dtype.itemsize, code
 
 
 def _dot_types(x: torch.Tensor) -> tuple[tl.dtype, str]:
@@ -54,12 +73,50 @@ def _dot_types(x: torch.Tensor) -> tuple[tl.dtype, str]:
     return tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16, "tf32"
 
 
+@triton.jit
+def _token_scale(amax, SHIFT: tl.constexpr):
+    """A token-head's scale from its largest magnitude, as KVLayout.store sets it: (2^-e,
+    its byte 127 + e) for e = clamp(k - SHIFT, -127, 127), amax = m 2^k with m in [0.5, 1)
+    (k = 0 for 0; a subnormal amax clamps to -127 as frexp's k would)."""
+    k = tl.where(amax > 0, ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 126, 0)
+    e = tl.minimum(tl.maximum(k - SHIFT, -127), 127)
+    return ((127 - e) << 23).to(tl.float32, bitcast=True), (e + 127).to(tl.uint8)
+
+
+@triton.jit
+def _codes(
+    x, CODE: tl.constexpr, QMAX: tl.constexpr, MBITS: tl.constexpr, MIN_EXP: tl.constexpr
+):  # fmt: skip
+    """float32 values (over their scale) as the bytes of their nearest codes, ties to even
+    (KVLayout._code). Rounded here, (x + c) - c with c 1.5 x 2^23 of x's steps (float32's
+    own round to nearest even), so the cast after is exact: Triton's interpreter's fp8
+    cast does not round to even."""
+    x = tl.minimum(tl.maximum(x, -QMAX), QMAX)
+    binade = tl.maximum(((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, MIN_EXP)
+    c = (((binade - MBITS + 150) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    return ((x + c) - c).to(CODE).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def _put(
+    dst, x, mask, inv, CODE: tl.constexpr, QMAX: tl.constexpr, MBITS: tl.constexpr,
+    MIN_EXP: tl.constexpr,
+):  # fmt: skip
+    """float32 values x into a run at dst: as the cache's dtype, or (8-bit) as codes of x
+    times its token's 2^-e."""
+    if CODE is None:
+        tl.store(dst, x.to(dst.dtype.element_ty), mask=mask)
+    else:
+        tl.store(dst, _codes(x * inv, CODE, QMAX, MBITS, MIN_EXP), mask=mask)
+
+
 @triton.jit(do_not_specialize_on_alignment=["slots", "positions"])
 def _rope_store_kernel(
     q, k, v, k_cache, v_cache, slots, positions, cos, signed_sin,
     stride_q, stride_k, stride_v, stride_c,
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
-    D_PAD: tl.constexpr,
+    D_PAD: tl.constexpr, RUN: tl.constexpr, CODE: tl.constexpr, QMAX: tl.constexpr,
+    SHIFT: tl.constexpr, MBITS: tl.constexpr, MIN_EXP: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)  # query heads, then KV heads
@@ -75,74 +132,113 @@ def _rope_store_kernel(
         slot = tl.load(slots + t).to(tl.int64)
         if slot >= 0:
             kv = h - HEADS
-            dst = ((slot // PAGE * KV_HEADS + kv) * PAGE + slot % PAGE) * D
+            run = (slot // PAGE * KV_HEADS + kv) * RUN
+            at = slot % PAGE
             row = k + t * stride_k + kv * D
             y1, y2 = rotated(row, cos + table, signed_sin + table, half, hmask, D // 2)
-            tl.store(k_cache + dst + half, y1.to(k_cache.dtype.element_ty), mask=hmask)
-            tl.store(k_cache + dst + D // 2 + half, y2.to(k_cache.dtype.element_ty), mask=hmask)
             dims = tl.arange(0, D_PAD)
             dmask = dims < D
-            values = tl.load(v + t * stride_v + kv * D + dims, mask=dmask)
-            tl.store(v_cache + dst + dims, values, mask=dmask)
+            values = tl.load(v + t * stride_v + kv * D + dims, mask=dmask, other=0)
+            values = values.to(tl.float32)
+            k_inv = 1.0
+            v_inv = 1.0
+            if CODE is not None:  # each token-head's scale, after its codes
+                amax = tl.maximum(tl.max(tl.abs(y1), 0), tl.max(tl.abs(y2), 0))
+                k_inv, k_byte = _token_scale(amax, SHIFT)
+                v_inv, v_byte = _token_scale(tl.max(tl.abs(values), 0), SHIFT)
+                tl.store(k_cache + run + PAGE * D + at, k_byte)
+                tl.store(v_cache + run + PAGE * D + at, v_byte)
+            dst = run + at * D
+            _put(k_cache + dst + half, y1, hmask, k_inv, CODE, QMAX, MBITS, MIN_EXP)
+            _put(k_cache + dst + D // 2 + half, y2, hmask, k_inv, CODE, QMAX, MBITS, MIN_EXP)
+            _put(v_cache + dst + dims, values, dmask, v_inv, CODE, QMAX, MBITS, MIN_EXP)
 
 
 def rope_store_kv(
     q: torch.Tensor,  # [N, heads, head_dim], rows may be strided: rotated in place
     k: torch.Tensor,  # [N, kv_heads, head_dim], before RoPE
     v: torch.Tensor,
-    k_cache: torch.Tensor,  # [pages, kv_heads, page_size, head_dim], contiguous
+    k_cache: torch.Tensor,  # one layer's pages (layout.layer_shape), contiguous
     v_cache: torch.Tensor,
+    layout: KVLayout,
     slots: torch.Tensor,  # [N] int32 or int64; -1 writes nothing
     positions: torch.Tensor,  # [N] int32 or int64
     cos: torch.Tensor,  # [max_position, head_dim], contiguous (model.LlamaModel's tables)
     signed_sin: torch.Tensor,  # [max_position, head_dim]: cat(-sin, sin)
 ) -> None:
     """RoPE of q and k (model.rotate) and the rotated k and v into their slots: one launch
-    where a RoPE kernel and a store kernel took two and a round trip of q and k."""
+    where a RoPE kernel and a store kernel took two and a round trip of q and k. 8-bit:
+    bit for bit KVLayout.store's bytes."""
     tokens, heads, dim = q.shape
     kv_heads = k.shape[1]
     for x in (q, k, v):
         assert x.stride(1) == dim and x.stride(2) == 1
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and cos.is_contiguous()
+    run, code = _runs(layout)
+    _, mbits, min_exp = CODES.get(layout.dtype, (None, 0, 0))
     _rope_store_kernel[(tokens, heads + kv_heads)](
         q, k, v, k_cache, v_cache, slots, positions, cos, signed_sin,
         q.stride(0), k.stride(0), v.stride(0), cos.stride(0),
-        heads, kv_heads, k_cache.shape[2], dim, max(2, triton.next_power_of_2(dim)),
+        heads, kv_heads, layout.page_size, dim, max(2, triton.next_power_of_2(dim)), run, code,
+        QMAX.get(layout.dtype, 0.0), SHIFT.get(layout.dtype, 0), mbits, min_exp,
     )  # fmt: skip
 
 
 @triton.jit
-def _key_offsets(table_row, kpos, kmask, kv_head, PAGE: tl.constexpr, KV_HEADS, D: tl.constexpr):
-    """Element offsets of keys at positions `kpos` of one KV head, through the page table."""
+def _key_offsets(
+    table_row, kpos, kmask, kv_head, PAGE: tl.constexpr, KV_HEADS, D: tl.constexpr,
+    RUN: tl.constexpr,
+):  # fmt: skip
+    """Offsets, in the cache tensor's elements, of keys at positions `kpos` of one KV head,
+    through the page table: ([keys, D] of their values, [keys] of (8-bit) their scales)."""
     page = tl.load(table_row + kpos // PAGE, mask=kmask, other=0).to(tl.int64)
-    return ((page * KV_HEADS + kv_head) * PAGE + kpos % PAGE)[:, None] * D + tl.arange(0, D)[
-        None, :
-    ]
+    run = (page * KV_HEADS + kv_head) * RUN
+    at = kpos % PAGE
+    return (run + at * D)[:, None] + tl.arange(0, D)[None, :], run + PAGE * D + at
+
+
+@triton.jit
+def _token_scales(cache, at, kmask):
+    """8-bit: the scales of the tokens whose bytes are at `at`, 2^(byte - 127) (byte 0 as 0,
+    as paged_attention.c reads it); 0 where not `kmask`."""
+    byte = tl.load(cache + at, mask=kmask, other=0).to(tl.int32)
+    return (byte << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_keys(cache, offs, kmask, DOT: tl.constexpr, CODE: tl.constexpr, MASKED: tl.constexpr):
+    """A block's keys (or values) as the matmuls' dtype: 8-bit codes widened exactly."""
+    x = tl.load(cache + offs, mask=kmask[:, None], other=0) if MASKED else tl.load(cache + offs)
+    if CODE is not None:
+        x = x.to(CODE, bitcast=True)
+    return x.to(DOT)
 
 
 @triton.jit
 def _attend(
-    qv, k_cache, v_cache, offs, kmask, valid, m_i, l_i, acc, scale,
-    DOT: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr,
+    qv, k_cache, v_cache, offs, scales, kmask, valid, m_i, l_i, acc, scale,
+    DOT: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr, CODE: tl.constexpr,
 ):  # fmt: skip
     """One block of keys into the running softmax (max m_i, sum l_i, weighted values acc,
     in base 2) of the query rows qv. MASKED: `kmask` [keys] limits the loads and `valid`
-    [rows, keys] the scores; else every key of the block is there and visible."""
-    if MASKED:
-        kt = tl.load(k_cache + offs, mask=kmask[:, None], other=0).to(DOT)
+    [rows, keys] the scores; else every key of the block is there and visible. 8-bit
+    (CODE): each key's scale (at `scales`) times its score, each value's times its weight."""
+    kt = _load_keys(k_cache, offs, kmask, DOT, CODE, MASKED)
+    s = tl.dot(qv, tl.trans(kt), input_precision=PRECISION)
+    if CODE is not None:
+        s = s * (scale * _token_scales(k_cache, scales, kmask))[None, :]
     else:
-        kt = tl.load(k_cache + offs).to(DOT)
-    s = tl.dot(qv, tl.trans(kt), input_precision=PRECISION) * scale
+        s = s * scale
     if MASKED:
         s = tl.where(valid, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
-    if MASKED:
-        vt = tl.load(v_cache + offs, mask=kmask[:, None], other=0).to(DOT)
-    else:
-        vt = tl.load(v_cache + offs).to(DOT)
-    acc = acc * alpha[:, None] + tl.dot(p.to(DOT), vt, input_precision=PRECISION)
+    vt = _load_keys(v_cache, offs, kmask, DOT, CODE, MASKED)
+    weights = p
+    if CODE is not None:
+        weights = p * _token_scales(v_cache, scales, kmask)[None, :]
+    acc = acc * alpha[:, None] + tl.dot(weights.to(DOT), vt, input_precision=PRECISION)
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 
 
@@ -160,7 +256,8 @@ def _decode_kernel(
     q, k_cache, v_cache, table, lens, part_acc, part_max, part_sum,
     stride_q, stride_table, scale, num_splits, kv_heads,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, RUN: tl.constexpr,
+    CODE: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -186,18 +283,18 @@ def _decode_kernel(
         for n0 in range(start, full, BLOCK_N):
             kpos = n0 + tl.arange(0, BLOCK_N)
             kmask = kpos < end  # all true here: only the table's load takes it
-            offs = _key_offsets(table_row, kpos, kmask, h, PAGE, kv_heads, D)
+            offs, scales = _key_offsets(table_row, kpos, kmask, h, PAGE, kv_heads, D, RUN)
             m_i, l_i, acc = _attend(
-                qv, k_cache, v_cache, offs, kmask, kmask[None, :], m_i, l_i, acc, scale, DOT,
-                PRECISION, False,
+                qv, k_cache, v_cache, offs, scales, kmask, kmask[None, :], m_i, l_i, acc, scale,
+                DOT, PRECISION, False, CODE,
             )  # fmt: skip
         for n0 in range(full, end, BLOCK_N):  # the context's last, partial block
             kpos = n0 + tl.arange(0, BLOCK_N)
             kmask = kpos < end
-            offs = _key_offsets(table_row, kpos, kmask, h, PAGE, kv_heads, D)
+            offs, scales = _key_offsets(table_row, kpos, kmask, h, PAGE, kv_heads, D, RUN)
             m_i, l_i, acc = _attend(
-                qv, k_cache, v_cache, offs, kmask, kmask[None, :], m_i, l_i, acc, scale, DOT,
-                PRECISION, True,
+                qv, k_cache, v_cache, offs, scales, kmask, kmask[None, :], m_i, l_i, acc, scale,
+                DOT, PRECISION, True, CODE,
             )  # fmt: skip
         part = (b * (kv_heads * GROUP) + heads) * num_splits + split
         tl.store(part_acc + part[:, None] * D + dims[None, :], acc, mask=qmask[:, None])
@@ -244,8 +341,9 @@ def _decode_reduce(
 
 def paged_decode(
     q: torch.Tensor,  # [B, heads, head_dim], heads contiguous
-    k_cache: torch.Tensor,  # [pages, kv_heads, page_size, head_dim]
+    k_cache: torch.Tensor,  # one layer's pages (layout.layer_shape)
     v_cache: torch.Tensor,
+    layout: KVLayout,
     table: torch.Tensor,  # [B, width] page ids (int32)
     lens: torch.Tensor,  # [B] context lengths, this token included (int32)
     num_splits: int,  # partitions of each context (attention_triton.decode_splits)
@@ -253,7 +351,7 @@ def paged_decode(
     block_n: int = 64,
 ) -> None:
     batch, heads, dim = q.shape
-    kv_heads, page = k_cache.shape[1], k_cache.shape[2]
+    kv_heads, page = layout.num_kv_heads, layout.page_size
     group = heads // kv_heads
     assert q.stride(1) == dim and q.stride(2) == 1
     part_acc = q.new_empty((batch, heads, num_splits, dim), dtype=torch.float32)
@@ -263,6 +361,7 @@ def paged_decode(
         q, k_cache, v_cache, table, lens, part_acc, part_max, part_sum,
         q.stride(0), table.stride(0), dim**-0.5 * LOG2E, num_splits, kv_heads,
         group, max(16, triton.next_power_of_2(group)), dim, page, block_n, *_dot_types(q),
+        *_runs(layout),
     )  # fmt: skip
     assert out.is_contiguous()
     _decode_reduce[(batch, heads)](
@@ -280,6 +379,7 @@ def _prefill_kernel(
     stride_q, stride_qh, stride_out, stride_table, scale, kv_heads,
     GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
     TOKENS: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+    RUN: tl.constexpr, CODE: tl.constexpr,
 ):  # fmt: skip
     s = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -312,19 +412,19 @@ def _prefill_kernel(
         for n0 in range(0, full, BLOCK_N):
             kpos = n0 + tl.arange(0, BLOCK_N)
             kmask = kpos < end  # all true here: only the table's load takes it
-            offs = _key_offsets(table_row, kpos, kmask, kv_head, PAGE, kv_heads, D)
+            offs, scales = _key_offsets(table_row, kpos, kmask, kv_head, PAGE, kv_heads, D, RUN)
             m_i, l_i, acc = _attend(
-                qv, k_cache, v_cache, offs, kmask, kmask[None, :], m_i, l_i, acc, scale, DOT,
-                PRECISION, False,
+                qv, k_cache, v_cache, offs, scales, kmask, kmask[None, :], m_i, l_i, acc, scale,
+                DOT, PRECISION, False, CODE,
             )  # fmt: skip
         for n0 in range(full, end, BLOCK_N):  # the diagonal: causal masks
             kpos = n0 + tl.arange(0, BLOCK_N)
             kmask = kpos < end
-            offs = _key_offsets(table_row, kpos, kmask, kv_head, PAGE, kv_heads, D)
+            offs, scales = _key_offsets(table_row, kpos, kmask, kv_head, PAGE, kv_heads, D, RUN)
             valid = (kpos[None, :] <= (offset + rows)[:, None]) & kmask[None, :]
             m_i, l_i, acc = _attend(
-                qv, k_cache, v_cache, offs, kmask, valid, m_i, l_i, acc, scale, DOT, PRECISION,
-                True,
+                qv, k_cache, v_cache, offs, scales, kmask, valid, m_i, l_i, acc, scale, DOT,
+                PRECISION, True, CODE,
             )  # fmt: skip
         o = acc / l_i[:, None]
         dst = out + tokens[:, None] * stride_out + heads[:, None] * D + dims[None, :]
@@ -333,8 +433,9 @@ def _prefill_kernel(
 
 def paged_prefill(
     q: torch.Tensor,  # [N, heads, head_dim]: the chunks' query rows, back to back
-    k_cache: torch.Tensor,  # [pages, kv_heads, page_size, head_dim], chunks' K/V stored
+    k_cache: torch.Tensor,  # one layer's pages (layout.layer_shape), chunks' K/V stored
     v_cache: torch.Tensor,
+    layout: KVLayout,
     table: torch.Tensor,  # [S, width] page ids (int32)
     lens: torch.Tensor,  # [S] context lengths, each chunk included (int32)
     query_start: torch.Tensor,  # [S + 1] chunk s is rows [query_start[s], query_start[s+1])
@@ -344,7 +445,7 @@ def paged_prefill(
     block_n: int = 64,
 ) -> None:
     heads, dim = q.shape[1], q.shape[2]
-    kv_heads, page = k_cache.shape[1], k_cache.shape[2]
+    kv_heads, page = layout.num_kv_heads, layout.page_size
     group = heads // kv_heads
     tokens = block_m // group
     assert out.stride(1) == dim and out.stride(2) == 1 and tokens >= 1
@@ -352,5 +453,5 @@ def paged_prefill(
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, table, lens, query_start,
         q.stride(0), q.stride(1), out.stride(0), table.stride(0), dim**-0.5 * LOG2E, kv_heads,
-        group, dim, page, block_m, tokens, block_n, *_dot_types(q),
+        group, dim, page, block_m, tokens, block_n, *_dot_types(q), *_runs(layout),
     )  # fmt: skip

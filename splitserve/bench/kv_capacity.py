@@ -5,8 +5,12 @@ prediction for the same memory (issue 43's capacity question).
 For each KV cache size (`--kv-gb`) and KV dtype (`--kv-dtypes`; auto is the model's), an
 engine of that cache serves a chat load at each rate of `--rates`: `--requests` requests
 arriving as a Poisson process (arrivals.send_offsets), each a prompt of random tokens
-(no shared prefix, so the prefix cache holds nothing for another request) of 128-384
-tokens and a reply of 32-96 tokens (ignore_eos), greedy. A request's times are the
+(no shared prefix, so the prefix cache holds nothing for another request) and a reply
+(ignore_eos), greedy, their lengths uniform over `--prompt` and `--reply`. The default
+is a KV-bound chat: short prompts (64-192 tokens, cheap to prefill) and long replies
+(128-384), so sequences hold their pages for many steps while a decode step's time
+hardly grows with the batch (it reads the weights once) and the cache, not the compute,
+bounds how many run. A request's times are the
 engine's, taken as its steps return (no router, no transport): TTFT from its arrival to
 the step that samples its first token, TPOT the mean gap after it. Per run: the peak
 number of sequences the scheduler ran at once, and their mean over the steps taken while
@@ -48,18 +52,16 @@ from splitserve.hardware import host_line
 from splitserve.plan import pyplot
 from splitserve.serve_metrics import RequestRecord, Slo, interpolated_goodput, summarize
 
-PROMPT_TOKENS = (128, 384)
-REPLY_TOKENS = (32, 96)
 
-
-def chat_load(n: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
-    """n (prompt, reply length) pairs of the chat load."""
+def chat_load(
+    n: int, vocab: int, seed: int, prompt: tuple[int, int], reply: tuple[int, int]
+) -> list[tuple[list[int], int]]:
+    """n (prompt, reply length) pairs, each length uniform in its [low, high]."""
     rng = random.Random(seed)
     return [
-        ([rng.randrange(100, vocab) for _ in range(rng.randint(*PROMPT_TOKENS))],
-         rng.randint(*REPLY_TOKENS))
+        ([rng.randrange(100, vocab) for _ in range(rng.randint(*prompt))], rng.randint(*reply))
         for _ in range(n)
-    ]  # fmt: skip
+    ]
 
 
 def serve_load(
@@ -112,7 +114,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         for kv in args.kv_dtypes:
             config = EngineConfig(dtype=args.dtype, kv_cache_dtype=kv, kv_cache_gb=gb)
             engine = LLMEngine(config)
-            load = chat_load(args.requests, engine.spec.vocab_size, args.seed)
+            vocab = engine.spec.vocab_size
+            load = chat_load(args.requests, vocab, args.seed, args.prompt, args.reply)
             prompt = statistics.mean(len(p) for p, _ in load)
             reply = statistics.mean(r for _, r in load)
             cap = kv_capacity(engine.spec, kv_name(kv, args.dtype), 16, gb)
@@ -212,11 +215,14 @@ def plot(result: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="splitserve bench kv-capacity", description=__doc__)
     floats = lambda text: [float(x) for x in text.split(",")]
-    parser.add_argument("--kv-gb", type=floats, default=[0.02, 0.04, 0.08])
+    parser.add_argument("--kv-gb", type=floats, default=[0.02, 0.04])
     parser.add_argument("--kv-dtypes", type=lambda t: t.split(","), default=["auto", "int8"])
     parser.add_argument("--dtype", default="auto", help="the model's (engine.dtype)")
-    parser.add_argument("--rates", type=floats, default=[1.0, 2.0, 4.0, 8.0])
-    parser.add_argument("--requests", type=int, default=32, help="a rate's")
+    parser.add_argument("--rates", type=floats, default=[0.25, 0.5, 1.0, 1.5, 2.0])
+    parser.add_argument("--requests", type=int, default=24, help="a rate's")
+    span = lambda text: tuple(int(x) for x in text.split("-"))
+    parser.add_argument("--prompt", type=span, default=(64, 192), help="tokens, low-high")
+    parser.add_argument("--reply", type=span, default=(128, 384), help="tokens, low-high")
     parser.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
     parser.add_argument("--slo-tpot", type=float, default=0.1, help="seconds")
     parser.add_argument("--seed", type=int, default=0)

@@ -15,6 +15,7 @@ from splitserve.capacity import kv_capacity
 def test_the_sweep_reports_peaks_beside_plan_capacity(tmp_path: Path) -> None:
     out = tmp_path / "kv-capacity.json"
     args = ["--kv-gb", "0.01", "--kv-dtypes", "auto,int8", "--rates", "8", "--requests", "2"]
+    args += ["--prompt", "200-300", "--reply", "8-16"]
     assert main([*args, "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     model, int8 = result["rows"]

@@ -51,3 +51,21 @@ def test_a_sliding_window_caps_the_context_unless_it_is_off(tmp_path: Path) -> N
     assert _spec(tmp_path, "MistralForCausalLM", sliding_window=4096).max_position == 512
     off = {"sliding_window": 100, "use_sliding_window": False}
     assert _spec(tmp_path, "Qwen2ForCausalLM", **off).max_position == 512
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+        {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True},
+        {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True},
+    ],
+)
+def test_a_checkpoints_own_quantization_is_refused_naming_its_method(
+    tmp_path: Path, config: dict[str, Any]
+) -> None:
+    """Its tensors are codes and scales (an FP8 checkpoint's weights would load as floats
+    without their scales): refused at load, never read into wrong arithmetic."""
+    method = config["quant_method"]
+    with pytest.raises(ModelLoadError, match=f"quant_method '{method}'.* quantization int8"):
+        _spec(tmp_path, "LlamaForCausalLM", quantization_config=config)

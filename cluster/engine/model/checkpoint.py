@@ -222,6 +222,14 @@ def spec_from_hf_config(path: Path) -> ModelSpec:
         raise ModelLoadError(
             f"{path}: architecture {archs[0]!r} is not supported (supported: {HF_ARCHITECTURES})"
         )
+    quantized = cfg.get("quantization_config")
+    if quantized is not None:  # its tensors are codes and scales our loader would misread
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+        raise ModelLoadError(
+            f"{path}: quantization_config (quant_method {method!r}) is not supported: a "
+            f"checkpoint's own quantization is not read yet; its float checkpoint with "
+            f"quantization int8 or int4, or a GGUF of Q4_0 / Q4_1 / Q8_0 blocks, serves"
+        )
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ROPE_TYPES:

@@ -71,6 +71,7 @@ class DecodeStats:
     epoch: str  # new each time the worker starts: its prefix cache is gone with the old one
     free_pages: int
     num_pages: int
+    page_size: int  # tokens a page of this worker's holds (its prefix hashes' block size)
     running: int
     waiting: int  # queued, or restoring a prefix from the KV tier
     transferring: int
@@ -106,6 +107,7 @@ class PrefillStats:
     epoch: str  # new each time the worker starts: its prefix cache is gone with the old one
     free_pages: int
     num_pages: int
+    page_size: int  # tokens a page of this worker's holds
     queued_requests: int  # waiting or prefilling
     prefilling: int  # ... of them, in the engine's running batch
     queued_tokens: int  # prompt tokens queued or prefilling, not yet computed

@@ -193,6 +193,7 @@ class DecodeWorker:
             self.epoch,
             self.engine.num_free_pages,
             self.engine.pool.num_pages,
+            self.engine.pool.page_size,
             len(sched.running),
             len(sched.waiting) + len(sched.restoring),
             sum(s.transfer is not None for s in self._streams.values()),

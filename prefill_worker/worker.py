@@ -219,6 +219,7 @@ class PrefillWorker:
             self.epoch,
             self.engine.num_free_pages,
             self.engine.pool.num_pages,
+            self.engine.pool.page_size,
             len(queued),
             len(sched.running),
             sum(seq.num_uncomputed for seq in queued),

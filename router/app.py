@@ -84,7 +84,7 @@ async def start_router(
             tokenizer.hf.chat_template = Path(config.chat_template).read_text()
         except OSError as e:
             raise ConfigError(f"router.chat_template: {e}") from None
-    workers = WorkerRegistry(prefill, decode, info.page_size, config.stats_interval_s)
+    workers = WorkerRegistry(prefill, decode, config.stats_interval_s)
     placements = None
     if redis_url is not None:
         placements = PlacementStore(redis_url, config.session_ttl_s, config.redis_timeout_s)

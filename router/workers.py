@@ -56,10 +56,8 @@ class WorkerRegistry:
         self,
         prefill: dict[str, PrefillHandle],
         decode: dict[str, DecodeHandle],
-        page_size: int,
         interval_s: float = 0.1,
     ) -> None:
-        self.page_size = page_size
         self.interval_s = interval_s
         self._prefill = {w: _Worker(h) for w, h in prefill.items()}
         self._decode = {w: _Worker(h) for w, h in decode.items()}
@@ -104,12 +102,15 @@ class WorkerRegistry:
     def cached_tokens(self, prompt_ids: list[int]) -> dict[int, frozenset[str]]:
         """Leading prompt tokens held in a prefix cache, a KV tier's at their cost
         (credited_tokens) -> the workers that hold that many, as of the last read (workers
-        holding none are in no group)."""
-        chain = prompt_hashes(prompt_ids, self.page_size)
+        holding none are in no group). Each worker's pages are hashed at its own page size
+        (its stats say which): a chain of one size matches no other size's blocks."""
         cached: dict[int, frozenset[str]] = {}
-        for (pool, tier), workers in self.index.overlaps(chain).items():
-            tokens = credited_tokens(pool, tier, self.page_size)
-            cached[tokens] = cached.get(tokens, frozenset()) | workers
+        sizes = {s.page_size for _, w in self._workers() if (s := w.stats) is not None}
+        for page_size in sorted(sizes):
+            chain = prompt_hashes(prompt_ids, page_size)
+            for (pool, tier), workers in self.index.overlaps(chain).items():
+                tokens = credited_tokens(pool, tier, page_size)
+                cached[tokens] = cached.get(tokens, frozenset()) | workers
         return cached
 
     def in_flight(self, worker: str) -> int:
@@ -207,7 +208,7 @@ class WorkerRegistry:
                 s.epoch,
                 s.free_pages,
                 s.num_pages,
-                self.page_size,
+                s.page_size,
                 s.running,
                 max(s.waiting + s.transferring + s.admitting, self._sequences[name] - s.running),
                 s.s_per_token,
@@ -221,7 +222,7 @@ class WorkerRegistry:
                 s.epoch,
                 max(s.queued_tokens, self._prompt_tokens[name]),
                 s.s_per_token,
-                s.sent.post_s / (s.sent.pages * self.page_size) if s.sent.pages else None,
+                s.sent.post_s / (s.sent.pages * s.page_size) if s.sent.pages else None,
             )
             for name, w in self._prefill.items()
             if isinstance(s := w.stats, PrefillStats) and name not in self._cordoned

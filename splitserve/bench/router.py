@@ -206,7 +206,7 @@ class StubDecode:
         self._out: asyncio.Queue[TokenDelta] = asyncio.Queue()
         self._cursor = 0
         counts = EngineCounts(0, 0, 0, 0, 0)
-        stats = DecodeStats("e", 1000, 1000, 0, 0, 0, 0, 0, counts, 0, 0, 0, None, None)
+        stats = DecodeStats("e", 1000, 1000, 16, 0, 0, 0, 0, 0, counts, 0, 0, 0, None, None)
         self.submit, self.outputs = Method(remote=self._submit), Method(remote=self._outputs)
         self.stats = Method(remote=lambda: _value(stats))
         self.kv_events = Method(remote=lambda epoch, after: _value(KVEvents("e", True, (), 0)))

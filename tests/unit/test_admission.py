@@ -15,7 +15,7 @@ from router.workers import WorkerRegistry
 
 
 def _router(max_pending: int, per_client: int | None) -> Router:
-    workers = WorkerRegistry({}, {}, page_size=16)
+    workers = WorkerRegistry({}, {})
     return Router(PolicyConfig(), workers, None, max_pending, max_pending_per_client=per_client)
 
 

@@ -126,7 +126,7 @@ def test_only_a_prefill_worker_ray_reports_dead_is_reported(
     error: Exception, reported: bool
 ) -> None:
     handle = _Failing(error)
-    registry = WorkerRegistry({"p0": handle}, {}, page_size=16)  # type: ignore[dict-item]
+    registry = WorkerRegistry({"p0": handle}, {})  # type: ignore[dict-item]
     heard: list[tuple[object, str]] = []
     registry.on_prefill_died = lambda h, why: heard.append((h, why))
     asyncio.run(registry.refresh())

@@ -17,6 +17,7 @@ IDLE_DECODE = DecodeStats(
     epoch="e",
     free_pages=100,
     num_pages=100,
+    page_size=16,
     running=0,
     waiting=0,
     transferring=0,
@@ -35,6 +36,7 @@ IDLE_PREFILL = PrefillStats(
     epoch="e",
     free_pages=100,
     num_pages=100,
+    page_size=16,
     queued_requests=0,
     prefilling=0,
     queued_tokens=0,
@@ -77,7 +79,7 @@ def router_metrics(
     prefill: dict[str, PrefillStats], decode: dict[str, DecodeStats]
 ) -> RouterMetrics:
     registry = WorkerRegistry(
-        {w: stub(s) for w, s in prefill.items()}, {w: stub(s) for w, s in decode.items()}, 16
+        {w: stub(s) for w, s in prefill.items()}, {w: stub(s) for w, s in decode.items()}
     )
     asyncio.run(registry.refresh())
     return RouterMetrics(registry, MODEL)

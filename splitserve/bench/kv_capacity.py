@@ -39,10 +39,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from cluster.config import EngineConfig
-from cluster.engine.build import pick_dtype
 from cluster.engine.engine import LLMEngine
 from cluster.types import RequestId, SamplingParams
 from splitserve.arrivals import send_offsets
@@ -102,11 +99,6 @@ def serve_load(
     return records, peak, statistics.mean(full) if full else 0.0
 
 
-def kv_name(kv: str, dtype: str) -> str:
-    """The dtype a cache of `engine.kv_cache_dtype: kv` stores on this CPU."""
-    return pick_dtype(dtype, torch.device("cpu")) if kv == "auto" else kv
-
-
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     slo = Slo(args.slo_ttft, args.slo_tpot)
     rows: list[dict[str, Any]] = []
@@ -118,7 +110,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             load = chat_load(args.requests, vocab, args.seed, args.prompt, args.reply)
             prompt = statistics.mean(len(p) for p, _ in load)
             reply = statistics.mean(r for _, r in load)
-            cap = kv_capacity(engine.spec, kv_name(kv, args.dtype), 16, gb)
+            cap = kv_capacity(engine.spec, engine.layout.kv_name, 16, gb)
             assert cap.pages == engine.pool.num_pages, "plan and engine size the pool alike"
             engine.generate([load[0][0][:32]], SamplingParams(max_tokens=2))  # warm
             runs = []
@@ -141,7 +133,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             engine.close()
             goodput = interpolated_goodput({r["rate"]: r["attainment"] for r in runs})
             rows.append({
-                "kv_gb": gb, "kv_dtype": kv_name(kv, args.dtype), "pages": cap.pages,
+                "kv_gb": gb, "kv_dtype": engine.layout.kv_name, "pages": cap.pages,
                 "predicted_seqs": cap.sequences(round(prompt + reply)),
                 "predicted_held": cap.sequences(round(prompt + reply / 2)),
                 "peak_seqs": max(r["peak_seqs"] for r in runs),

@@ -24,7 +24,8 @@ KV_CACHE_DTYPES = (
     "auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"
 )  # fmt: skip
 DEVICES = ("auto", "cpu", "cuda")
-QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")  # cluster/engine/model/quantization.py
+# cluster/engine/model/quantization.py; fp8 / awq / gptq: a checkpoint's own
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf", "fp8", "awq", "gptq")
 ATTENTION_BACKENDS = ("auto", "cpu", "triton", "flashinfer")  # cluster/engine/kernels/attention.py
 ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/\s]+")
 

@@ -34,7 +34,10 @@ from cluster.engine.kernels.kv_cache import KVLayout, kv_dtype
 from cluster.engine.model.checkpoint import ModelSpec
 from splitserve.hardware import Hardware
 
-BITS = {"float32": 32, "bfloat16": 16, "float16": 16, "int8": 8, "int4": 4}  # a weight's
+BITS = {  # a weight's
+    "float32": 32, "bfloat16": 16, "float16": 16,
+    "int8": 8, "int4": 4, "fp8": 8, "awq": 4, "gptq": 4,
+}  # fmt: skip
 KV_DTYPES = KV_CACHE_DTYPES[1:]  # the engine's names but auto (the model's dtype)
 
 

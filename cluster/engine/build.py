@@ -23,6 +23,7 @@ from cluster.engine.model.checkpoint import (
     gguf_blocks_servable,
     load_checkpoint,
 )
+from cluster.engine.model.checkpoint_quant import METHODS, PACKED, checkpoint_quant
 from cluster.engine.model.model import LlamaModel
 from cluster.engine.model.quantization import QuantizationError
 
@@ -46,9 +47,14 @@ def load_model(
     try:
         if quantization != "none" and device.type != "cpu":
             raise QuantizationError(f"its kernels run on CPU only so far, not {device.type}")
-        # int8 / int4 quantize from float32, as they were measured
-        load_dtype = dtype if quantization == "none" else torch.float32
-        keep = quantization == "gguf"
+        stated = checkpoint_quant(path) if path.is_dir() else None
+        if quantization in METHODS and (stated is None or stated.method != quantization):
+            had = "none" if stated is None else stated.method
+            raise QuantizationError(f"{path}: its weights are not {quantization} (they are {had})")
+        # int8 / int4 quantize from float32, as they were measured; a quantized checkpoint
+        # dequantizes in float32 too
+        load_dtype = dtype if quantization == "none" and stated is None else torch.float32
+        keep = quantization in ("gguf", *PACKED)
         spec, weights = load_checkpoint(path, keep, load_dtype, device, progress)
         if split is None:
             return spec, LlamaModel(spec, weights, dtype, device, quantization)
@@ -114,10 +120,15 @@ def pick_dtype(name: str, device: torch.device) -> str:
 def pick_quantization(name: str, path: Path, device: torch.device) -> str:
     """The weight mode `engine.quantization: name` means for the model at `path`. auto: a
     GGUF file's own blocks as stored (gguf) on the CPU, whose kernels read them, when each
-    block type has a kernel; float weights (none) otherwise: a checkpoint directory, a GPU,
-    a GGUF of K-quants. Read from the file, never timed: every worker resolves it alike."""
+    block type has a kernel; a checkpoint directory's own quantization (fp8, awq, gptq: on
+    the CPU only, a GPU refuses them at load); float weights (none) otherwise: a float
+    directory, a GPU, a GGUF of K-quants. Read from the files, never timed: every worker
+    resolves it alike."""
     if name != "auto":
         return name
+    if path.is_dir():
+        stated = checkpoint_quant(path)
+        return "none" if stated is None else stated.method
     gguf = path.suffix == ".gguf" and path.is_file() and device.type == "cpu"
     return "gguf" if gguf and gguf_blocks_servable(path) else "none"
 
@@ -136,7 +147,11 @@ def describe_modes(config: EngineConfig, dtype: str, quantization: str, device: 
         )
         parts = [f"dtype auto: {dtype} ({why})"]
     if config.quantization == "auto":
-        why = "the GGUF's blocks as stored" if quantization == "gguf" else "float weights"
+        why = {
+            "gguf": "the GGUF's blocks as stored",
+            "none": "float weights",
+            "fp8": "the checkpoint's FP8 weights as 8-bit groups",
+        }.get(quantization, f"the checkpoint's own {quantization} 4-bit groups")
         parts.append(f"quantization auto: {quantization} ({why})")
     else:
         parts.append(f"quantization {quantization}")

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from cluster.engine.model.checkpoint import HF_ARCHITECTURES, spec_from_hf_config
+from cluster.engine.model.checkpoint_quant import read_quant_config
 from cluster.engine.model.model_files import ModelLoadError
 
 BASE = {
@@ -53,19 +54,40 @@ def test_a_sliding_window_caps_the_context_unless_it_is_off(tmp_path: Path) -> N
     assert _spec(tmp_path, "Qwen2ForCausalLM", **off).max_position == 512
 
 
+PUBLISHED = {
+    "fp8": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True},
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False},
+}
+
+
+@pytest.mark.parametrize("method", PUBLISHED)
+def test_a_checkpoints_own_fp8_awq_or_gptq_quantization_is_read(tmp_path: Path, method: str):
+    config = {**BASE, "architectures": ["LlamaForCausalLM"]}
+    assert read_quant_config({**config, "quantization_config": PUBLISHED[method]}, tmp_path)
+    assert read_quant_config(config, tmp_path) is None
+
+
 @pytest.mark.parametrize(
-    "config",
+    ("method", "change", "named"),
     [
-        {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
-        {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True},
-        {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True},
+        ("gptq", {"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes'"),
+        ("gptq", {"quant_method": "compressed-tensors"}, "quant_method 'compressed-tensors'"),
+        ("gptq", {"desc_act": True}, "desc_act True"),
+        ("gptq", {"bits": 8}, "bits 8"),
+        ("gptq", {"group_size": 16}, "group_size 16"),
+        ("gptq", {"checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
+        ("awq", {"version": "gemv"}, "version 'gemv'"),
+        ("awq", {"zero_point": False}, "zero_point False"),
+        ("fp8", {"fmt": "e5m2"}, "fmt 'e5m2'"),
+        ("fp8", {"weight_block_size": [128]}, r"weight_block_size \[128\]"),
     ],
 )
-def test_a_checkpoints_own_quantization_is_refused_naming_its_method(
-    tmp_path: Path, config: dict[str, Any]
+def test_a_checkpoints_quantization_the_engine_cannot_read_is_refused_naming_its_key(
+    tmp_path: Path, method: str, change: dict[str, Any], named: str
 ) -> None:
-    """Its tensors are codes and scales (an FP8 checkpoint's weights would load as floats
-    without their scales): refused at load, never read into wrong arithmetic."""
-    method = config["quant_method"]
-    with pytest.raises(ModelLoadError, match=f"quant_method '{method}'.* quantization int8"):
+    """Its tensors are codes and scales in a form not read here: refused at load, never
+    read as floats into wrong arithmetic."""
+    config = {**PUBLISHED[method], **change}
+    with pytest.raises(ModelLoadError, match=f"quantization_config {named} .* quantization int8"):
         _spec(tmp_path, "LlamaForCausalLM", quantization_config=config)

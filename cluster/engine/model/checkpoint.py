@@ -20,6 +20,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
+from cluster.engine.model.checkpoint_quant import (
+    PACKED,
+    Prequantized,
+    checkpoint_quant,
+    read_quant_config,
+)
 from cluster.engine.model.model_files import ModelLoadError
 from cluster.engine.model.quantization import (
     GGUF_BLOCKS,
@@ -112,10 +118,14 @@ def load_checkpoint(
     if not p.exists():
         raise ModelLoadError(f"model path {p}: does not exist")
     if p.is_dir():
-        if keep_blocks:
-            raise QuantizationError(f"{p} is a checkpoint directory, not a .gguf file")
         spec = spec_from_hf_config(p / "config.json")
-        return spec, Unfused(StreamedWeights(p, dtype, device, progress), spec)
+        weights: Weights = StreamedWeights(p, dtype, device, progress)
+        quant = checkpoint_quant(p)
+        if keep_blocks and (quant is None or quant.method not in PACKED):
+            raise QuantizationError(f"{p}: a checkpoint directory of float weights keeps no blocks")
+        if quant is not None:
+            weights = Prequantized(weights, quant, keep_blocks)
+        return spec, Unfused(weights, spec)
     if p.suffix == ".gguf":
         return _load_gguf(p, keep_blocks, progress)
     raise ModelLoadError(f"model path {p}: expected a .gguf file or a checkpoint directory")
@@ -202,7 +212,9 @@ class StreamedWeights:
         try:
             with safe_open(str(f), "pt") as shard:
                 mapped = shard.get_tensor(name)  # a view of the file: no bytes read yet
-            tensor = mapped.to(device=self._device, dtype=self._dtype, copy=True)
+            # integer tensors (a quantized checkpoint's packed codes) stay integers
+            dtype = self._dtype if mapped.is_floating_point() else mapped.dtype
+            tensor = mapped.to(device=self._device, dtype=dtype, copy=True)
         except (SafetensorError, OSError, ValueError) as e:
             raise ModelLoadError(f"{f}: tensor {name} cannot be read: {e}") from None
         if self._progress is not None:
@@ -222,14 +234,7 @@ def spec_from_hf_config(path: Path) -> ModelSpec:
         raise ModelLoadError(
             f"{path}: architecture {archs[0]!r} is not supported (supported: {HF_ARCHITECTURES})"
         )
-    quantized = cfg.get("quantization_config")
-    if quantized is not None:  # its tensors are codes and scales our loader would misread
-        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
-        raise ModelLoadError(
-            f"{path}: quantization_config (quant_method {method!r}) is not supported: a "
-            f"checkpoint's own quantization is not read yet; its float checkpoint with "
-            f"quantization int8 or int4, or a GGUF of Q4_0 / Q4_1 / Q8_0 blocks, serves"
-        )
+    read_quant_config(cfg, path)  # a quantization it cannot read is refused here
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ROPE_TYPES:

@@ -25,6 +25,7 @@ from cluster.engine.kernels.kv_cache import KVCache
 from cluster.engine.model.checkpoint import ModelSpec, Weights
 from cluster.engine.model.model_files import ModelLoadError
 from cluster.engine.model.quantization import (
+    FLOAT_STORED_AS,
     DenseLinear,
     Embedding,
     GroupQuant,
@@ -105,7 +106,9 @@ class LlamaModel:
             floats = [p for p in parts if isinstance(p, torch.Tensor)]
             if len(floats) == len(parts):
                 w = torch.cat(floats).to(device)
-                return w if mode in ("none", "gguf") else quantize(w, mode)
+                if mode not in FLOAT_STORED_AS:  # float as it is (gguf, awq, gptq: left float)
+                    return w
+                return quantize(w, FLOAT_STORED_AS[mode])
             # A GGUF mixing kinds in one fused matrix: its float parts become 8-bit groups.
             return GroupQuant.cat(
                 [quantize(p, "int8") if isinstance(p, torch.Tensor) else p for p in parts]
@@ -116,7 +119,7 @@ class LlamaModel:
 
         # The vocabulary matrices stay 8-bit in int4 mode, as llama.cpp's 4-bit files keep
         # them: at 4 bits they cost the bundled model 9% perplexity (measured), 8 bits 0.3%.
-        vocab_mode = "int8" if quantization == "int4" else quantization
+        vocab_mode = "int8" if quantization in ("int4", "awq", "gptq") else quantization
         embed_name = "model.embed_tokens.weight"
         if spec.tie_embeddings:
             table = matrix(embed_name, mode=vocab_mode)

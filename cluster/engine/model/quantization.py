@@ -8,6 +8,9 @@
 - `int4`: the same with q in 0..15 (GGUF's Q4_1); the embedding and lm_head stay int8.
 - `gguf`: the GGUF file's own Q4_0 / Q4_1 / Q8_0 blocks as stored; its float tensors stay
   float. The served model is the file's, not a float copy of it.
+- `awq`, `gptq`: a checkpoint directory's own 4-bit groups as stored (checkpoint_quant.py);
+  the vocabulary matrices 8-bit as in int4.
+- `fp8`: a checkpoint directory's FP8 weights, dequantized at load and stored as int8.
 
 Where the CPU has AVX-512 VNNI or AVX2, our integer kernel multiplies every quantized
 matrix (cluster/engine/kernels/qmatmul.c, `BlockLinear`): each input row is rounded per group of
@@ -34,6 +37,9 @@ import torch
 from cluster.engine.kernels import qmatmul
 
 GROUP = 32  # weights per scale, along the input dimension
+# How each mode stores a float matrix (fp8: a checkpoint's FP8 weights, dequantized); the
+# modes absent keep it float (none; gguf, awq and gptq keep their own quantized matrices).
+FLOAT_STORED_AS = {"int8": "int8", "int4": "int4", "fp8": "int8"}
 KERNEL_DTYPE = torch.bfloat16  # what the int4 kernel computes in
 
 

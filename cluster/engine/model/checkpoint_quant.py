@@ -1,0 +1,195 @@
+"""A checkpoint's own quantization (its config.json's `quantization_config`), read into
+the forms our kernels multiply, without re-quantizing where the form allows.
+
+- `fp8` (FP8 Llama/Qwen/DeepSeek checkpoints): e4m3 weights with a scale per tensor (or
+  per output row: `weight_scale`) or per 128 x 128 block (`weight_scale_inv`, multiplied
+  despite its name). w = code * scale, dequantized at load; on the CPU the engine then
+  stores it as its 8-bit groups. Activation scales (`input_scale`) are not read: the
+  activations stay float, as in our int8 mode.
+- `awq` (AutoAWQ's GEMM layout) and `gptq` (AutoGPTQ's, with and without its v1 zero
+  offset): 4-bit codes packed eight to an int32, a float16 scale and a 4-bit zero per group
+  of `group_size` inputs, w = (q - z) * s. A group of 128 is four of our groups of 32 with
+  the same scale and zero, so the codes load as they are (`GroupQuant`, offset -z * s) into
+  our int4 kernel; asked for float weights instead, they are dequantized.
+
+A method, bit width or layout not listed is refused at load naming the key: its tensors
+would otherwise be read as floats, wrong arithmetic reported as success. GPTQ's act-order
+(`desc_act`, a group index per input) is refused: its groups are not runs of inputs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from cluster.engine.model.model_files import ModelLoadError
+from cluster.engine.model.quantization import GROUP, GroupQuant
+
+if TYPE_CHECKING:
+    from cluster.engine.model.checkpoint import Weights
+
+METHODS = ("fp8", "awq", "gptq")
+PACKED = ("awq", "gptq")  # 4-bit codes our int4 kernel reads as stored
+# AutoAWQ packs the eight outputs of a word in the order 0 2 4 6 1 3 5 7; this undoes it.
+_AWQ_UNDO = (0, 4, 1, 5, 2, 6, 3, 7)
+_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
+Block = tuple[int, int]  # fp8: (outputs, inputs) under one scale
+
+
+@dataclass(frozen=True)
+class CheckpointQuant:
+    method: str  # one of METHODS
+    group_size: int = 0  # awq / gptq: inputs per scale; -1: one group a row
+    block: Block | None = None  # fp8: one scale per block; None: per tensor or row
+    zero_offset: int = 0  # gptq v1 stores each zero minus one
+
+
+def read_quant_config(cfg: dict[str, Any], where: Path) -> CheckpointQuant | None:
+    """The checkpoint's quantization as config.json's `cfg` states it (None: float weights);
+    ModelLoadError naming the key for one this engine cannot read."""
+    q = cfg.get("quantization_config")
+    if q is None:
+        return None
+
+    def refuse(key: str, value: Any, serves: str) -> ModelLoadError:
+        return ModelLoadError(
+            f"{where}: quantization_config {key} {value!r} is not supported ({serves}); its "
+            f"float checkpoint with quantization int8 or int4, or a GGUF of Q4_0 / Q4_1 / "
+            f"Q8_0 blocks, serves"
+        )
+
+    method = q.get("quant_method") if isinstance(q, dict) else None
+    if method not in METHODS:
+        raise refuse("quant_method", method, f"read: {', '.join(METHODS)}")
+    if method == "fp8":
+        if q.get("fmt", "e4m3") != "e4m3":
+            raise refuse("fmt", q.get("fmt"), "e4m3")
+        block = q.get("weight_block_size")
+        if block is not None and (len(block) != 2 or min(block) < 1):
+            raise refuse("weight_block_size", block, "[outputs, inputs]")
+        return CheckpointQuant("fp8", block=None if block is None else (block[0], block[1]))
+    bits = q.get("bits", q.get("w_bit"))
+    if bits != 4:
+        raise refuse("bits", bits, "4")
+    group = int(q.get("group_size", q.get("q_group_size", 128)))
+    if group != -1 and (group < GROUP or group % GROUP):
+        raise refuse("group_size", group, f"a multiple of {GROUP}, or -1")
+    if method == "awq":
+        version = str(q.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise refuse("version", version, "gemm")
+        if not q.get("zero_point", True):
+            raise refuse("zero_point", False, "true")
+        return CheckpointQuant("awq", group)
+    if q.get("desc_act"):
+        raise refuse("desc_act", True, "false: act-order's groups are not runs of inputs")
+    form = q.get("checkpoint_format", "gptq")
+    if form not in ("gptq", "gptq_v2"):
+        raise refuse("checkpoint_format", form, "gptq or gptq_v2")
+    return CheckpointQuant("gptq", group, zero_offset=1 if form == "gptq" else 0)
+
+
+def checkpoint_quant(directory: Path) -> CheckpointQuant | None:
+    """The quantization a checkpoint directory's config.json states (None: none, or a file)."""
+    config = directory / "config.json"
+    if not config.is_file():
+        return None
+    return read_quant_config(json.loads(config.read_text()), config)
+
+
+class Prequantized:
+    """A quantized checkpoint's matrices under their float names (`...proj.weight`): fp8 as
+    floats; awq / gptq as `GroupQuant`s of their own codes (`keep`), else dequantized. A
+    module the checkpoint left float (its lm_head, say) comes as it is."""
+
+    def __init__(self, weights: Weights, quant: CheckpointQuant, keep: bool) -> None:
+        self.weights, self.quant, self.keep = weights, quant, keep
+
+    def __contains__(self, name: object) -> bool:
+        if name in self.weights:
+            return True
+        return isinstance(name, str) and _packed(name) + "qweight" in self.weights
+
+    def pop(self, name: str) -> torch.Tensor | GroupQuant:
+        base = _packed(name)
+        if self.quant.method == "fp8":
+            w = self._tensor(name)
+            for key in ("weight_scale_inv", "weight_scale"):
+                if base + key in self.weights:
+                    return fp8_weight(w, self._tensor(base + key), self.quant.block)
+            return w  # left float
+        if base + "qweight" not in self.weights:
+            return self.weights.pop(name)
+        qweight, qzeros, scales = (self._tensor(base + k) for k in ("qweight", "qzeros", "scales"))
+        if self.quant.method == "gptq" and base + "g_idx" in self.weights:
+            g_idx = self._tensor(base + "g_idx")
+            inputs = g_idx.numel()
+            if not torch.equal(g_idx.long(), torch.arange(inputs) // self._group(inputs)):
+                raise ModelLoadError(f"{base}g_idx: groups out of input order (act-order)")
+        unpack = unpack_awq if self.quant.method == "awq" else unpack_gptq
+        q, zeros = unpack(qweight, qzeros)
+        g = group_quant(q, zeros + self.quant.zero_offset, scales.float())
+        return g if self.keep else g.dequantize()
+
+    def _tensor(self, name: str) -> torch.Tensor:
+        t = self.weights.pop(name)
+        assert isinstance(t, torch.Tensor), f"{name}: a directory's tensors are tensors"
+        return t
+
+    def _group(self, inputs: int) -> int:
+        return inputs if self.quant.group_size == -1 else self.quant.group_size
+
+
+def _packed(name: str) -> str:
+    """`x.weight` -> `x.`: the prefix of a matrix's quantized tensors."""
+    return name.removesuffix("weight")
+
+
+def fp8_weight(
+    codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None
+) -> torch.Tensor:
+    """An FP8 matrix [out, in] as float32: each code times its block's, row's or tensor's
+    scale."""
+    rows, cols = codes.shape
+    s = scale.float()
+    if block is not None:
+        s = s.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    elif s.numel() == rows and rows > 1:
+        s = s.reshape(rows, 1)
+    else:
+        s = s.reshape(())
+    return codes.float() * s
+
+
+def _nibbles(words: torch.Tensor, along_rows: bool) -> torch.Tensor:
+    """int32 words [r, c] as their eight 4-bit fields, low first: [r * 8, c] (packed along
+    the rows) or [r, c * 8]."""
+    n = (words.int().unsqueeze(-1) >> _SHIFTS) & 15
+    return n.permute(0, 2, 1).flatten(0, 1) if along_rows else n.flatten(1)
+
+
+def unpack_awq(qweight: torch.Tensor, qzeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """AWQ's codes [in, out] and zeros [groups, out] from words packed along the outputs."""
+    undo = (torch.arange(qweight.shape[1] * 8).view(-1, 8)[:, list(_AWQ_UNDO)]).flatten()
+    return _nibbles(qweight, False)[:, undo], _nibbles(qzeros, False)[:, undo]
+
+
+def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ's codes [in, out] (words packed along the inputs) and zeros [groups, out]."""
+    return _nibbles(qweight, True), _nibbles(qzeros, False)
+
+
+def group_quant(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> GroupQuant:
+    """Codes [in, out] with a zero and scale [groups, out] per run of inputs, as our 4-bit
+    groups of 32 [out, in] (each of ours inside one of theirs): w = q * s - z * s."""
+    inputs, groups = q.shape[0], scales.shape[0]
+    if inputs % groups or (inputs // groups) % GROUP:
+        raise ModelLoadError(f"{inputs} inputs in {groups} groups: not runs of {GROUP}")
+    repeat = inputs // groups // GROUP
+    scale = scales.t().repeat_interleave(repeat, 1).contiguous()
+    offset = (-zeros.float() * scales).t().repeat_interleave(repeat, 1).contiguous()
+    return GroupQuant(q.t().to(torch.uint8).contiguous(), scale, offset, 4)

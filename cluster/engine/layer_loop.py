@@ -28,6 +28,7 @@ from cluster.engine.kernels import layer_kernels_cpu, native, qmatmul
 from cluster.engine.kernels.attention import AttentionBackend
 from cluster.engine.kernels.attention_cpu import CpuBackend, CpuMetadata
 from cluster.engine.kernels.kv_cache import KVCache
+from cluster.engine.model.experts import DenseMlp
 from cluster.engine.model.model import LlamaModel
 from cluster.engine.model.quantization import BlockLinear
 
@@ -113,7 +114,8 @@ class LayerLoop:
         self.dtype = model.cos.dtype  # the activations'
         layers = []
         for i, layer in enumerate(model.layers):
-            mats = (layer.qkv, layer.o, layer.gate_up, layer.down)
+            assert isinstance(layer.mlp, DenseMlp), "experts: not in layer_loop.c"
+            mats = (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down)
             blocks = [_matrix(m) for m in mats if isinstance(m, BlockLinear)]
             assert len(blocks) == len(mats), "every matrix on qmatmul.c"
             layers.append(
@@ -212,10 +214,13 @@ class LayerLoop:
 
 def build(model: LlamaModel, cache: KVCache, attention: AttentionBackend) -> LayerLoop | None:
     """The loop for this model where it can take every step (module docstring), else None."""
-    mats = [m for layer in model.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    mats = [m for layer in model.layers for m in (layer.qkv, layer.o)]
+    mlps = [layer.mlp for layer in model.layers]
+    mats += [m for mlp in mlps if isinstance(mlp, DenseMlp) for m in (mlp.gate_up, mlp.down)]
     if (
         model.group is not None
         or model.spec.qk_norm  # Qwen3's q/k norm: not in layer_loop.c yet
+        or model.spec.experts  # a Mixture-of-Experts' routing: not in layer_loop.c yet
         or model.kernels is None  # the C layer ops, built for the model's dtype
         or model.kernels is not layer_kernels_cpu.module(model.cos.dtype)
         or not isinstance(attention, CpuBackend)

@@ -207,6 +207,36 @@ def tiny_phi3_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return _save_tiny(tmp_path_factory.mktemp("ckpt"), "tiny-phi3", config)
 
 
+@pytest.fixture(scope="session")
+def tiny_mixtral_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Mixtral: each layer's MLP eight experts, two a token (block_sparse_moe's names)."""
+    from transformers import MixtralConfig
+
+    config = MixtralConfig(
+        **TINY, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2
+    )
+    return _save_tiny(tmp_path_factory.mktemp("ckpt"), "tiny-mixtral", config)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Qwen3-MoE: q/k norms, eight experts of their own size, two a token, their weights
+    renormalized (norm_topk_prob)."""
+    from transformers import Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(
+        **TINY,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        norm_topk_prob=True,
+        tie_word_embeddings=True,
+    )
+    return _save_tiny(tmp_path_factory.mktemp("ckpt"), "tiny-qwen3-moe", config)
+
+
 # --- real Ray workers ----------------------------------------------------------------------
 
 # A small token budget makes prompts of a few hundred tokens prefill in several chunks.

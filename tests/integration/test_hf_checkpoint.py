@@ -43,7 +43,15 @@ def _engine_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "which", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_phi3_dir"]
+    "which",
+    [
+        "tiny_llama_dir",
+        "tiny_qwen2_dir",
+        "tiny_qwen3_dir",
+        "tiny_phi3_dir",
+        "tiny_mixtral_dir",
+        "tiny_qwen3_moe_dir",
+    ],
 )
 def test_logits_match_transformers(which: str, request: pytest.FixtureRequest):
     from transformers import AutoModelForCausalLM
@@ -63,7 +71,10 @@ def test_logits_match_transformers(which: str, request: pytest.FixtureRequest):
     assert_no_leak(engine)
 
 
-@pytest.mark.parametrize("which", ["tiny_llama_dir", "tiny_qwen3_dir", "tiny_phi3_dir"])
+@pytest.mark.parametrize(
+    "which",
+    ["tiny_llama_dir", "tiny_qwen3_dir", "tiny_phi3_dir", "tiny_mixtral_dir", "tiny_qwen3_moe_dir"],
+)
 def test_generate_on_a_hf_checkpoint(which: str, request: pytest.FixtureRequest):
     from transformers import AutoModelForCausalLM
 

@@ -91,3 +91,21 @@ def test_a_checkpoints_quantization_the_engine_cannot_read_is_refused_naming_its
     config = {**PUBLISHED[method], **change}
     with pytest.raises(ModelLoadError, match=f"quantization_config {named} .* quantization int8"):
         _spec(tmp_path, "LlamaForCausalLM", quantization_config=config)
+
+
+def test_mixtral_and_qwen3_moe_read_their_experts_and_dense_layers_among_them_are_refused(
+    tmp_path: Path,
+) -> None:
+    mixtral = _spec(tmp_path, "MixtralForCausalLM", num_local_experts=8, num_experts_per_tok=2)
+    assert (mixtral.experts, mixtral.experts_per_token, mixtral.expert_size) == (8, 2, 128)
+    assert mixtral.renormalize_experts and not mixtral.qk_norm
+    moe = {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 32}
+    qwen = _spec(tmp_path, "Qwen3MoeForCausalLM", head_dim=16, **moe)
+    assert (qwen.experts, qwen.experts_per_token, qwen.expert_size) == (128, 8, 32)
+    assert qwen.qk_norm and not qwen.renormalize_experts  # norm_topk_prob's default
+    assert _spec(tmp_path, "Qwen3MoeForCausalLM", norm_topk_prob=True, **moe).renormalize_experts
+    assert not _spec(tmp_path, "LlamaForCausalLM").experts
+    with pytest.raises(ModelLoadError, match="decoder_sparse_step 2"):
+        _spec(tmp_path, "Qwen3MoeForCausalLM", decoder_sparse_step=2, **moe)
+    with pytest.raises(ModelLoadError, match=r"mlp_only_layers \[0\]"):
+        _spec(tmp_path, "Qwen3MoeForCausalLM", mlp_only_layers=[0], **moe)

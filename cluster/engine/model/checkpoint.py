@@ -43,7 +43,10 @@ HF_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Phi3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
+QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 GGUF_ARCHITECTURES = ("llama", "qwen2")
 ROPE_TYPES = ("default", "linear", "llama3")
 CPU = torch.device("cpu")
@@ -70,6 +73,12 @@ class ModelSpec:
     rope_scaling: dict[str, Any] = field(default_factory=dict)
     name: str = ""
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and of k before RoPE
+    # Mixture-of-Experts (experts.py): experts per layer (0: a dense MLP), how many each
+    # token takes, each one's intermediate size, whether the chosen weights sum to 1
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_size: int = 0
+    renormalize_experts: bool = True
 
     def rope_inv_freq(self) -> torch.Tensor:
         """Inverse frequencies of the rotary embedding, computed as transformers does."""
@@ -159,13 +168,15 @@ class Unfused:
                     )
 
     def __contains__(self, name: object) -> bool:
-        if name in self.held or name in self.weights:
+        if name in self.held or name in self.weights or _mixtral(name) in self.weights:
             return True
         return isinstance(name, str) and name in self.parts and self.parts[name][0] in self.weights
 
     def pop(self, name: str) -> torch.Tensor | GroupQuant:
         if name in self.held:
             return self.held.pop(name)
+        if name not in self.weights and _mixtral(name) in self.weights:
+            return self.weights.pop(_mixtral(name))
         if name in self.weights or name not in self.parts:
             return self.weights.pop(name)
         fused, names, sizes = self.parts[name]
@@ -176,6 +187,20 @@ class Unfused:
             raise ModelLoadError(f"{fused}: {whole.shape[0]} rows, the config says {sum(sizes)}")
         self.held.update(zip(names, whole.split(sizes), strict=True))
         return self.held.pop(name)
+
+
+_MIXTRAL = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
+
+
+def _mixtral(name: object) -> str:
+    """Mixtral's name of an MoE tensor the model takes by Qwen3-MoE's (`mlp.gate`,
+    `mlp.experts.E.gate_proj`: Mixtral's `block_sparse_moe.gate`, `...experts.E.w1`)."""
+    if not isinstance(name, str) or (".mlp.gate." not in name and ".mlp.experts." not in name):
+        return ""
+    name = name.replace(".mlp.", ".block_sparse_moe.")
+    for ours, theirs in _MIXTRAL.items():
+        name = name.replace(f".{ours}.", f".{theirs}.")
+    return name
 
 
 class StreamedWeights:
@@ -253,6 +278,7 @@ def spec_from_hf_config(path: Path) -> ModelSpec:
         max_position = window
     eos = cfg.get("eos_token_id")
     heads = cfg["num_attention_heads"]
+    experts = _experts(cfg, archs[0], path)
     return ModelSpec(
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
@@ -269,8 +295,34 @@ def spec_from_hf_config(path: Path) -> ModelSpec:
         eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
         rope_scaling=rope,
         name=cfg.get("_name_or_path") or path.parent.name,
-        qk_norm=archs[0] == "Qwen3ForCausalLM",
+        qk_norm=archs[0] in QK_NORM,
+        **experts,
     )
+
+
+def _experts(cfg: dict[str, Any], arch: str, path: Path) -> dict[str, Any]:
+    """ModelSpec's Mixture-of-Experts fields from a Mixtral or Qwen3-MoE config ({} for a
+    dense family); a layout the engine does not compute refused naming its key."""
+    if arch == "MixtralForCausalLM":
+        return {
+            "experts": cfg["num_local_experts"],
+            "experts_per_token": cfg["num_experts_per_tok"],
+            "expert_size": cfg["intermediate_size"],
+        }
+    if arch != "Qwen3MoeForCausalLM":
+        return {}
+    if cfg.get("decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers"):
+        raise ModelLoadError(
+            f"{path}: dense layers among the experts' (decoder_sparse_step "
+            f"{cfg.get('decoder_sparse_step', 1)}, mlp_only_layers "
+            f"{cfg.get('mlp_only_layers')}) are not supported: every layer's MLP is experts"
+        )
+    return {
+        "experts": cfg.get("num_experts") or cfg["num_local_experts"],  # published, transformers 5
+        "experts_per_token": cfg["num_experts_per_tok"],
+        "expert_size": cfg["moe_intermediate_size"],
+        "renormalize_experts": bool(cfg.get("norm_topk_prob", False)),
+    }
 
 
 # --- GGUF ----------------------------------------------------------------------------------

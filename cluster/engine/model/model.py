@@ -23,6 +23,7 @@ from cluster.engine.kernels import layer_kernels_cpu
 from cluster.engine.kernels.attention import AttentionBackend
 from cluster.engine.kernels.kv_cache import KVCache
 from cluster.engine.model.checkpoint import ModelSpec, Weights
+from cluster.engine.model.experts import DenseMlp, Experts, Mlp
 from cluster.engine.model.model_files import ModelLoadError
 from cluster.engine.model.quantization import (
     FLOAT_STORED_AS,
@@ -46,15 +47,13 @@ class Layer:
     qkv: Linear  # hidden -> q + k + v: one matmul instead of three
     o: Linear
     post_norm: torch.Tensor
-    gate_up: Linear  # hidden -> 2 * intermediate
-    down: Linear
+    mlp: Mlp  # dense, or a Mixture-of-Experts
     qk_norms: tuple[torch.Tensor, torch.Tensor] | None = None  # Qwen3's [head_dim] each
 
     @property
     def tensors(self) -> list[torch.Tensor]:
-        mats = (self.qkv, self.o, self.gate_up, self.down)
         norms = [self.input_norm, self.post_norm, *(self.qk_norms or ())]
-        return [*norms, *(t for m in mats for t in m.tensors)]
+        return [*norms, *self.qkv.tensors, *self.o.tensors, *self.mlp.tensors]
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -117,6 +116,11 @@ class LlamaModel:
         def mat(*names: str, bias: torch.Tensor | None = None) -> Linear:
             return linear(matrix(*names), bias, dtype)
 
+        def dense(at: str) -> DenseMlp:
+            return DenseMlp(
+                mat(at + "gate_proj.weight", at + "up_proj.weight"), mat(at + "down_proj.weight")
+            )
+
         # The vocabulary matrices stay 8-bit in int4 mode, as llama.cpp's 4-bit files keep
         # them: at 4 bits they cost the bundled model 9% perplexity (measured), 8 bits 0.3%.
         vocab_mode = "int8" if quantization in ("int4", "awq", "gptq") else quantization
@@ -144,14 +148,23 @@ class LlamaModel:
             qk_norms = None
             if spec.qk_norm:
                 qk_norms = (vec(att + "q_norm.weight"), vec(att + "k_norm.weight"))
+            mlp: Mlp
+            if spec.experts:  # the router stays float, as vLLM keeps it
+                mlp = Experts(
+                    linear(take(p + "mlp.gate.weight"), None, dtype),
+                    [dense(p + f"mlp.experts.{e}.") for e in range(spec.experts)],
+                    spec.experts_per_token,
+                    spec.renormalize_experts,
+                )
+            else:
+                mlp = dense(p + "mlp.")
             self.layers.append(
                 Layer(
                     input_norm=vec(p + "input_layernorm.weight"),
                     qkv=mat(*(att + f"{n}_proj.weight" for n in "qkv"), bias=bias),
                     o=mat(att + "o_proj.weight"),
                     post_norm=vec(p + "post_attention_layernorm.weight"),
-                    gate_up=mat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                    down=mat(p + "mlp.down_proj.weight"),
+                    mlp=mlp,
                     qk_norms=qk_norms,
                 )
             )
@@ -253,7 +266,7 @@ class LlamaModel:
         layer = self.layers[i]
         o = self._sum(layer.o(a.reshape(a.shape[0], -1)))
         x, h = self._add_norm(x, o, layer.post_norm)
-        return x, self._sum(layer.down(self._silu_mul(layer.gate_up(h))))
+        return x, self._sum(layer.mlp(h, self._silu_mul))
 
     def logits(self, x: torch.Tensor, mlp: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Float32 next-token logits of the given rows, from the last layer's residual and

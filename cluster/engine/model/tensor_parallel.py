@@ -93,6 +93,8 @@ class Shard:
 
         if spec.num_kv_heads < size:
             raise refuse(f"the model has {spec.num_kv_heads} KV heads, one rank needs one")
+        if spec.experts and size > 1:
+            raise refuse("a Mixture-of-Experts model runs on one rank so far")
         unit = GROUP if quantized else 1
         if spec.intermediate_size % unit or spec.intermediate_size // unit < size:
             raise refuse(

@@ -17,6 +17,7 @@ from cluster.engine.kernels import qmatmul
 from cluster.engine.kernels.attention_cpu import CpuBackend
 from cluster.engine.kernels.kv_cache import KVCache
 from cluster.engine.kernels.step_batch import StepBatch
+from cluster.engine.model.experts import DenseMlp
 from cluster.engine.model.quantization import BlockLinear, DenseLinear, GroupQuant, Int4Linear
 from cluster.engine.sched.page_pool import pages_for
 from cluster.types import SamplingParams
@@ -178,7 +179,8 @@ def test_quantized_model_keeps_no_float_copy(mode: str, float32: LLMEngine) -> N
     model = quantized.model
     kernel = BlockLinear if qmatmul.available() else Int4Linear
     for layer in model.layers:
-        for mat in (layer.qkv, layer.o, layer.gate_up, layer.down):
+        assert isinstance(layer.mlp, DenseMlp)
+        for mat in (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down):
             assert isinstance(mat, kernel)
     assert isinstance(model.lm_head, kernel)
     assert isinstance(model.embed.table, GroupQuant)  # rows dequantized per lookup

@@ -54,6 +54,7 @@ from cluster.types import (
     SamplingParams,
     TokenDelta,
 )
+from router import attempt
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,8 @@ class WorkerLost(Exception):
 
 @dataclass
 class _Stream:
-    """One attempt of a request: the one place the Dispatcher keeps it."""
+    """One attempt of a request: the one place the Dispatcher keeps it; where the attempt
+    is, its machine's state (router/attempt.py)."""
 
     rid: RequestId  # the id the workers know it by
     # A str: the decode worker is gone, and why. An error: the request was refused. None:
@@ -118,10 +120,21 @@ class _Stream:
     prompt_ids: list[int]
     sampling: SamplingParams
     resumed: int
-    held: list[TokenDelta] = field(default_factory=list)  # decode's, ahead of the first token
-    prefilled: bool = False  # no call to the prefill worker is out
-    decoding: bool = False  # the decode worker has sent a delta: this attempt's KV is there
-    finished: bool = False  # or refused, or let go: nothing to abort
+    state: attempt.Attempt = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.state = attempt.start(prefill=self.prefill is not None)
+
+    def step(self, event: attempt.Event) -> list[attempt.Action]:
+        """The machine's actions on `event`; the ones that end the stream raise here:
+        WorkerLost, or the worker's refusal."""
+        self.state, actions = attempt.on_event(self.state, event)
+        for action in actions:
+            if isinstance(action, attempt.Lose):
+                raise WorkerLost(action.why, action.dead) from None
+            if isinstance(action, attempt.Raise):
+                raise action.error
+        return actions
 
 
 @dataclass(frozen=True)
@@ -179,7 +192,6 @@ class Dispatcher:
             if resumed:
                 sampling = dataclasses.replace(sampling, prompt_logprobs=None)
         stream = _Stream(rid, asyncio.Queue(), decode, prefill, done, prompt, sampling, resumed)
-        stream.prefilled = prefill is None
         self._streams[caller] = stream
         self._poll(decode)
         try:
@@ -187,55 +199,33 @@ class Dispatcher:
                 try:
                     await decode.submit.remote(rid, prompt, sampling, False, self.reader, resumed)
                 except RayActorError as e:
-                    stream.finished = True
-                    raise WorkerLost(f"decode worker failed: {e}", dead=True) from None
-                except Exception:
-                    stream.finished = True
-                    raise
+                    stream.step(attempt.SubmitDied(f"decode worker failed: {e}"))  # raises
+                except Exception as e:
+                    stream.step(attempt.Refused(e))  # raises it again
                 done.admitted_at = done.admitted_at or time.monotonic()
             else:
                 self._spawn(self._prefill(stream))
-            while not stream.finished:
+            while stream.state.phase is not attempt.Phase.ENDED:
                 delta = _unseen(await self._next(stream), caller, done)
                 if delta is None:
                     continue
-                stream.finished = delta.finish_reason is not None
                 if done.first_token_at is None and delta.token_ids:
                     done.first_token_at = time.monotonic()
                 yield delta
         finally:
             del self._streams[caller]
-            if not stream.finished:
+            if attempt.Abort() in stream.step(attempt.Closed()):
                 self._spawn(self._abort(stream))
 
     async def _next(self, stream: _Stream) -> TokenDelta:
         """The stream's next delta in order (the decode worker's wait for the prefill
         worker's first token); WorkerLost or the refusal's error instead."""
-        done = stream.progress
-        while True:
-            if stream.held and stream.held[0].index <= len(done.token_ids):
-                got: TokenDelta | str | Exception | None = stream.held.pop(0)
-            else:
-                got = await stream.queue.get()
-            if got is None:  # the prefill worker's call ended, its first token queued
-                stream.prefilled = True
-                if stream.held:  # it never brought the first token the decode worker skips
-                    raise WorkerLost("the prefill worker lost the first token", dead=False)
-                continue
-            if isinstance(got, str):
-                raise WorkerLost(got, dead=True)
-            if isinstance(got, Exception):
-                stream.finished = True
-                raise got
-            if got.evicted:
-                stream.finished = True  # the worker has let it go: nothing to abort
-                raise WorkerLost(got.error or "evicted", dead=False)
-            if got.index > len(done.token_ids):  # ahead of the prefill worker's reply
-                if stream.prefilled:
-                    raise WorkerLost("the prefill worker lost the first token", dead=False)
-                stream.held.append(got)
-                continue
-            return got
+        delivered = len(stream.progress.token_ids)
+        (action,) = stream.step(attempt.Next(delivered))
+        while isinstance(action, attempt.Take):
+            (action,) = stream.step(_event(await stream.queue.get(), delivered))
+        assert isinstance(action, attempt.Deliver)
+        return action.delta
 
     def in_flight(self) -> list[InFlight]:
         """This Dispatcher's requests in flight, where each is and what it has delivered."""
@@ -274,7 +264,9 @@ class Dispatcher:
         may still have been pushing (its first token may have come back long before) that
         no WRITE can land, so it recomputes now instead of waiting out the lease."""
         for stream in self._streams.values():
-            if stream.prefill == prefill and not stream.decoding:
+            if stream.prefill != prefill:
+                continue
+            if attempt.TransferFailed() in stream.step(attempt.PrefillDied()):
                 self._spawn(self._transfer_failed(stream.rid, stream.decode, why))
 
     async def _transfer_failed(self, rid: RequestId, decode: DecodeHandle, why: str) -> None:
@@ -374,12 +366,11 @@ class Dispatcher:
                 to = self._streams.get(_caller(delta.request_id))
                 if to is None or to.rid != delta.request_id:  # an earlier use of the id's
                     continue
-                if not to.decoding:  # the attempt's first delta: decoding began
-                    to.decoding = True
-                    if to.progress.kv_ready_at is None:  # the request's first
-                        to.progress.kv_ready_at = time.monotonic()
-                        if not to.progress.remote_prefill:
-                            to.progress.num_cached_tokens = delta.num_cached_tokens
+                began = attempt.Decoding() in to.step(attempt.Arrived())  # the attempt's first
+                if began and to.progress.kv_ready_at is None:  # the request's first
+                    to.progress.kv_ready_at = time.monotonic()
+                    if not to.progress.remote_prefill:
+                        to.progress.num_cached_tokens = delta.num_cached_tokens
                 to.queue.put_nowait(delta)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
@@ -396,6 +387,17 @@ def seeded(
     if sampling.greedy or sampling.seed is not None:
         return sampling
     return dataclasses.replace(sampling, seed=bits(63))
+
+
+def _event(got: TokenDelta | str | Exception | None, delivered: int) -> attempt.Event:
+    """The stream's machine's event for an item off its queue."""
+    if got is None:  # the prefill worker's call ended, its first token queued
+        return attempt.CallEnded()
+    if isinstance(got, str):
+        return attempt.DecodeGone(got)
+    if isinstance(got, Exception):
+        return attempt.Refused(got)
+    return attempt.Got(got, delivered)
 
 
 def _caller(rid: RequestId) -> RequestId:

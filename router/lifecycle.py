@@ -4,8 +4,9 @@
 own. Router._generate turns what routing and the Dispatcher report into events, passes
 time.monotonic(), and applies the actions.
 
-1. ROUTING: the policy picks workers. Routed: Submit the prompt there. STREAMING. No
-   decode worker: Unavailable at once (a new request is not kept waiting).
+1. ROUTING: the policy picks workers. Routed: Submit the prompt there (the route and the
+   decode worker's epoch as routing saw them: the attempt runs on what Submit names).
+   STREAMING. No decode worker: Unavailable at once (a new request is not kept waiting).
 2. STREAMING: tokens reach the client; Tokens counts them. Finished: DONE.
 3. Lost (the decode worker died, or was drained and gave the request up): MOVING. A dead
    worker is marked dead (routing skips it from now on); then Route again, as the prompt
@@ -26,6 +27,7 @@ import enum
 from dataclasses import dataclass
 
 from cluster.types import FinishReason
+from router import policy
 from router.policy import SessionHint
 
 
@@ -59,7 +61,8 @@ class View:
 
 @dataclass(frozen=True)
 class Routed:
-    decode: str
+    route: policy.Route  # the workers the policy picked
+    epoch: str  # the decode worker's, in the snapshot it was picked from
 
 
 @dataclass(frozen=True)
@@ -97,7 +100,8 @@ Event = Routed | NoWorker | Tokens | Finished | Lost | Failed
 
 @dataclass(frozen=True)
 class Submit:
-    decode: str
+    route: policy.Route
+    epoch: str
     resumed: int  # tokens of the request's output the workers get as the prompt's end
 
 
@@ -137,8 +141,9 @@ def on_event(view: View, event: Event, now: float) -> tuple[View, list[Action]]:
     if phase in (Phase.DONE, Phase.FAILED):
         return view, []
     if isinstance(event, Routed) and phase in (Phase.ROUTING, Phase.MOVING):
-        streaming = dataclasses.replace(view, phase=Phase.STREAMING, decode=event.decode)
-        return streaming, [Submit(event.decode, view.delivered)]
+        decode = event.route.decode
+        streaming = dataclasses.replace(view, phase=Phase.STREAMING, decode=decode)
+        return streaming, [Submit(event.route, event.epoch, view.delivered)]
     if isinstance(event, NoWorker) and phase is Phase.ROUTING:
         return _failed(view, event.why)
     if isinstance(event, NoWorker) and phase is Phase.MOVING:

@@ -46,7 +46,6 @@ from router.policy import (
     Route,
     RouteRequest,
     SessionHint,
-    Snapshot,
     route,
 )
 from router.request import Prepared
@@ -172,12 +171,7 @@ class Router:
             action = actions.pop(0)
             event: lifecycle.Event | None = None
             if isinstance(action, lifecycle.Route):
-                routed = self._route(p, view.hint, progress)
-                if isinstance(routed, str):
-                    event = lifecycle.NoWorker(routed)
-                else:
-                    snapshot, chosen = routed
-                    event = lifecycle.Routed(chosen.decode)
+                event = self._route(p, view.hint, progress)
             elif isinstance(action, lifecycle.Wait):
                 await asyncio.sleep(self.workers.interval_s)
                 actions.append(lifecycle.Route())
@@ -190,7 +184,7 @@ class Router:
             else:
                 try:
                     async for delta, usage in self._attempt(
-                        p, sampling, snapshot, chosen, view.hint, progress
+                        p, sampling, action, view.hint, progress
                     ):
                         if delta.finish_reason in _FAILED:  # the attempt's last
                             event = lifecycle.Failed(delta.finish_reason, delta.error or "aborted")
@@ -202,7 +196,8 @@ class Router:
                             yield delta, None
                             continue
                         view, _ = lifecycle.on_event(view, lifecycle.Finished(), time.monotonic())
-                        yield delta, Final(usage, _timing(progress, arrived), chosen, view.moves)
+                        timing = _timing(progress, arrived)
+                        yield delta, Final(usage, timing, action.route, view.moves)
                 except WorkerLost as e:
                     log.warning(
                         "request %s: %s after %d tokens", p.request_id, e, len(progress.token_ids)
@@ -214,7 +209,7 @@ class Router:
 
     def _route(
         self, p: Prepared, hint: SessionHint | None, progress: Progress
-    ) -> tuple[Snapshot, Route] | str:
+    ) -> lifecycle.Routed | lifecycle.NoWorker:
         """Where the request (or what is left of it) goes, or why nowhere."""
         self._turn += 1
         done = len(progress.token_ids)
@@ -224,25 +219,28 @@ class Router:
         request = RouteRequest(len(prompt), p.sampling.max_tokens - done, hint, self._turn, cached)
         snapshot = self.workers.snapshot()
         try:
-            return snapshot, route(self.policy, snapshot, request)
+            chosen = route(self.policy, snapshot, request)
         except NoWorkerError as e:
-            return str(e)
+            return lifecycle.NoWorker(str(e))
+        epoch = next(w.epoch for w in snapshot.decode if w.worker == chosen.decode)
+        return lifecycle.Routed(chosen, epoch)
 
     async def _attempt(
         self,
         p: Prepared,
         sampling: SamplingParams,
-        snapshot: Snapshot,
-        chosen: Route,
+        submit: lifecycle.Submit,
         hint: SessionHint | None,
         progress: Progress,
     ) -> AsyncIterator[tuple[TokenDelta, Usage | None]]:
-        """The request's deltas from the workers `chosen`; the last one with its usage. The
-        prefill worker's load counts the prompt until the attempt's first token."""
+        """The request's deltas from the workers `submit` names, resumed after its
+        `resumed` tokens; the last one with its usage. The prefill worker's load counts the
+        prompt until the attempt's first token."""
+        chosen, resumed = submit.route, submit.resumed
+        assert resumed == len(progress.token_ids), "the stream goes on from what was delivered"
         decode = self.workers.decode_handle(chosen.decode)
         prefill = None if chosen.prefill is None else self.workers.prefill_handle(chosen.prefill)
         progress.prefill_worker, progress.decode_worker = chosen.prefill, chosen.decode
-        resumed = len(progress.token_ids)
         prompt_tokens = len(p.prompt_ids) + resumed
         stream = self.dispatcher.generate(
             p.prompt_ids, sampling, decode, prefill, p.request_id, progress
@@ -257,12 +255,13 @@ class Router:
                     continue
                 completion = len(progress.token_ids)
                 if p.session_id is not None:
-                    epoch = next(w.epoch for w in snapshot.decode if w.worker == chosen.decode)
                     # A local prefill leaves the session's prefix where it was prefilled before.
                     prefill_worker = chosen.prefill or (hint.prefill_worker if hint else None)
                     # The last sampled token was never fed back: its KV is not there.
                     cached = len(p.prompt_ids) + completion - 1
-                    placement = Placement(chosen.decode, epoch, prefill_worker, cached, time.time())
+                    placement = Placement(
+                        chosen.decode, submit.epoch, prefill_worker, cached, time.time()
+                    )
                     self._remember(p.session_id, placement)
                 yield delta, Usage(len(p.prompt_ids), progress.num_cached_tokens, completion)
         finally:

@@ -41,7 +41,7 @@ ENGINES = (
 
 def write_llama(root: Path) -> Path:
     """A random Llama of the bundled model's shape, in bfloat16, with its tokenizer."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     s = read_spec(bundled_model_path())
     config = LlamaConfig(
@@ -57,7 +57,7 @@ def write_llama(root: Path) -> Path:
     )
     torch.manual_seed(0)
     path = root / "float"
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
     Tokenizer.load(bundled_model_path()).hf.save_pretrained(path)
     return path
 
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         engines = {
             name: LLMEngine(
                 EngineConfig(
-                    model=str(dirs[ckpt]), dtype=args.dtype, quantization=mode, kv_cache_gb=0.05
+                    model=str(dirs[ckpt]), dtype=args.dtype, quantization=mode, kv_cache_gb=0.1
                 )
             )
             for name, ckpt, mode, _ in ENGINES

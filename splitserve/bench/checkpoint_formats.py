@@ -1,8 +1,9 @@
 """Quantized checkpoints as their quantizers publish them, written from a float one: AWQ
-(AutoAWQ's GEMM packing), GPTQ (AutoGPTQ's, v1 zeros) and FP8 (e4m3 with block scales, or
-one scale per tensor). The test of the engine's reading (test_checkpoint_quant.py) and
-`bench quantized-checkpoints` write them here; the engine reads them in
-cluster/engine/model/checkpoint_quant.py, from the formats' definitions, not from this.
+(AutoAWQ's GEMM packing), GPTQ (AutoGPTQ's, v1 zeros, with and without act-order) and
+FP8 (e4m3 with block scales, or one scale per tensor). The test of the engine's reading
+(test_checkpoint_quant.py) and `bench quantized-checkpoints` write them here; the engine
+reads them in cluster/engine/model/checkpoint_quant.py, from the formats' definitions,
+not from this.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ def quant_config(fmt: str, group: int) -> dict[str, Any]:
                 "version": "gemm"},
         "gptq": {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
                  "sym": False},
+        "gptq-act-order": {"quant_method": "gptq", "bits": 4, "group_size": group,
+                           "desc_act": True, "sym": False},
         "fp8-block": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                       "weight_block_size": [group, group]},
         "fp8-tensor": {"quant_method": "fp8", "activation_scheme": "static"},
@@ -32,7 +35,7 @@ def quant_config(fmt: str, group: int) -> dict[str, Any]:
     return configs[fmt]
 
 
-FORMATS = ("awq", "gptq", "fp8-block", "fp8-tensor")
+FORMATS = ("awq", "gptq", "gptq-act-order", "fp8-block", "fp8-tensor")
 
 
 def _pack(nibbles: torch.Tensor, along_rows: bool) -> torch.Tensor:
@@ -71,13 +74,23 @@ def _awq(name: str, w: torch.Tensor, out: dict[str, torch.Tensor], group: int) -
     return exact
 
 
-def _gptq(name: str, w: torch.Tensor, out: dict[str, torch.Tensor], group: int) -> torch.Tensor:
-    q, zeros, scales, exact = _int4(w, group)
-    out[name + "qweight"] = _pack(q, True)
+def _gptq(
+    name: str, w: torch.Tensor, out: dict[str, torch.Tensor], group: int, act_order: bool
+) -> torch.Tensor:
+    """GPTQ's layout; with act-order each group takes inputs of a random order (g_idx),
+    as the quantizer orders them by the activations' size."""
+    inputs = w.shape[1]
+    order = torch.randperm(inputs, generator=torch.Generator().manual_seed(inputs))
+    if not act_order:
+        order = torch.arange(inputs)
+    q, zeros, scales, exact = _int4(w[:, order], group)  # in the groups' order
+    natural, g_idx = torch.empty_like(q), torch.empty(inputs, dtype=torch.int32)
+    natural[order], g_idx[order] = q, (torch.arange(inputs) // group).int()
+    out[name + "qweight"] = _pack(natural, True)
     out[name + "qzeros"] = _pack(zeros - 1, False)  # v1: each zero stored minus one
     out[name + "scales"] = scales
-    out[name + "g_idx"] = (torch.arange(q.shape[0]) // group).int()
-    return exact
+    out[name + "g_idx"] = g_idx
+    return torch.empty_like(exact).index_copy_(1, order, exact)
 
 
 def _fp8(name: str, w: torch.Tensor, out: dict[str, torch.Tensor], block: int) -> torch.Tensor:
@@ -114,8 +127,8 @@ def write_quantized(
             continue
         if fmt == "awq":
             exact[key] = _awq(name, w.float(), packed, group)
-        elif fmt == "gptq":
-            exact[key] = _gptq(name, w.float(), packed, group)
+        elif fmt.startswith("gptq"):
+            exact[key] = _gptq(name, w.float(), packed, group, fmt == "gptq-act-order")
         else:
             exact[key] = _fp8(name, w, packed, group if fmt == "fp8-block" else 0)
     quantized, dequantized = root / fmt, root / f"{fmt}-dequantized"

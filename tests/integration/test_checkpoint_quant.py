@@ -1,9 +1,9 @@
 """Quantized checkpoints as their quantizers publish them: AWQ (AutoAWQ's GEMM packing),
-GPTQ (AutoGPTQ's, v1 zeros) and FP8 (e4m3 with 128 x 128 block scales, or one scale per
-tensor), each written from a tiny random Llama (splitserve/bench/checkpoint_formats.py).
-Their matrices load exactly as the format defines them; served, they answer within the
-bounds of our kernels of transformers running the same matrices dequantized; what cannot
-be read is refused naming it."""
+GPTQ (AutoGPTQ's, v1 zeros, with and without act-order) and FP8 (e4m3 with 128 x 128
+block scales, or one scale per tensor), each written from a tiny random Llama
+(splitserve/bench/checkpoint_formats.py). Their matrices load exactly as the format
+defines them; served, they answer within the bounds of our kernels of transformers
+running the same matrices dequantized; what cannot be read is refused naming it."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def test_a_quantized_checkpoints_matrices_load_as_its_format_defines_them(
     fmt: str, float_dir: Path, tmp_path: Path
 ) -> None:
     quantized, _, exact = write_quantized(float_dir, tmp_path, fmt, GROUP)
-    keep = fmt in ("awq", "gptq")  # their codes as stored, in our 4-bit groups
+    keep = not fmt.startswith("fp8")  # AWQ's and GPTQ's codes as stored, in our 4-bit groups
     _, weights = load_checkpoint(quantized, keep)
     for key, want in exact.items():
         got = weights.pop(key)
@@ -55,7 +55,13 @@ def test_a_quantized_checkpoints_matrices_load_as_its_format_defines_them(
 
 @pytest.mark.parametrize(
     ("fmt", "mode"),
-    [("awq", "awq"), ("gptq", "gptq"), ("fp8-block", "fp8"), ("fp8-tensor", "fp8")],
+    [
+        ("awq", "awq"),
+        ("gptq", "gptq"),
+        ("gptq-act-order", "gptq"),
+        ("fp8-block", "fp8"),
+        ("fp8-tensor", "fp8"),
+    ],
 )
 def test_served_on_auto_it_answers_as_transformers_on_the_matrices_it_stands_for(
     fmt: str, mode: str, float_dir: Path, tmp_path: Path
@@ -99,7 +105,7 @@ def test_a_mode_that_is_not_the_checkpoints_own_is_refused_naming_both(
     ("change", "named"),
     [
         ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes'"),
-        ({"desc_act": True}, "desc_act True"),
+        ({"bits": 3}, "bits 3"),
     ],
 )
 def test_a_quantization_the_engine_cannot_read_is_refused_at_load_naming_its_key(

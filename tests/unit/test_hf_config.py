@@ -73,7 +73,6 @@ def test_a_checkpoints_own_fp8_awq_or_gptq_quantization_is_read(tmp_path: Path, 
     [
         ("gptq", {"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes'"),
         ("gptq", {"quant_method": "compressed-tensors"}, "quant_method 'compressed-tensors'"),
-        ("gptq", {"desc_act": True}, "desc_act True"),
         ("gptq", {"bits": 8}, "bits 8"),
         ("gptq", {"group_size": 16}, "group_size 16"),
         ("gptq", {"checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),

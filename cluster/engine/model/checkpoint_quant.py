@@ -12,9 +12,12 @@ the forms our kernels multiply, without re-quantizing where the form allows.
   the same scale and zero, so the codes load as they are (`GroupQuant`, offset -z * s) into
   our int4 kernel; asked for float weights instead, they are dequantized.
 
+GPTQ's act-order (`desc_act`: `g_idx` puts each input in a group of its own choosing)
+loads the same way with the inputs sorted by group: the matrix multiplies x[:, perm]
+(quantization.Permuted), q, k and v (gate and up) then each alone, as their orders differ.
+
 A method, bit width or layout not listed is refused at load naming the key: its tensors
-would otherwise be read as floats, wrong arithmetic reported as success. GPTQ's act-order
-(`desc_act`, a group index per input) is refused: its groups are not runs of inputs.
+would otherwise be read as floats, wrong arithmetic reported as success.
 """
 
 from __future__ import annotations
@@ -85,8 +88,6 @@ def read_quant_config(cfg: dict[str, Any], where: Path) -> CheckpointQuant | Non
         if not q.get("zero_point", True):
             raise refuse("zero_point", False, "true")
         return CheckpointQuant("awq", group)
-    if q.get("desc_act"):
-        raise refuse("desc_act", True, "false: act-order's groups are not runs of inputs")
     form = q.get("checkpoint_format", "gptq")
     if form not in ("gptq", "gptq_v2"):
         raise refuse("checkpoint_format", form, "gptq or gptq_v2")
@@ -125,14 +126,17 @@ class Prequantized:
         if base + "qweight" not in self.weights:
             return self.weights.pop(name)
         qweight, qzeros, scales = (self._tensor(base + k) for k in ("qweight", "qzeros", "scales"))
-        if self.quant.method == "gptq" and base + "g_idx" in self.weights:
-            g_idx = self._tensor(base + "g_idx")
-            inputs = g_idx.numel()
-            if not torch.equal(g_idx.long(), torch.arange(inputs) // self._group(inputs)):
-                raise ModelLoadError(f"{base}g_idx: groups out of input order (act-order)")
         unpack = unpack_awq if self.quant.method == "awq" else unpack_gptq
         q, zeros = unpack(qweight, qzeros)
-        g = group_quant(q, zeros + self.quant.zero_offset, scales.float())
+        perm = None
+        if self.quant.method == "gptq" and base + "g_idx" in self.weights:
+            g_idx = self._tensor(base + "g_idx").long()
+            if not torch.equal(g_idx, torch.arange(g_idx.numel()) // self._group(g_idx.numel())):
+                perm = torch.argsort(g_idx, stable=True)  # act-order: each group's inputs
+                q = q[perm]
+                if not torch.equal(g_idx[perm], torch.arange(len(perm)) // self._group(len(perm))):
+                    raise ModelLoadError(f"{base}g_idx: groups of unequal sizes")
+        g = group_quant(q, zeros + self.quant.zero_offset, scales.float(), perm)
         return g if self.keep else g.dequantize()
 
     def _tensor(self, name: str) -> torch.Tensor:
@@ -183,13 +187,16 @@ def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor) -> tuple[torch.Tens
     return _nibbles(qweight, True), _nibbles(qzeros, False)
 
 
-def group_quant(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> GroupQuant:
-    """Codes [in, out] with a zero and scale [groups, out] per run of inputs, as our 4-bit
-    groups of 32 [out, in] (each of ours inside one of theirs): w = q * s - z * s."""
+def group_quant(
+    q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, perm: torch.Tensor | None
+) -> GroupQuant:
+    """Codes [in, out] with a zero and scale [groups, out] per run of inputs (of the inputs
+    in `perm`'s order, act-order's), as our 4-bit groups of 32 [out, in] (each of ours
+    inside one of theirs): w = q * s - z * s."""
     inputs, groups = q.shape[0], scales.shape[0]
     if inputs % groups or (inputs // groups) % GROUP:
         raise ModelLoadError(f"{inputs} inputs in {groups} groups: not runs of {GROUP}")
     repeat = inputs // groups // GROUP
     scale = scales.t().repeat_interleave(repeat, 1).contiguous()
     offset = (-zeros.float() * scales).t().repeat_interleave(repeat, 1).contiguous()
-    return GroupQuant(q.t().to(torch.uint8).contiguous(), scale, offset, 4)
+    return GroupQuant(q.t().to(torch.uint8).contiguous(), scale, offset, 4, perm)

@@ -31,8 +31,10 @@ from cluster.engine.model.quantization import (
     Embedding,
     GroupQuant,
     Linear,
+    Stacked,
     linear,
     quantize,
+    stackable,
 )
 
 if TYPE_CHECKING:  # torch.distributed loads only for a model split across ranks
@@ -101,20 +103,29 @@ class LlamaModel:
 
         def matrix(*names: str, mode: str = quantization) -> torch.Tensor | GroupQuant:
             """The named matrices stacked by rows: float, or groups as the mode keeps them."""
-            parts = [take(n) for n in names]
+            return stored([take(n) for n in names], mode)
+
+        def stored(
+            parts: list[torch.Tensor | GroupQuant], mode: str = quantization
+        ) -> torch.Tensor | GroupQuant:
             floats = [p for p in parts if isinstance(p, torch.Tensor)]
             if len(floats) == len(parts):
                 w = torch.cat(floats).to(device)
                 if mode not in FLOAT_STORED_AS:  # float as it is (gguf, awq, gptq: left float)
                     return w
                 return quantize(w, FLOAT_STORED_AS[mode])
+            if len(parts) == 1:  # groups, as the checkpoint has them
+                return parts[0]
             # A GGUF mixing kinds in one fused matrix: its float parts become 8-bit groups.
             return GroupQuant.cat(
                 [quantize(p, "int8") if isinstance(p, torch.Tensor) else p for p in parts]
             )
 
         def mat(*names: str, bias: torch.Tensor | None = None) -> Linear:
-            return linear(matrix(*names), bias, dtype)
+            parts = [take(n) for n in names]
+            if not stackable(parts):  # GPTQ act-order: each its own input order
+                return Stacked([linear(stored([p]), None, dtype) for p in parts], bias)
+            return linear(stored(parts), bias, dtype)
 
         def dense(at: str) -> DenseMlp:
             return DenseMlp(

@@ -29,6 +29,8 @@ scale is rounded to bfloat16 (a relative 2^-9, far under the quantization step i
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,6 +61,8 @@ class GroupQuant:
     scale: torch.Tensor
     offset: torch.Tensor
     bits: int
+    # The inputs in the order its groups run (GPTQ's act-order): it multiplies x[:, perm].
+    perm: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -71,18 +75,24 @@ class GroupQuant:
         return w.flatten(-2)
 
     def dequantize(self) -> torch.Tensor:
-        return self.rows(torch.arange(self.q.shape[0]))
+        """The matrix [out, in] in its inputs' own order."""
+        w = self.rows(torch.arange(self.q.shape[0]))
+        if self.perm is None:
+            return w
+        return torch.empty_like(w).index_copy_(1, self.perm, w)
 
     def as_8bit(self) -> GroupQuant:
         """The same weights as 8-bit groups, exactly: q4 * s + o = (q4 - 8) * s + (o + 8 s)."""
         if self.bits == 8:
             return self
         q = (self.q.to(torch.int16) - 8).to(torch.int8)
-        return GroupQuant(q, self.scale, self.offset + 8 * self.scale, 8)
+        return GroupQuant(q, self.scale, self.offset + 8 * self.scale, 8, self.perm)
 
     @staticmethod
     def cat(parts: list[GroupQuant]) -> GroupQuant:
-        """Matrices stacked by rows; mixed widths are all widened to 8 bits (exactly)."""
+        """Matrices stacked by rows; mixed widths are all widened to 8 bits (exactly). Their
+        inputs must run in one order (no act-order: `stackable`)."""
+        assert stackable(parts), "matrices of differently ordered inputs do not stack"
         if len({p.bits for p in parts}) > 1:
             parts = [p.as_8bit() for p in parts]
         return GroupQuant(
@@ -91,6 +101,11 @@ class GroupQuant:
             torch.cat([p.offset for p in parts]),
             parts[0].bits,
         )
+
+
+def stackable(parts: Sequence[torch.Tensor | GroupQuant]) -> bool:
+    """Whether matrices can be stacked by rows into one: none reorders its inputs."""
+    return all(not isinstance(p, GroupQuant) or p.perm is None for p in parts)
 
 
 def quantize(w: torch.Tensor, mode: str) -> GroupQuant:
@@ -219,19 +234,52 @@ class BlockLinear:
         return [self.packed] + ([] if self.bias is None else [self.bias])
 
 
-Linear = DenseLinear | Int4Linear | BlockLinear
+class Permuted:
+    """y = inner(x[:, perm]): groups over inputs in another order (GPTQ's act-order)."""
+
+    def __init__(self, perm: torch.Tensor, inner: BlockLinear | Int4Linear) -> None:
+        self.perm, self.inner = perm, inner
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x.index_select(-1, self.perm))
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.perm, *self.inner.tensors]
+
+
+class Stacked:
+    """Matrices that do not stack into one (act-order's, each its own input order), their
+    outputs side by side as one stacked matrix's (+ bias)."""
+
+    def __init__(self, parts: list[Linear], bias: torch.Tensor | None) -> None:
+        self.parts, self.bias = parts, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([p(x) for p in self.parts], dim=-1)
+        return y if self.bias is None else y + self.bias
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        held = [t for p in self.parts for t in p.tensors]
+        return held + ([] if self.bias is None else [self.bias])
+
+
+Linear = DenseLinear | Int4Linear | BlockLinear | Permuted | Stacked
 
 
 def linear(w: torch.Tensor | GroupQuant, bias: torch.Tensor | None, dtype: torch.dtype) -> Linear:
     """The matrix `w` [out, in] multiplied as it is stored: float (cast to `dtype`) or groups,
-    on our kernel where this CPU runs it, else on torch's."""
+    on our kernel where this CPU runs it, else on torch's (its inputs reordered first where
+    its groups run in another order)."""
     if isinstance(w, GroupQuant):
+        kernel: BlockLinear | Int4Linear | None = None
         if w.q.device.type == "cpu" and qmatmul.available():
-            try:
-                return BlockLinear(w, bias)
-            except OverflowError:  # a scale float16 cannot hold: torch's kernel keeps float32's
-                pass
-        return Int4Linear(w, bias)
+            # a scale float16 cannot hold: torch's kernel keeps float32's
+            with contextlib.suppress(OverflowError):
+                kernel = BlockLinear(w, bias)
+        kernel = kernel or Int4Linear(w, bias)
+        return kernel if w.perm is None else Permuted(w.perm, kernel)
     return DenseLinear(w.to(dtype), bias)
 
 

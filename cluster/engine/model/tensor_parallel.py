@@ -140,14 +140,15 @@ class Shard:
 
 def _rows(t: torch.Tensor | GroupQuant, start: int, end: int) -> torch.Tensor | GroupQuant:
     if isinstance(t, GroupQuant):
-        return GroupQuant(
-            t.q[start:end].clone(), t.scale[start:end].clone(), t.offset[start:end].clone(), t.bits
-        )
+        q, scale, offset = (x[start:end].clone() for x in (t.q, t.scale, t.offset))
+        return GroupQuant(q, scale, offset, t.bits, t.perm)
     return t[start:end].clone()
 
 
 def _columns(t: torch.Tensor | GroupQuant, start: int, end: int) -> torch.Tensor | GroupQuant:
     if isinstance(t, GroupQuant):
+        if t.perm is not None:
+            raise ConfigError("tensor_parallel_size: act-order (desc_act) matrices do not split")
         assert start % GROUP == 0 and end % GROUP == 0, (start, end)
         g0, g1 = start // GROUP, end // GROUP
         return GroupQuant(

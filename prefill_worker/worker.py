@@ -224,7 +224,7 @@ class PrefillWorker:
             len(sched.running),
             sum(seq.num_uncomputed for seq in queued),
             self.sender.num_pushes,
-            dataclasses.replace(self.sender.stats),
+            self.sender.stats,
             self._recomputed_tokens,
             self.engine.counts,
             self.engine.step_rate.per_token,

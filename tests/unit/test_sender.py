@@ -167,6 +167,7 @@ def test_a_layers_write_is_posted_once_the_device_passes_its_mark() -> None:
     assert [w.layers for w in p.endpoint.writes] == [range(0, 1), range(1, 2), range(2, 3)]
     assert p.endpoint.sent() == [NoticeKind.LAYERS] * 3 + [NoticeKind.DONE]
     assert p.endpoint.posted[-1].num_writes == 3 and p.endpoint.posted[-1].first_token == 5
+    assert p.sender.stats.writes == 3  # the open push's count
     for w in p.endpoint.writes[:2]:
         w.done = True
     p.poll()
@@ -174,6 +175,7 @@ def test_a_layers_write_is_posted_once_the_device_passes_its_mark() -> None:
     p.endpoint.writes[2].done = True
     p.poll()
     p.assert_clean()
+    assert p.sender.stats.writes == 3  # the closed push's count, kept
 
 
 def test_each_chunk_writes_only_its_new_pages() -> None:

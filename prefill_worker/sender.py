@@ -199,10 +199,7 @@ class KVSender:
         """DONE tells the receiver the first token and how many WRITEs to expect, once
         every planned WRITE is posted (at once unless the device lags)."""
         self._post_ready(event.request_id)
-        self._on(
-            event.request_id,
-            machine.PromptSampled(event.token, event.logprob or 0.0, event.top_logprobs),
-        )
+        self._on(event.request_id, machine.PromptSampled(event.first))
 
     def stop(self, request_id: RequestId) -> None:
         """Post nothing more for this request (abort); CANCEL follows when nothing is in flight."""
@@ -332,15 +329,8 @@ class KVSender:
                 )
             case machine.SendRenew():
                 self._notify(rid, Notice(NoticeKind.RENEW, rid))
-            case machine.SendDone(num_writes, token, logprob, top):
-                done = Notice(
-                    NoticeKind.DONE,
-                    rid,
-                    num_writes=num_writes,
-                    first_token=token,
-                    first_logprob=logprob,
-                    first_top=top,
-                )
+            case machine.SendDone(num_writes, first):
+                done = Notice(NoticeKind.DONE, rid, num_writes=num_writes, first=first)
                 self._notify(rid, done)
             case machine.SendCancel():
                 self._notify(rid, Notice(NoticeKind.CANCEL, rid))

@@ -92,10 +92,10 @@ class DecodeStats:
 
 @dataclass
 class SendStats:
-    """A prefill worker's KV pushes since it started; its sender counts into one of these
-    and `PrefillStats` carries a copy."""
+    """A prefill worker's KV pushes since it started, as its sender's `stats` (a copy)
+    gives them to `PrefillStats`."""
 
-    writes: int = 0
+    writes: int = 0  # posted, as each push's machine counts them (cluster/transfer/push.py)
     pages: int = 0  # distinct pages sent (all their layers)
     bytes: int = 0
     lease_misses: int = 0

@@ -153,6 +153,16 @@ class SamplingParams:
         )
 
 
+@dataclass(frozen=True)
+class SampledToken:
+    """A sampled token as it travels alone: a request's first, from the prefill engine to
+    the decode worker (push, DONE notice, inbound) and to the router (FirstToken)."""
+
+    token_id: int
+    logprob: float | None  # None unless the request asked for logprobs
+    top_logprobs: TopLogprobs = ()  # when asked for
+
+
 @dataclass
 class RequestOutput:
     """What one engine step produced for one request: new tokens, new text, and the end."""
@@ -172,6 +182,15 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def first(self) -> SampledToken:
+        """Its first new token, with its logprob and alternatives where asked for."""
+        return SampledToken(
+            self.new_token_ids[0],
+            self.new_logprobs[0] if self.new_logprobs else None,
+            self.new_top_logprobs[0] if self.new_top_logprobs else (),
+        )
 
 
 @dataclass
@@ -209,12 +228,10 @@ class KVTarget:
 class FirstToken:
     """What a prefill worker returns as soon as it has sampled a request's first token."""
 
-    token_id: int
-    logprob: float | None
+    token: SampledToken
     text: str
     num_cached_tokens: int = 0  # prompt tokens the prefill found in its prefix cache
     text_offset: int = 0  # characters of the request's output text before `text`
-    top_logprobs: TopLogprobs = ()  # when asked for
     waited_s: float = 0.0  # for the decode worker's reservation, before any compute
     computed_s: float = 0.0  # from its admission to the prefill engine to this token
 

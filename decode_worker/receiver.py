@@ -105,9 +105,10 @@ class KVReceiver:
             self.bytes_received += notice.num_bytes
         event = _EVENTS.get(kind)
         if kind is NoticeKind.DONE:
-            event = machine.Done(
-                notice.num_writes, notice.first_token, notice.first_logprob, notice.first_top
-            )
+            if notice.first is None:
+                log.warning("request %s: a DONE notice without its first token: dropped", rid)
+                return []
+            event = machine.Done(notice.num_writes, notice.first)
         if event is None:
             log.warning("request %s: a sender sent %s, a receiver's notice: dropped", rid, kind)
             return []

@@ -250,8 +250,8 @@ class DecodeWorker:
         for rid, release in released:
             self._streams[rid].transfer = None
             match release:
-                case inbound.StartDecode(token, logprob, top):
-                    out = self.engine.start_decode(rid, token, logprob, top)
+                case inbound.StartDecode(first):
+                    out = self.engine.start_decode(rid, first)
                     self._publish(self._delta(out, sent=1))
                 case inbound.Recompute(why):
                     self._transfer_failures += 1

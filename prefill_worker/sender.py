@@ -27,6 +27,7 @@ are the WRITE's pages released, so a page is never freed while a WRITE of it can
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -101,7 +102,7 @@ class KVSender:
         self.stream_layers = stream_layers
         self.layers_per_write = -(-num_layers // WRITES_PER_STEP)
         self.clock = clock
-        self.stats = SendStats()
+        self._stats = SendStats()  # `writes`: the closed pushes' (each push counts its own)
         self.model_page_bytes = endpoint.model_page_bytes  # (a plain value: no NIXL)
         # The one thread that enters the endpoint; its jobs run in the order queued.
         self.transfers = ThreadPoolExecutor(1, thread_name_prefix="kv-transfer")
@@ -124,6 +125,13 @@ class KVSender:
     def close(self) -> None:
         """Run the jobs already queued (their WRITEs are posted), then join the thread."""
         self.transfers.shutdown(wait=True)
+
+    @property
+    def stats(self) -> SendStats:
+        """What this sender pushed since it started; its WRITEs as each push's machine
+        counts them (posted), the open pushes' included."""
+        open_writes = sum(p.state.num_writes for p in self._pushes.values())
+        return dataclasses.replace(self._stats, writes=self._stats.writes + open_writes)
 
     @property
     def num_pushes(self) -> int:
@@ -191,10 +199,7 @@ class KVSender:
         """DONE tells the receiver the first token and how many WRITEs to expect, once
         every planned WRITE is posted (at once unless the device lags)."""
         self._post_ready(event.request_id)
-        self._on(
-            event.request_id,
-            machine.PromptSampled(event.token, event.logprob or 0.0, event.top_logprobs),
-        )
+        self._on(event.request_id, machine.PromptSampled(event.first))
 
     def stop(self, request_id: RequestId) -> None:
         """Post nothing more for this request (abort); CANCEL follows when nothing is in flight."""
@@ -278,9 +283,8 @@ class KVSender:
             ok, num_bytes, post_s = outcome.result()
             self.holds.release(pages)
             if num_bytes:
-                self.stats.writes += 1
-                self.stats.bytes += num_bytes
-                self.stats.post_s += post_s
+                self._stats.bytes += num_bytes
+                self._stats.post_s += post_s
             self._on(rid, machine.WriteDone(ok))
         push.writes = still
 
@@ -316,7 +320,7 @@ class KVSender:
                 push.planned.clear()
             case machine.Stop(cause):
                 if cause in (StopCause.REVOKED, StopCause.LAPSED):
-                    self.stats.lease_misses += 1
+                    self._stats.lease_misses += 1
                 log.log(
                     logging.DEBUG if cause is StopCause.ABORT else logging.WARNING,
                     "request %s: push stopped (%s)",
@@ -325,19 +329,13 @@ class KVSender:
                 )
             case machine.SendRenew():
                 self._notify(rid, Notice(NoticeKind.RENEW, rid))
-            case machine.SendDone(num_writes, token, logprob, top):
-                done = Notice(
-                    NoticeKind.DONE,
-                    rid,
-                    num_writes=num_writes,
-                    first_token=token,
-                    first_logprob=logprob,
-                    first_top=top,
-                )
+            case machine.SendDone(num_writes, first):
+                done = Notice(NoticeKind.DONE, rid, num_writes=num_writes, first=first)
                 self._notify(rid, done)
             case machine.SendCancel():
                 self._notify(rid, Notice(NoticeKind.CANCEL, rid))
             case machine.Close():
+                self._stats.writes += push.state.num_writes
                 del self._pushes[rid]
 
     def _notify(self, rid: RequestId, notice: Notice) -> None:
@@ -354,7 +352,7 @@ class KVSender:
         self.transfers.submit(self._write, push.peer, layers, src, dst, notice, outcome)
         push.writes.append((outcome, src))
         if layers.stop == self.num_layers:
-            self.stats.pages += len(src)
+            self._stats.pages += len(src)
 
     def _write(
         self,

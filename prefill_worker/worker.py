@@ -224,7 +224,7 @@ class PrefillWorker:
             len(sched.running),
             sum(seq.num_uncomputed for seq in queued),
             self.sender.num_pushes,
-            dataclasses.replace(self.sender.stats),
+            self.sender.stats,
             self._recomputed_tokens,
             self.engine.counts,
             self.engine.step_rate.per_token,
@@ -245,12 +245,10 @@ class PrefillWorker:
                     request = self._requests.get(out.request_id) or _Request()
                     self._recomputed_tokens += max(request.held - out.num_cached_tokens, 0)
                     first = FirstToken(
-                        out.new_token_ids[0],
-                        out.new_logprobs[0] if out.new_logprobs else None,
+                        out.first,
                         out.new_text,
                         out.num_cached_tokens,
                         out.text_offset,
-                        out.new_top_logprobs[0] if out.new_top_logprobs else (),
                         request.waited_s,
                         time.monotonic() - request.admitted_at if request.admitted_at else 0.0,
                     )

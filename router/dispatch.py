@@ -312,13 +312,14 @@ class Dispatcher:
             if not resumed:
                 done.num_cached_tokens = first.num_cached_tokens
                 done.prefill_s = first.computed_s
-            lps = () if first.logprob is None else (first.logprob,)
+            token = first.token
+            lps = () if token.logprob is None else (token.logprob,)
             # With stop strings the prefill worker's text could end in a stop string's
             # start, which it cannot hold back (its part ends here): the decode worker's
             # deltas carry the text instead.
             text = "" if stream.sampling.stop else first.text
-            tops = (first.top_logprobs,) if first.top_logprobs else ()
-            delta = TokenDelta(rid, resumed, (first.token_id,), text, lps, top_logprobs=tops)
+            tops = (token.top_logprobs,) if token.top_logprobs else ()
+            delta = TokenDelta(rid, resumed, (token.token_id,), text, lps, top_logprobs=tops)
             stream.queue.put_nowait(dataclasses.replace(delta, text_offset=first.text_offset))
 
     async def _prefill_lost(self, stream: _Stream, error: RayActorError) -> None:

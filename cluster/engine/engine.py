@@ -54,6 +54,7 @@ from cluster.types import (
     RequestId,
     RequestOutput,
     RequestStatus,
+    SampledToken,
     SamplingParams,
     TopLogprobs,
 )
@@ -259,15 +260,14 @@ class LLMEngine:
             return None
         return Reservation(list(req.pages), req.num_computed)
 
-    def start_decode(
-        self, request_id: RequestId, token: int, logprob: float, top: TopLogprobs = ()
-    ) -> RequestOutput:
+    def start_decode(self, request_id: RequestId, first: SampledToken) -> RequestOutput:
         """The prompt's KV has landed and another worker sampled its first token: decode on."""
         req = self.scheduler.requests[request_id]
         if req.generator is not None:  # that worker drew the first token from this seed
             skip_draws(req.generator, self.spec.vocab_size, 1)
         self.scheduler.activate(req)
-        return self._output(req, token, logprob if req.sampling.logprobs else None, top)
+        logprob = first.logprob if req.sampling.logprobs else None
+        return self._output(req, first.token_id, logprob, first.top_logprobs)
 
     def recompute(self, request_id: RequestId) -> None:
         """The prompt's KV will not arrive: drop the reserved pages and prefill it here."""
@@ -390,9 +390,7 @@ class LLMEngine:
         if sink is not None:
             for out, first in zip(outputs, firsts, strict=True):
                 if first:
-                    lp = out.new_logprobs[0] if out.new_logprobs else None
-                    top = out.new_top_logprobs[0] if out.new_top_logprobs else ()
-                    sink.prompt_done(PromptDone(out.request_id, out.new_token_ids[0], lp, top))
+                    sink.prompt_done(PromptDone(out.request_id, out.first))
         return outputs
 
     def generate(

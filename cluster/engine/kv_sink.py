@@ -30,7 +30,7 @@ import torch
 from cluster.engine.layer_ready import LayerReady
 from cluster.engine.sched.page_pool import PagePool, pages_for
 from cluster.engine.sched.scheduler import Step
-from cluster.types import PageId, RequestId, TopLogprobs
+from cluster.types import PageId, RequestId, SampledToken
 
 
 class KVStored(NamedTuple):
@@ -52,9 +52,7 @@ class PromptDone:
     """The request's prompt KV is all stored and its first token sampled."""
 
     request_id: RequestId
-    token: int
-    logprob: float | None  # None unless the request asked for logprobs
-    top_logprobs: TopLogprobs = ()  # when the request asked for them
+    first: SampledToken
 
 
 class KVSink(Protocol):

@@ -31,7 +31,7 @@ import dataclasses
 import enum
 from dataclasses import dataclass
 
-from cluster.types import TopLogprobs
+from cluster.types import SampledToken
 
 
 class InboundStatus(enum.Enum):
@@ -73,9 +73,7 @@ class Done:
     """Every WRITE is posted: how many, and the first token the sender sampled."""
 
     num_writes: int
-    token: int
-    logprob: float
-    top_logprobs: TopLogprobs = ()
+    first: SampledToken
 
 
 @dataclass(frozen=True)
@@ -120,9 +118,7 @@ class Revoke:
 class StartDecode:
     """All KV landed: the pages go to the running batch with the first token."""
 
-    token: int
-    logprob: float
-    top_logprobs: TopLogprobs = ()
+    first: SampledToken
 
 
 @dataclass(frozen=True)
@@ -233,7 +229,7 @@ def _release(s: Inbound, why: str) -> tuple[Inbound, tuple[Action, ...]]:
     if s.aborted:
         action = FreePages()
     elif s.complete and s.done is not None:
-        action = StartDecode(s.done.token, s.done.logprob, s.done.top_logprobs)
+        action = StartDecode(s.done.first)
     elif s.terms.recompute:
         action = Recompute(s.why or why)  # a revoke's reason is the first cause
     else:

@@ -30,7 +30,7 @@ import dataclasses
 import enum
 from dataclasses import dataclass
 
-from cluster.types import TopLogprobs
+from cluster.types import SampledToken
 
 RENEWALS = 4  # RENEWs per lease_s while nothing else is sent
 
@@ -93,9 +93,7 @@ class WriteDone:
 class PromptSampled:
     """The prompt is done and its first token sampled."""
 
-    token: int
-    logprob: float
-    top_logprobs: TopLogprobs = ()
+    first: SampledToken
 
 
 @dataclass(frozen=True)
@@ -134,9 +132,7 @@ class SendRenew:
 @dataclass(frozen=True)
 class SendDone:
     num_writes: int
-    token: int
-    logprob: float
-    top_logprobs: TopLogprobs = ()
+    first: SampledToken
 
 
 @dataclass(frozen=True)
@@ -160,7 +156,7 @@ class Push:
     planned: int = 0
     in_flight: int = 0
     num_writes: int = 0  # posted
-    first: PromptSampled | None = None
+    first: SampledToken | None = None
     done_sent: bool = False
 
 
@@ -202,8 +198,8 @@ def on_event(p: Push, e: Event, now: float) -> tuple[Push, tuple[Action, ...]]:
             p = dataclasses.replace(p, in_flight=p.in_flight - 1)
             if not ok and not stopping:
                 return _stop(p, StopCause.TRANSPORT)
-        case PromptSampled() if not stopping:
-            p = dataclasses.replace(p, first=e)
+        case PromptSampled(first) if not stopping:
+            p = dataclasses.replace(p, first=first)
         case Tick() if not stopping:
             if _lapsed(p, now):
                 return _stop(p, StopCause.LAPSED)
@@ -232,7 +228,7 @@ def _then(p: Push, actions: tuple[Action, ...]) -> tuple[Push, tuple[Action, ...
     first = p.first
     if pushing and first is not None and not p.planned and not p.done_sent:
         p = dataclasses.replace(p, done_sent=True)
-        actions = (*actions, SendDone(p.num_writes, first.token, first.logprob, first.top_logprobs))
+        actions = (*actions, SendDone(p.num_writes, first))
     if p.in_flight:
         return p, actions
     if p.status is PushStatus.STOPPING:

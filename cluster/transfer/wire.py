@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import math
 import struct
 from dataclasses import dataclass
 
@@ -17,7 +18,7 @@ import torch
 
 from cluster.engine.kernels.kv_cache import KVLayout, kv_dtype
 from cluster.engine.model.checkpoint import ModelSpec
-from cluster.types import PageId, RequestId, TopLogprobs
+from cluster.types import PageId, RequestId, SampledToken
 
 MAGIC = b"SPKV"
 # 2: STARTED, RENEW, ACK and REVOKE, a STARTED with its handshake; 3: DONE with top logprobs;
@@ -212,13 +213,15 @@ class Notice:
     pages: tuple[PageId, ...] = ()  # receiver's page ids written (LAYERS)
     num_bytes: int = 0  # bytes written (LAYERS) or in all (DONE)
     num_writes: int = 0  # DONE: how many LAYERS notices to expect
-    first_token: int = -1  # DONE
-    first_logprob: float = 0.0  # DONE
+    first: SampledToken | None = None  # DONE: the first token
     handshake: bytes = b""  # STARTED: the sender's Handshake, for the receiver's answers
-    first_top: TopLogprobs = ()  # DONE: the first token's alternatives, when asked for
 
     def encode(self) -> bytes:
+        """The first token travels as its id (-1: none), its logprob (NaN: not asked for)
+        and its alternatives."""
         rid = self.request_id.encode()
+        first = self.first or SampledToken(-1, None)
+        logprob = math.nan if first.logprob is None else first.logprob
         return b"".join(
             (
                 struct.pack("<4sHB", MAGIC, VERSION, self.kind),
@@ -229,12 +232,12 @@ class Notice:
                     self.layer_end,
                     self.num_bytes,
                     self.num_writes,
-                    self.first_token,
-                    self.first_logprob,
+                    first.token_id,
+                    logprob,
                 ),
                 _raw(struct.pack(f"<{len(self.pages)}I", *self.pages)),
                 _raw(self.handshake),
-                _raw(b"".join(struct.pack("<qd", t, lp) for t, lp in self.first_top)),
+                _raw(b"".join(struct.pack("<qd", t, lp) for t, lp in first.top_logprobs)),
             )
         )
 
@@ -253,6 +256,8 @@ class Notice:
             raise WireError("notice: page list is not a whole number of u32")
         if len(top) % 16:
             raise WireError("notice: top logprobs are not whole (i64, f64) pairs")
+        tops = tuple((int(t), float(v)) for t, v in struct.iter_unpack("<qd", top))
+        first = SampledToken(int(tok), None if math.isnan(lp) else float(lp), tops)
         return Notice(
             NoticeKind(int(kind)),
             RequestId(rid),
@@ -261,8 +266,6 @@ class Notice:
             tuple(PageId(p) for p in struct.unpack(f"<{len(pages) // 4}I", pages)),
             int(nbytes),
             int(nwrites),
-            int(tok),
-            float(lp),
+            first if tok >= 0 else None,
             handshake,
-            tuple((int(t), float(v)) for t, v in struct.iter_unpack("<qd", top)),
         )

@@ -420,7 +420,7 @@ def test_a_duplicate_request_id_is_refused_and_the_first_request_is_untouched(
         # The decode worker's deltas start after the first token, which it never repeats.
         deltas = await _outputs(d, rid)
         assert deltas[0].index == 1
-        tokens = [token.token_id] + [t for x in deltas for t in x.token_ids]
+        tokens = [token.token.token_id] + [t for x in deltas for t in x.token_ids]
         assert tokens == (await collect(Dispatcher(), ids, GREEDY, c)).tokens
 
     run(go())

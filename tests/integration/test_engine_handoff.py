@@ -20,6 +20,7 @@ from cluster.types import (
     PageId,
     RequestId,
     RequestStatus,
+    SampledToken,
     SamplingParams,
 )
 from tests.integration.conftest import INVARIANT
@@ -54,8 +55,8 @@ def handoff(prefill: LLMEngine, decode: LLMEngine, ids: list[int], sp: SamplingP
     prefill.add_request(ids, dataclasses.replace(sp, max_tokens=1), rid)
     (first,) = prefill.step(sink)
     assert first.finish_reason is not None and not prefill.has_unfinished()
-    assert sink.done == [PromptDone(rid, first.new_token_ids[0], None)]
-    out = decode.start_decode(rid, first.new_token_ids[0], 0.0)
+    assert sink.done == [PromptDone(rid, SampledToken(first.new_token_ids[0], None))]
+    out = decode.start_decode(rid, sink.done[0].first)
     tokens = list(out.new_token_ids)
     while decode.has_unfinished():
         for o in decode.step():
@@ -258,7 +259,8 @@ def test_the_sink_hears_every_layer_and_prompt_and_held_pages_outlive_their_requ
         assert [e.layers.start for e in mine[:layers]] == list(range(layers))
         first = outs[rid][0]
         done = [d for d in sink.done if d.request_id == rid]
-        assert done == [PromptDone(rid, first.new_token_ids[0], first.new_logprobs[0])]
+        token = SampledToken(first.new_token_ids[0], first.new_logprobs[0])
+        assert done == [PromptDone(rid, token)]
     held = {PageId(p) for e in sink.events for p in e.pages}
     assert engine.num_free_pages == free - len(held)  # the requests are done, not the sink
     sink.release()

@@ -21,12 +21,13 @@ from cluster.engine.kernels.kv_cache import KVCache, KVLayout, kv_dtype
 from cluster.engine.model.checkpoint import ModelSpec
 from cluster.transfer.endpoint import KVEndpoint
 from cluster.transfer.wire import Handshake, IncompatiblePeerError, Notice, NoticeKind, compat_hash
-from cluster.types import PageId, RequestId
+from cluster.types import PageId, RequestId, SampledToken
 from tests.unit.test_wire import SPEC
 
 LAYOUT = KVLayout(SPEC.num_layers, SPEC.num_kv_heads, SPEC.head_dim, 16, torch.float32)
 SRC = [PageId(p) for p in (3, 4, 5, 9, 10)]
 DST = [PageId(p) for p in (20, 21, 7, 8, 30)]
+DONE = Notice(NoticeKind.DONE, RequestId("r"), num_writes=1, first=SampledToken(5, None))
 
 
 def _receive(device: str, conn: Any, spec: ModelSpec, kv: str = "auto") -> None:
@@ -80,13 +81,13 @@ def test_a_write_lands_in_exactly_the_named_pages_and_its_notice_follows(
         # 8-bit: a quarter of float32's bytes, and the scales' 16 bytes a run
         run = 16 * SPEC.head_dim
         assert ep.page_bytes == SPEC.num_kv_heads * (run + 16 if kv == "int8" else 4 * run)
-        ep.notify(peer, Notice(NoticeKind.DONE, RequestId("r"), num_writes=1, first_token=5))
+        ep.notify(peer, DONE)
         notices, k_np, v_np = here.recv()
         k, v = torch.from_numpy(k_np), torch.from_numpy(v_np)
     finally:
         receiver.join(30)
     assert [n.kind for n in notices] == [NoticeKind.LAYERS, NoticeKind.DONE]
-    assert notices[0] == notice and notices[1].first_token == 5
+    assert notices[0] == notice and notices[1] == DONE
     for got, sent in ((k, cache.k.cpu()), (v, cache.v.cpu())):
         assert torch.equal(got[1, DST], sent[1, SRC])
         untouched = [p for p in range(40) if p not in DST]
@@ -172,7 +173,7 @@ def test_each_ranks_heads_land_in_the_peer_rank_holding_them_and_one_notice_foll
         while not ep.finished(write):
             assert time.monotonic() < deadline
         assert write.num_bytes == nbytes
-        ep.notify(peer, Notice(NoticeKind.DONE, RequestId("r"), num_writes=1, first_token=5))
+        ep.notify(peer, DONE)
         notices, k_np, v_np = here.recv()
     finally:
         receiver.join(30)
@@ -219,7 +220,7 @@ def test_descriptor_lists_are_prepared_once_per_connection_and_serve_every_write
             while not ep.finished(write):
                 assert time.monotonic() < deadline
         assert ep.connect(raw) is peer and len(built) == 4
-        ep.notify(peer, Notice(NoticeKind.DONE, RequestId("r"), num_writes=1, first_token=5))
+        ep.notify(peer, DONE)
         _, k_np, v_np = here.recv()
     finally:
         receiver.join(30)

@@ -12,7 +12,14 @@ from typing import Any
 import pytest
 from ray.exceptions import ActorDiedError
 
-from cluster.types import FinishReason, FirstToken, RequestId, SamplingParams, TokenDelta
+from cluster.types import (
+    FinishReason,
+    FirstToken,
+    RequestId,
+    SampledToken,
+    SamplingParams,
+    TokenDelta,
+)
 from router.dispatch import DELIVER_SLICE, Dispatcher, Progress, WorkerLost, _Stream
 
 STREAMS = 10 * DELIVER_SLICE
@@ -111,7 +118,7 @@ def test_decode_deltas_ahead_of_the_prefill_workers_first_token_wait_for_it() ->
         for _ in range(20):  # the decode worker's deltas are in; the stream holds them
             await asyncio.sleep(0)
         assert not got.done()
-        pair.reply.set_result(FirstToken(7, None, "a"))
+        pair.reply.set_result(FirstToken(SampledToken(7, None), "a"))
         deltas = await got
         await dispatcher.close()
         return deltas
@@ -135,7 +142,7 @@ def test_a_first_token_queued_right_behind_the_decode_workers_deltas_goes_first(
         async def prefill(rid: RequestId, *request: Any) -> FirstToken:
             pair.rid.set_result(rid)
             await asyncio.sleep(0)  # the decode worker's deltas are queued meanwhile
-            return FirstToken(7, None, "a")
+            return FirstToken(SampledToken(7, None), "a")
 
         pair.prefill.prefill = _Remote(prefill)
         stream = dispatcher.generate(

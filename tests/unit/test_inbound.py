@@ -12,6 +12,7 @@ import pytest
 
 from cluster.transfer import inbound as m
 from cluster.transfer.inbound import InboundStatus, Terms
+from cluster.types import SampledToken
 
 TERMS = Terms(lease_s=30.0, revoke_cap_s=300.0, recompute=True)
 
@@ -65,7 +66,7 @@ def releases(r: Run) -> list[m.Action]:
     return [a for a in r.actions if isinstance(a, m.RELEASES)]
 
 
-DONE = m.Done(1, 7, -0.5)
+DONE = m.Done(1, SampledToken(7, -0.5))
 EVENTS = [m.Started(), m.Renew(), m.Layers(), DONE, m.Cancel(), LAPSE, CAP, m.Abort()]
 LAST = m.SenderGone("the router reports the sender dead")  # what ends any transfer
 
@@ -84,14 +85,14 @@ def test_every_order_hands_the_pages_on_once_and_only_when_no_write_can_land(
         if m.Abort() in order[: r.released_by + 1]:
             assert release == m.FreePages(), order
         elif isinstance(release, m.StartDecode):
-            assert release == m.StartDecode(7, -0.5)
+            assert release == m.StartDecode(SampledToken(7, -0.5))
         else:
             assert isinstance(release, m.Recompute if recompute else m.Fail), order
 
 
 def test_the_happy_path_acks_the_claim_and_decodes_once_every_write_has_landed() -> None:
-    r = run([m.Started(), m.Layers(), m.Layers(), m.Done(3, 7, -0.5), m.Layers()])
-    assert r.actions == [m.Ack(), m.StartDecode(7, -0.5)]
+    r = run([m.Started(), m.Layers(), m.Layers(), m.Done(3, SampledToken(7, -0.5)), m.Layers()])
+    assert r.actions == [m.Ack(), m.StartDecode(SampledToken(7, -0.5))]
 
 
 def test_the_lease_counts_from_the_claim_and_each_notice_of_progress_renews_it() -> None:
@@ -125,8 +126,8 @@ def test_a_lease_that_ends_revokes_and_keeps_the_pages_until_the_sender_cancels(
 
 
 def test_a_revoked_transfer_whose_writes_all_land_still_decodes() -> None:
-    r = run([m.Started(), m.Done(1, 7, -0.5), LAPSE, m.Layers()])
-    assert r.actions == [m.Ack(), m.Revoke(), m.StartDecode(7, -0.5)]
+    r = run([m.Started(), m.Done(1, SampledToken(7, -0.5)), LAPSE, m.Layers()])
+    assert r.actions == [m.Ack(), m.Revoke(), m.StartDecode(SampledToken(7, -0.5))]
 
 
 def test_an_unanswered_revoke_frees_the_pages_only_at_the_cap() -> None:
@@ -147,12 +148,12 @@ def test_an_abort_before_the_claim_frees_at_once_after_it_revokes_first() -> Non
 
 def test_the_clock_s_origin_does_not_matter() -> None:
     """Only durations count: the same events on a clock that starts anywhere act alike."""
-    events = [m.Started(), m.Layers(), LAPSE, m.Layers(), m.Done(2, 1, 0.0)]
+    events = [m.Started(), m.Layers(), LAPSE, m.Layers(), m.Done(2, SampledToken(1, 0.0))]
     for start in (-1e9, 0.0, 1.7e9, 1e12):
         assert run(events, start=start).actions == [
             m.Ack(),
             m.Revoke(),
-            m.StartDecode(1, 0.0),
+            m.StartDecode(SampledToken(1, 0.0)),
         ]
 
 
@@ -161,5 +162,6 @@ def test_a_transfer_not_held_is_released_to_the_protocol_and_a_claim_on_it_is_re
     # (or never held): the same RELEASED rule as above, not a rule of its own.
     gone = m.released(TERMS)
     assert m.on_event(gone, m.Started(), 0.0) == (gone, (m.Revoke(),))
-    for event in (m.Renew(), m.Layers(), m.Done(1, 5, 0.0), m.Cancel(), m.Tick(), m.Abort()):
+    done = m.Done(1, SampledToken(5, 0.0))
+    for event in (m.Renew(), m.Layers(), done, m.Cancel(), m.Tick(), m.Abort()):
         assert m.on_event(gone, event, 1e9) == (gone, ())

@@ -13,6 +13,7 @@ import pytest
 
 from cluster.transfer import push as m
 from cluster.transfer.push import RENEWALS, PushStatus, StopCause
+from cluster.types import SampledToken
 
 LEASE_S = 30.0
 
@@ -23,7 +24,8 @@ class Lapse:
 
 
 STEP = 0.001
-FIRST = m.PromptSampled(7, -0.5)
+TOKEN = SampledToken(7, -0.5)
+FIRST = m.PromptSampled(TOKEN)
 
 
 @dataclass
@@ -118,9 +120,9 @@ def test_every_order_posts_only_while_acked_and_unstopped_and_closes_once(table:
 
 def test_the_happy_path_posts_after_the_ack_then_done_then_closes() -> None:
     r = run([m.Planned(), m.Planned(), m.Acked(), m.Ready(), FIRST, m.Ready()])
-    assert r.actions == [m.Post(), m.Post(), m.SendDone(2, 7, -0.5)]
+    assert r.actions == [m.Post(), m.Post(), m.SendDone(2, TOKEN)]
     r = run([m.Planned(), m.Acked(), m.Ready(), FIRST, m.WriteDone(True)])
-    assert r.actions[-2:] == [m.SendDone(1, 7, -0.5), m.Close()]
+    assert r.actions[-2:] == [m.SendDone(1, TOKEN), m.Close()]
 
 
 def test_nothing_is_posted_before_the_ack() -> None:
@@ -146,4 +148,4 @@ def test_a_waiting_push_renews_the_lease_and_a_stalled_one_stops() -> None:
 
 def test_after_done_an_abort_lets_the_push_finish() -> None:
     r = run([m.Acked(), m.Planned(), m.Ready(), FIRST, m.Abort(), m.WriteDone(True)])
-    assert r.actions == [m.Post(), m.SendDone(1, 7, -0.5), m.Close()]
+    assert r.actions == [m.Post(), m.SendDone(1, TOKEN), m.Close()]

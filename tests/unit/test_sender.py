@@ -23,7 +23,7 @@ from cluster.engine.layer_ready import LayerReady
 from cluster.engine.sched.page_pool import PagePool
 from cluster.transfer.endpoint import KVEndpoint
 from cluster.transfer.wire import Notice, NoticeKind
-from cluster.types import KVTarget, PageId, RequestId
+from cluster.types import KVTarget, PageId, RequestId, SampledToken
 from prefill_worker.sender import WRITES_PER_STEP, KVSender
 
 LAYERS, PAGE = 3, 16
@@ -139,7 +139,7 @@ class Prefill:
         self.sync()
 
     def done(self) -> None:
-        self.sender.prompt_done(PromptDone(RID, 5, -0.5))
+        self.sender.prompt_done(PromptDone(RID, SampledToken(5, -0.5)))
         self.sync()
 
     def finish(self) -> None:
@@ -166,7 +166,9 @@ def test_a_layers_write_is_posted_once_the_device_passes_its_mark() -> None:
     p.poll()
     assert [w.layers for w in p.endpoint.writes] == [range(0, 1), range(1, 2), range(2, 3)]
     assert p.endpoint.sent() == [NoticeKind.LAYERS] * 3 + [NoticeKind.DONE]
-    assert p.endpoint.posted[-1].num_writes == 3 and p.endpoint.posted[-1].first_token == 5
+    done = p.endpoint.posted[-1]
+    assert done.num_writes == 3 and done.first == SampledToken(5, -0.5)
+    assert p.sender.stats.writes == 3  # the open push's count
     for w in p.endpoint.writes[:2]:
         w.done = True
     p.poll()
@@ -174,6 +176,7 @@ def test_a_layers_write_is_posted_once_the_device_passes_its_mark() -> None:
     p.endpoint.writes[2].done = True
     p.poll()
     p.assert_clean()
+    assert p.sender.stats.writes == 3  # the closed push's count, kept
 
 
 def test_each_chunk_writes_only_its_new_pages() -> None:

@@ -19,13 +19,14 @@ from cluster.engine.sched.page_pool import PagePool
 from cluster.transfer import inbound
 from cluster.transfer.inbound import Terms
 from cluster.transfer.wire import Notice, NoticeKind
-from cluster.types import PageId, RequestId
+from cluster.types import PageId, RequestId, SampledToken
 from decode_worker.receiver import KVReceiver, Release, Transfer
 from prefill_worker.sender import KVSender
 
 LAYERS, PAGE, LEASE_S = 3, 16, 30.0
 RID = RequestId("r")
 DST = tuple(PageId(p) for p in (7, 8, 9))
+FIRST = SampledToken(5, -0.5)
 
 
 @dataclass
@@ -86,7 +87,7 @@ class FakeEndpoint:
         return handshake.decode()
 
     def notify(self, peer: str, notice: Notice) -> None:
-        self.net.inboxes[peer].append(notice)
+        self.net.inboxes[peer].append(Notice.decode(notice.encode()))  # as the wire has it
 
     def notices(self) -> list[Notice]:
         out, self.net.inboxes[self.name] = self.net.inboxes[self.name], []
@@ -147,8 +148,8 @@ class Pair:
             self.sender.stored([stored])
             self.sync()
 
-    def first_token(self) -> None:
-        self.sender.prompt_done(PromptDone(RID, 5, -0.5))
+    def first_token(self, token: SampledToken = FIRST) -> None:
+        self.sender.prompt_done(PromptDone(RID, token))
         self.sync()
 
     def release(self) -> Release:
@@ -179,13 +180,13 @@ def pair(sender_offset_s: float, receiver_offset_s: float, recompute: bool = Tru
     return Pair(net, sender, receiver, pool, holds, pages, {RID: transfer})
 
 
-def prefill_and_land(p: Pair) -> None:
+def prefill_and_land(p: Pair, token: SampledToken = FIRST) -> None:
     """The whole prompt in three chunks, each chunk's WRITEs landing at once, then DONE."""
     for n in (16, 16, 8):
         p.chunk(n)
         p.tick()
         p.net.land()
-    p.first_token()
+    p.first_token(token)
     while not p.net.released:
         p.tick()
 
@@ -205,10 +206,27 @@ def test_kv_that_lands_in_time_decodes(sender_s: float, receiver_s: float) -> No
     p = pair(sender_s, receiver_s)
     p.tick()  # STARTED -> ACK
     prefill_and_land(p)
-    assert p.release() == inbound.StartDecode(5, -0.5)
+    assert p.release() == inbound.StartDecode(FIRST)
     assert p.net.landed == 3 * LAYERS
     p.tick()
     assert_clean(p)
+
+
+def test_the_first_token_reaches_the_decode_worker_as_sampled() -> None:
+    """Its alternatives, and no logprob where none was asked for (the wire's NaN)."""
+    token = SampledToken(5, None, ((5, -0.25), (9, -2.5)))
+    p = pair(0.0, 0.0)
+    p.tick()
+    prefill_and_land(p, token)
+    assert p.release() == inbound.StartDecode(token)
+
+
+def test_a_done_without_its_first_token_is_dropped_and_the_pages_stay_reserved() -> None:
+    p = pair(0.0, 0.0)
+    p.tick()
+    p.net.inboxes["decode"].append(Notice(NoticeKind.DONE, RID, num_writes=0))
+    p.receive()
+    assert not p.net.released and list(p.transfers) == [RID]
 
 
 @pytest.mark.parametrize(("sender_s", "receiver_s"), SKEWS)
@@ -220,7 +238,7 @@ def test_a_long_queue_renews_the_lease_and_the_kv_still_decodes(
         p.tick()
         p.net.wait(LEASE_S / 2)
     prefill_and_land(p)
-    assert p.release() == inbound.StartDecode(5, -0.5)
+    assert p.release() == inbound.StartDecode(FIRST)
 
 
 @pytest.mark.parametrize(("sender_s", "receiver_s"), SKEWS)

@@ -21,7 +21,7 @@ from cluster.transfer.wire import (
     WireError,
     compat_hash,
 )
-from cluster.types import PageId, RequestId
+from cluster.types import PageId, RequestId, SampledToken
 
 SPEC = ModelSpec(
     vocab_size=100,
@@ -111,12 +111,15 @@ def test_a_peer_with_another_hash_is_refused_with_a_clear_error() -> None:
 
 @pytest.mark.parametrize("kind", list(NoticeKind))
 def test_notices_round_trip(kind: NoticeKind) -> None:
-    n = Notice(kind, RequestId("req-é"), 3, 9, (PageId(4), PageId(70000)), 123, 7, 42, -0.5)
+    first = SampledToken(42, -0.5)
+    n = Notice(kind, RequestId("req-é"), 3, 9, (PageId(4), PageId(70000)), 123, 7, first)
     assert Notice.decode(n.encode()) == n
     started = Notice(kind, RequestId("r"), handshake=handshake().encode())  # as STARTED has
     assert Notice.decode(started.encode()) == started
-    done = Notice(kind, RequestId("r"), first_token=5, first_top=((5, -0.25), (9, -2.5)))
+    done = Notice(kind, RequestId("r"), first=SampledToken(5, -0.75, ((5, -0.25), (9, -2.5))))
     assert Notice.decode(done.encode()) == done  # as DONE has, when asked for
+    unasked = Notice(kind, RequestId("r"), first=SampledToken(5, None))
+    assert Notice.decode(unasked.encode()) == unasked  # no logprob asked for: none comes
 
 
 def test_truncated_bytes_are_refused() -> None:

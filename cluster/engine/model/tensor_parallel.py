@@ -25,7 +25,6 @@ import logging
 import os
 import shutil
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,11 +44,10 @@ from cluster.engine.model.shared_collectives import SHM, PeerLost, SharedExchang
 from cluster.types import PageId
 
 if TYPE_CHECKING:
-    from cluster.transfer.endpoint import KVEndpoint
+    from cluster.transfer.rank_endpoint import RankEndpoint
     from cluster.transfer.wire import RankPages
 
 log = logging.getLogger(__name__)
-PROGRESS_NAP_S = 0.002  # between two UCX polls of a rank whose pages peers WRITE into
 IDLE_TIMEOUT = timedelta(days=7)  # gloo's: a follower waits this long for the next step
 T = TypeVar("T")
 HEADER = 6  # op, tokens, sequences, page table width, logits rows, decodes
@@ -402,8 +400,7 @@ class TensorRank:
 
     def __init__(self, build: Build, config: EngineConfig, rank: Rank) -> None:
         self.engine = build(config, rank=rank)
-        self.kv: KVEndpoint | None = None
-        self.kv_lock = threading.Lock()  # `progress_kv` and `write_kv` share the endpoint
+        self.kv: RankEndpoint | None = None
         self.following = True
 
     def follow(self) -> None:
@@ -413,45 +410,26 @@ class TensorRank:
             self.following = False
 
     def open_kv(self, name: str, compat: bytes, devices: str, transports: str) -> RankPages:
-        """Open this rank's KV transfer endpoint `name` over its cache: peers write its heads
-        into it, and it writes them into peers' (cluster.transfer.endpoint)."""
-        from cluster.transfer.endpoint import KVEndpoint
+        """Open this rank's KV transfer endpoint `name` over its cache (peers write its heads
+        into it, and it writes them into peers'): where its pages lie."""
+        from cluster.transfer.rank_endpoint import RankEndpoint
 
-        heads = self.engine.kv_heads
-        self.kv = KVEndpoint(name, self.engine.cache, compat, devices, transports, False, heads)
-        return self.kv.memory()
+        cache, heads = self.engine.cache, self.engine.kv_heads
+        self.kv = RankEndpoint(name, cache, heads, compat, devices, transports)
+        return self.kv.pages
 
     def progress_kv(self) -> None:
-        """Keep UCX moving for this rank's endpoint while the rank follows (a peer's first
-        WRITE into it, or its own connection to a peer, waits for this side to answer):
-        polls with a nap between, where NIXL's own progress thread spins a core. Notices
-        go to rank 0: one that comes here is dropped, not kept."""
+        """Keep UCX moving for this rank's endpoint while the rank follows."""
         assert self.kv is not None, "open_kv first"
-        while self.following:
-            with self.kv_lock:
-                stray = self.kv.notices()
-            for notice in stray:
-                log.warning("%s: a %s notice for a rank > 0: dropped", self.kv.name, notice.kind)
-            time.sleep(PROGRESS_NAP_S)
+        self.kv.progress(lambda: self.following)
 
     def write_kv(
         self, handshake: bytes, layers: range, src: list[PageId], dst: list[PageId]
     ) -> str:
         """WRITE this rank's heads of pages `src` into the peer's `dst` for `layers`; ""
-        once every part has landed, else why not (nothing of it in flight any more)."""
-        from cluster.transfer.endpoint import TransferError
-
+        once every part has landed, else why not."""
         assert self.kv is not None, "open_kv first"
-        try:
-            with self.kv_lock:
-                write = self.kv.write(self.kv.connect(handshake), layers, src, dst, None)
-            while True:
-                with self.kv_lock:
-                    if self.kv.finished(write):
-                        return ""
-                time.sleep(0.0002)
-        except (TransferError, ConnectionError, ValueError) as e:
-            return str(e)
+        return self.kv.write(handshake, layers, src, dst)
 
 
 def driver_bundles(size: int, node: str) -> list[dict[str, float]]:

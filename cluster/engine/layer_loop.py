@@ -49,6 +49,8 @@ class _Layer(ctypes.Structure):
         ("down", _Matrix),
         ("k_cache", ptr),
         ("v_cache", ptr),
+        ("q_norm", ptr),
+        ("k_norm", ptr),
     ]
 
 
@@ -62,7 +64,8 @@ class _Model(ctypes.Structure):
         ("cos", ptr),
         ("signed_sin", ptr),
         *((name, ptr) for name in ("qmatmul", "paged_attention", "paged_prefill")),
-        *((name, ptr) for name in ("add_rms_norm", "rope", "silu_mul", "layers")),
+        *((name, ptr) for name in ("add_rms_norm", "rope", "silu_mul", "rms_norm_heads")),
+        ("layers", ptr),
     ]
 
 
@@ -125,6 +128,9 @@ class LayerLoop:
                     *blocks,
                     cache.k[i].data_ptr(),
                     cache.v[i].data_ptr(),
+                    *(None, None)
+                    if layer.qk_norms is None
+                    else (t.data_ptr() for t in layer.qk_norms),
                 )
             )
         self._layers = (_Layer * len(layers))(*layers)
@@ -147,6 +153,7 @@ class LayerLoop:
             _address(ops.add_rms_norm),
             _address(ops.rope),
             _address(ops.silu_mul),
+            _address(ops.rms_norm_heads),
             ctypes.cast(self._layers, ptr),
         )
 
@@ -219,7 +226,6 @@ def build(model: LlamaModel, cache: KVCache, attention: AttentionBackend) -> Lay
     mats += [m for mlp in mlps if isinstance(mlp, DenseMlp) for m in (mlp.gate_up, mlp.down)]
     if (
         model.group is not None
-        or model.spec.qk_norm  # Qwen3's q/k norm: not in layer_loop.c yet
         or model.spec.experts  # a Mixture-of-Experts' routing: not in layer_loop.c yet
         or model.kernels is None  # the C layer ops, built for the model's dtype
         or model.kernels is not layer_kernels_cpu.module(model.cos.dtype)

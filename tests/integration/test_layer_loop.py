@@ -30,17 +30,26 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(
     scope="module",
-    params=["bundled-float32", "bundled-bfloat16", "bundled-fp8kv-bfloat16", "qwen2-int8-float32"],
+    params=[
+        "bundled-float32",
+        "bundled-bfloat16",
+        "bundled-fp8kv-bfloat16",
+        "qwen2-int8-float32",
+        "qwen3-int8-float32",
+        "qwen3-int8-bfloat16",
+    ],
 )
 def engine(request: pytest.FixtureRequest) -> Iterator[LLMEngine]:
     """32-token steps, so long prompts come in chunks after their context. The bundled
     model over its GGUF blocks (with fp8 KV pages too: the loop codes and scales them as
     the eager store does); a tiny Qwen2 quantized to 8 bits at load, whose qkv bias (zero
-    as transformers initialises it) is made random here, so the loop adds it too."""
+    as transformers initialises it) is made random here, so the loop adds it too; a tiny
+    Qwen3 the same way, its q and k heads RMSNorm'd in the loop as in the eager step."""
     model, dtype = request.param.rsplit("-", 1)
     where: dict[str, str] = {}
-    if model.startswith("qwen2"):
-        where = {"model": str(request.getfixturevalue("tiny_qwen2_dir")), "quantization": "int8"}
+    if model.startswith("qwen"):
+        tiny = request.getfixturevalue(f"tiny_{model.split('-')[0]}_dir")
+        where = {"model": str(tiny), "quantization": "int8"}
     if model.endswith("fp8kv"):
         where = {"kv_cache_dtype": "fp8"}
     e = LLMEngine(

@@ -87,6 +87,24 @@ def test_add_rms_norm_adds_in_place_and_norms_the_sum(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_heads_norms_each_q_head_in_place_and_leaves_the_rest(
+    dtype: torch.dtype, fused: tuple[ModuleType, torch.device]
+) -> None:
+    """Qwen3's q/k norm: q's 3 heads of a fused qkv row, each RMSNorm'd alone."""
+    kernels, kernel_device = fused
+    g = torch.Generator().manual_seed(3)
+    dim = 16
+    qkv = (4 * torch.randn(3, 5 * dim, generator=g)).to(kernel_device, dtype)
+    weight = (torch.rand(dim, generator=g) + 0.5).to(kernel_device, dtype)
+    q = qkv[:, : 3 * dim].view(3, 3, dim)
+    want = F.rms_norm(q.float(), (dim,), weight.float(), 1e-6)
+    rest = qkv[:, 3 * dim :].clone()
+    kernels.rms_norm_heads_(q, weight, 1e-6)
+    torch.testing.assert_close(q.float(), want, **TOLERANCE[dtype])
+    assert torch.equal(qkv[:, 3 * dim :], rest)  # k and v untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_rotates_q_and_k_in_place_as_the_model_does(
     dtype: torch.dtype, fused: tuple[ModuleType, torch.device]
 ) -> None:

@@ -118,3 +118,9 @@ def rope_(
         x, positions, cos, signed_sin, x.stride(0), x.stride(1), cos.stride(0), half,
         triton.next_power_of_2(half),
     )  # fmt: skip
+
+
+def rms_norm_heads_(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """Each head of x [N, heads, head_dim] RMSNorm'd and scaled by weight [head_dim], in
+    place (Qwen3's q/k norm): PyTorch's op, not fused on the GPU yet."""
+    x.copy_(torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps))

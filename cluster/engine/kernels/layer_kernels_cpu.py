@@ -1,6 +1,7 @@
-"""The CPU twin of layer_kernels.py: the residual add with the RMSNorm after it, RoPE of q
-and k, and silu(gate) * up, one C call each (layer_ops.c, built by native.py) where PyTorch
-takes several ops of a few microseconds' dispatch each. The model uses them on the CPU
+"""The CPU twin of layer_kernels.py: the residual add with the RMSNorm after it, Qwen3's
+RMSNorm of each q and k head, RoPE of q and k, and silu(gate) * up, one C call each
+(layer_ops.c, built by native.py) where PyTorch takes several ops of a few microseconds'
+dispatch each. The model uses them on the CPU
 where layer_ops.c builds (`module()`), with the same signatures as the Triton kernels; the
 runner's C layer loop (layer_loop.c) calls the same functions."""
 
@@ -28,7 +29,9 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     """A built layer_ops.c with its signatures."""
     i64, ptr, flag = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.add_rms_norm.restype = lib.rope.restype = lib.silu_mul.restype = None
+    lib.rms_norm_heads.restype = None
     lib.add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, flag]
+    lib.rms_norm_heads.argtypes = [ptr, ptr, i64, i64, i64, i64, ctypes.c_float, flag]
     lib.rope.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, flag]
     lib.silu_mul.argtypes = [ptr, ptr, i64, i64, flag]
     return lib
@@ -52,6 +55,19 @@ def add_rms_norm(
         x.stride(0), delta.stride(0), h.stride(0), eps, int(x.dtype == torch.bfloat16),
     )  # fmt: skip
     return h
+
+
+def rms_norm_heads_(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """layer_kernels.rms_norm_heads_ on the CPU: each head of x [N, heads, head_dim] (a view
+    of whole rows' heads) RMSNorm'd and scaled by weight [head_dim] in place."""
+    ops = _ops()
+    assert ops is not None and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+    assert weight.is_contiguous() and weight.dtype == x.dtype
+    tokens, heads, dim = x.shape
+    ops.rms_norm_heads(
+        x.data_ptr(), weight.data_ptr(), tokens, heads, dim, x.stride(0), eps,
+        int(x.dtype == torch.bfloat16),
+    )  # fmt: skip
 
 
 def rope_(

@@ -26,6 +26,8 @@ typedef void (*norm_fn)(void *, const void *, const void *, void *, int64_t, int
 typedef void (*rope_fn)(void *, const int64_t *, const void *, const void *, int64_t, int64_t,
                         int64_t, int64_t, int64_t, int64_t, int);
 typedef void (*silu_fn)(const void *, void *, int64_t, int64_t, int);
+typedef void (*heads_norm_fn)(void *, const void *, int64_t, int64_t, int64_t, int64_t, float,
+                              int);
 
 typedef struct {  // y [n, rows] = x @ w.T (+ bias)
   const uint8_t *packed;  // qmatmul.c's bands
@@ -37,6 +39,7 @@ typedef struct {
   const void *input_norm, *post_norm;
   Matrix qkv, o, gate_up, down;
   void *k_cache, *v_cache;  // runs of (page, KV head) (kv_pages.h)
+  const void *q_norm, *k_norm;  // Qwen3's [dim] each, or NULL
 } Layer;
 
 typedef struct {
@@ -49,6 +52,7 @@ typedef struct {
   norm_fn add_rms_norm;
   rope_fn rope;
   silu_fn silu_mul;
+  heads_norm_fn rms_norm_heads;
   const Layer *layers;
 } Model;
 
@@ -141,6 +145,11 @@ int layer_loop(const Model *m, const Step *s, int64_t first, int64_t last) {
       m->add_rms_norm(s->x, s->delta, l->input_norm, s->h, n, hidden, hidden, hidden, hidden,
                       eps, bf16);
     if (project(m, &l->qkv, s->h, n, hidden, s->qkv)) return -1;
+    if (l->q_norm) {  // Qwen3: each q head, then each k head, RMSNorm'd before RoPE
+      char *k = (char *)s->qkv + q * (bf16 ? 2 : 4);
+      m->rms_norm_heads(s->qkv, l->q_norm, n, m->heads, m->dim, l->qkv.rows, eps, bf16);
+      m->rms_norm_heads(k, l->k_norm, n, m->kv_heads, m->dim, l->qkv.rows, eps, bf16);
+    }
     m->rope(s->qkv, s->positions, m->cos, m->signed_sin, n, m->heads + m->kv_heads, m->dim,
             l->qkv.rows, m->dim, m->dim, bf16);
     store_kv(m, s, l);

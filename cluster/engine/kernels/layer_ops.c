@@ -42,6 +42,37 @@ void add_rms_norm(void *x, const void *delta, const void *weight, void *h, int64
     add_rms_norm_rows(x, delta, weight, h, rows, hidden, stride_x, stride_d, stride_h, eps, 0);
 }
 
+static inline __attribute__((always_inline)) void rms_norm_heads_rows(
+    void *x, const void *weight, int64_t tokens, int64_t heads, int64_t dim, int64_t stride_t,
+    float eps, int bf16) {
+#pragma omp parallel for schedule(static) if (tokens > 16)
+  for (int64_t t = 0; t < tokens; t++) {
+    for (int64_t hd = 0; hd < heads; hd++) {
+      int64_t row = t * stride_t + hd * dim;
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < dim; i++) {
+        float v = get(x, row + i, bf16);
+        sum += v * v;
+      }
+      float inv = 1.f / sqrtf(sum / (float)dim + eps);
+#pragma omp simd
+      for (int64_t i = 0; i < dim; i++)
+        put(x, row + i, get(x, row + i, bf16) * inv * get(weight, i, bf16), bf16);
+    }
+  }
+}
+
+// Each head of x [tokens, heads, dim] (rows stride_t apart) = RMSNorm(head) * weight [dim],
+// in place: Qwen3's norm over each q and each k head before RoPE.
+void rms_norm_heads(void *x, const void *weight, int64_t tokens, int64_t heads, int64_t dim,
+                    int64_t stride_t, float eps, int bf16) {
+  if (bf16)
+    rms_norm_heads_rows(x, weight, tokens, heads, dim, stride_t, eps, 1);
+  else
+    rms_norm_heads_rows(x, weight, tokens, heads, dim, stride_t, eps, 0);
+}
+
 static inline __attribute__((always_inline)) void rope_rows(
     void *x, const int64_t *positions, const void *cos, const void *signed_sin, int64_t tokens,
     int64_t heads, int64_t dim, int64_t stride_t, int64_t stride_h, int64_t stride_c,

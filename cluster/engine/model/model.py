@@ -266,6 +266,10 @@ class LlamaModel:
         norms = self.layers[i].qk_norms
         assert norms is not None
         h, eps, d = self.spec.num_heads, self.spec.rms_norm_eps, (self.spec.head_dim,)
+        if self.kernels is not None:  # in place, as the C layer loop does
+            self.kernels.rms_norm_heads_(qk[:, :h], norms[0], eps)
+            self.kernels.rms_norm_heads_(qk[:, h:], norms[1], eps)
+            return qk
         q = F.rms_norm(qk[:, :h], d, norms[0], eps)
         return torch.cat([q, F.rms_norm(qk[:, h:], d, norms[1], eps)], 1)
 

@@ -49,7 +49,7 @@ from cluster.types import (
     RequestId,
     RequestOutput,
     RequestStatus,
-    SamplingParams,
+    Submission,
     TokenDelta,
 )
 from cluster.worker_loop import WorkerLoop, fail, settle
@@ -65,10 +65,8 @@ class _Stream:
     in its pages any more: the one place the worker keeps it (its sequence is the
     engine's). Its state is its transfer's; the rest is plain data."""
 
-    reader: str  # whose outbox its deltas go to
+    submission: Submission  # what was asked, and whose outbox its deltas go to
     emitted: int  # output tokens sent so far (at first: those resumed)
-    prompt_ids: list[int]
-    sampling: SamplingParams
     done: asyncio.Future[KVTarget | None]  # the submit's answer: settled once, at admission
     transfer: Transfer
 
@@ -98,40 +96,31 @@ class DecodeWorker:
 
     # --- actor API -----------------------------------------------------------------------
 
-    async def submit(
-        self,
-        request_id: RequestId,
-        prompt_ids: list[int],
-        sampling: SamplingParams,
-        remote: bool,
-        reader: str,
-        resumed: int = 0,
-    ) -> KVTarget | None:
-        """Admit a request: a leased KVTarget to prefill into elsewhere, or None if it
-        prefills here (colocated, short uncached part, or aborted while waiting). Its
-        deltas go to `reader`'s outbox (see `outputs`). `resumed`: the prompt ends with
-        that many tokens of the request's own output (a migrated request, see
-        LLMEngine.add_request); its deltas are numbered after them."""
+    async def submit(self, submission: Submission) -> KVTarget | None:
+        """Admit a request: a leased KVTarget to prefill into elsewhere (`remote_prefill`),
+        or None if it prefills here (not `remote_prefill`, a short uncached part, or
+        aborted while waiting). Its deltas go to `reader`'s outbox (see `outputs`).
+        `resumed`: the prompt ends with that many tokens of the request's own output (a
+        migrated request, see LLMEngine.add_request); its deltas are numbered after them."""
         done: asyncio.Future[KVTarget | None] = asyncio.get_running_loop().create_future()
+        s, rid = submission, submission.request_id
 
         def admit() -> None:
-            refuse_in_flight(request_id, self._streams)
-            uncached = len(prompt_ids) - self.engine.cached_prefix_tokens(prompt_ids)
-            local = not remote or uncached <= self.transfer.local_prefill_tokens
+            refuse_in_flight(rid, self._streams)
+            uncached = len(s.prompt_ids) - self.engine.cached_prefix_tokens(s.prompt_ids)
+            local = not s.remote_prefill or uncached <= self.transfer.local_prefill_tokens
             terms = self.receiver.terms
             state = inbound.released(terms) if local else inbound.waiting(terms)
-            self._streams[request_id] = _Stream(
-                reader, resumed, prompt_ids, sampling, done, Transfer(state)
-            )
-            self._outboxes.claim(reader)
+            self._streams[rid] = _Stream(s, s.resumed, done, Transfer(state))
+            self._outboxes.claim(s.reader)
             try:
                 if local:
-                    self.engine.add_request(prompt_ids, sampling, request_id, resumed)
+                    self.engine.add_request(s.prompt_ids, s.sampling, rid, s.resumed)
                     settle(done, None)
                     return
                 self._admit()
             except Exception:
-                self._forget(request_id)
+                self._forget(rid)
                 raise
 
         await self._loop.call(admit)
@@ -236,9 +225,8 @@ class DecodeWorker:
         ]
         for rid, stream in waiting:
             try:
-                reservation = self.engine.reserve(
-                    stream.prompt_ids, stream.sampling, rid, stream.emitted
-                )
+                s = stream.submission
+                reservation = self.engine.reserve(s.prompt_ids, s.sampling, rid, stream.emitted)
             except Exception as e:
                 self._forget(rid)
                 fail(stream.done, e)
@@ -289,7 +277,7 @@ class DecodeWorker:
 
     def _forget(self, rid: RequestId) -> None:
         """A submit refused: no delta will come."""
-        self._outboxes.forget(self._streams.pop(rid).reader)
+        self._outboxes.forget(self._streams.pop(rid).submission.reader)
 
     def _delta(self, out: RequestOutput, sent: int = 0) -> tuple[str, TokenDelta]:
         """The output as its reader's delta, less its first `sent` tokens (the router has
@@ -302,7 +290,7 @@ class DecodeWorker:
             del self._streams[rid]
         else:
             stream.emitted += len(out.new_token_ids)
-        return stream.reader, TokenDelta(
+        return stream.submission.reader, TokenDelta(
             rid,
             index,
             tuple(out.new_token_ids[sent:]),
@@ -323,7 +311,7 @@ class DecodeWorker:
         if stream.transfer.state.status is InboundStatus.RELEASED:
             del self._streams[rid]
         delta = TokenDelta(rid, stream.emitted, (), "", (), reason, error, evicted=evicted)
-        return stream.reader, delta
+        return stream.submission.reader, delta
 
     def _publish(self, *deltas: tuple[str, TokenDelta]) -> None:
         self._outboxes.publish(list(deltas))

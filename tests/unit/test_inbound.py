@@ -42,9 +42,12 @@ def reserved(terms: Terms, now: float) -> m.Inbound:
     return state
 
 
-def run(events: list[object], terms: Terms = TERMS, start: float = 0.0) -> Run:
-    """Feed the events in order, checking at each release that no WRITE could still land."""
-    r = Run(reserved(terms, start), start, [])
+def run(
+    events: list[object], terms: Terms = TERMS, start: float = 0.0, state: m.Inbound | None = None
+) -> Run:
+    """Feed the events in order, checking at each release that no WRITE could still land;
+    from `state`, by default pages reserved at `start`."""
+    r = Run(reserved(terms, start) if state is None else state, start, [])
     landed, done, revoked_at = 0, None, None
     for i, e in enumerate(events):
         r.now += e.seconds if isinstance(e, Wait) else STEP
@@ -94,6 +97,20 @@ def test_every_order_hands_the_pages_on_once_and_only_when_no_write_can_land(
             assert release == m.StartDecode(7, -0.5)
         else:
             assert isinstance(release, m.Recompute if recompute else m.Fail), order
+
+
+def test_from_the_wait_for_pages_every_order_ends_once_and_an_abort_first_withdraws() -> None:
+    """The wait for pages and the transfer are one machine: an abort before the
+    reservation withdraws the request (nothing held), after it the transfer's rules hold."""
+    events = [m.Reserved(), m.Started(), m.Layers(), DONE, m.Abort(), LAPSE]
+    for order in itertools.permutations(events):
+        r = run([*order, LAST], state=m.waiting(TERMS))
+        assert r.state.status is InboundStatus.RELEASED and not r.state.holding
+        (release,) = releases(r)
+        if order.index(m.Abort()) < order.index(m.Reserved()):
+            assert release == m.Withdraw() and r.released_by == order.index(m.Abort()), order
+        elif m.Abort() in order[: r.released_by + 1]:
+            assert release == m.FreePages(), order
 
 
 def test_the_happy_path_acks_the_claim_and_decodes_once_every_write_has_landed() -> None:

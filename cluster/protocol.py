@@ -4,7 +4,8 @@ typed handles its callers hold.
 The workers build the stats (decode_worker, prefill_worker) and the router and the
 control plane read them, so they live on the floor all of them stand on: reading a
 worker's load imports neither its actor nor the engine. The per-request values that
-cross processes (KVTarget, FirstToken, TokenDelta, ModelInfo) are in cluster/types.py.
+cross processes (Submission, KVTarget, FirstToken, TokenDelta, ModelInfo) are in
+cluster/types.py.
 Plain frozen dataclasses, carried by Ray's own serialization.
 
 `DecodeHandle` and `PrefillHandle` type the Ray actor handles: each lists its actor's
@@ -26,7 +27,7 @@ from cluster.types import (
     ModelInfo,
     RequestId,
     RequestStatus,
-    SamplingParams,
+    Submission,
     TokenDelta,
 )
 
@@ -174,15 +175,7 @@ class DecodeHandle(Protocol):
     """A DecodeWorker actor (decode_worker/worker.py, whose docstrings give the contracts)."""
 
     @remote
-    async def submit(
-        self,
-        request_id: RequestId,
-        prompt_ids: list[int],
-        sampling: SamplingParams,
-        remote: bool,
-        reader: str,
-        resumed: int = 0,
-    ) -> KVTarget | None: ...
+    async def submit(self, submission: Submission) -> KVTarget | None: ...
 
     @remote
     async def transfer_failed(self, request_id: RequestId, why: str) -> bool: ...
@@ -212,15 +205,7 @@ class PrefillHandle(Protocol):
     """A PrefillWorker actor (prefill_worker/worker.py, whose docstrings give the contracts)."""
 
     @remote
-    async def prefill(
-        self,
-        request_id: RequestId,
-        prompt_ids: list[int],
-        sampling: SamplingParams,
-        decode: DecodeHandle,
-        reader: str,
-        resumed: int = 0,
-    ) -> FirstToken | None: ...
+    async def prefill(self, submission: Submission, decode: DecodeHandle) -> FirstToken | None: ...
 
     @remote
     async def abort(self, request_id: RequestId) -> None: ...

@@ -206,6 +206,20 @@ class Completion:
     num_cached_tokens: int
 
 
+@dataclass(frozen=True, kw_only=True)
+class Submission:
+    """One attempt at a request, as the router hands it to a worker: to a decode worker
+    (DecodeWorker.submit), or to a prefill worker (PrefillWorker.prefill), which passes it
+    on to its decode worker as it is. Plain data: it crosses Ray."""
+
+    request_id: RequestId
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    remote_prefill: bool  # a prefill worker pushes the prompt's KV: reserve pages for it
+    reader: str  # whose outbox on the decode worker its deltas go to
+    resumed: int = 0  # the prompt ends with this many tokens of its own output (migrated)
+
+
 @dataclass(frozen=True)
 class KVTarget:
     """Where a prefill worker writes a request's prompt KV: pages reserved on a decode worker.

@@ -4,9 +4,9 @@ machine (cluster/transfer/inbound.py, which owns the protocol) and the NIXL endp
 It turns the senders' notices, ticks, aborts and the router's reports into events,
 answers senders itself (ACK, REVOKE, over the endpoint, to the handshake each sender's
 STARTED carries), and hands back each transfer's one release (decode, recompute, fail,
-free) for the worker to apply to its engine. Only the engine touches the pages. It keeps
-no request: each `Transfer` is held by its request's record in the worker, which passes
-them in and drops each once it is released.
+free, withdraw) for the worker to apply to its engine. Only the engine touches the pages.
+It keeps no request: each request's `Transfer` (its machine's state from submit to end)
+is held by its record in the worker, which passes them in.
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ from cluster.types import KVTarget, PageId, RequestId
 
 log = logging.getLogger(__name__)
 
-Release = machine.StartDecode | machine.Recompute | machine.Fail | machine.FreePages
+Release = (
+    machine.StartDecode | machine.Recompute | machine.Fail | machine.FreePages | machine.Withdraw
+)
 
 _EVENTS: dict[NoticeKind, machine.Event] = {
     NoticeKind.STARTED: machine.Started(),
@@ -36,10 +38,11 @@ _EVENTS: dict[NoticeKind, machine.Event] = {
 
 @dataclass
 class Transfer:
-    """One request's inbound transfer, from its reservation to its release."""
+    """One request's inbound transfer: waiting for pages, held, or RELEASED (over, or none:
+    the request prefills here)."""
 
     state: machine.Inbound
-    pages: frozenset[PageId]  # the reservation, for checking each LAYERS notice
+    pages: frozenset[PageId] = frozenset()  # the reservation, for checking each LAYERS notice
     sender: Peer | None = None  # known from its STARTED
 
 
@@ -61,12 +64,15 @@ class KVReceiver:
         self.pages_received = self.bytes_received = 0
         self._handshake = endpoint.handshake()
 
-    def expect(self, pages: tuple[PageId, ...], num_cached: int) -> tuple[Transfer, KVTarget]:
-        """Pages were reserved: their transfer, and the KVTarget a prefill worker claims
-        them with."""
-        state = machine.reserve(self.terms, self.clock())
-        target = KVTarget(self._handshake, pages, num_cached, self.terms.lease_s)
-        return Transfer(state, frozenset(pages)), target
+    def expect(
+        self, rid: RequestId, transfer: Transfer, pages: tuple[PageId, ...], num_cached: int
+    ) -> KVTarget:
+        """Pages were reserved for rid, which waited for them: the KVTarget a prefill
+        worker claims them with."""
+        transfer.pages = frozenset(pages)
+        released = self._on(rid, transfer, machine.Reserved())
+        assert not released and transfer.state.holding, (rid, transfer.state)
+        return KVTarget(self._handshake, pages, num_cached, self.terms.lease_s)
 
     def poll(self, transfers: Mapping[RequestId, Transfer]) -> list[tuple[RequestId, Release]]:
         """Read the senders' notices and check every lease: the transfers released."""
@@ -92,7 +98,7 @@ class KVReceiver:
     ) -> list[tuple[RequestId, Release]]:
         rid, kind = notice.request_id, notice.kind
         if transfer is None:  # released (or never reserved here): the machine's RELEASED
-            transfer = Transfer(machine.released(self.terms), frozenset())
+            transfer = Transfer(machine.released(self.terms))
         if kind is NoticeKind.STARTED:
             transfer.sender = self._connect(notice)
             if transfer.sender is None:

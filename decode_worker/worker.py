@@ -7,7 +7,7 @@ Life of a request here (the transfer's own states are cluster/transfer/inbound.p
    prefix cache is at most `local_prefill_tokens` (then it prefills here, as colocated
    requests do), pages for the whole prompt are reserved before any prefill compute is
    spent, and the caller gets a KVTarget with the lease's duration, `lease_s`. No pages:
-   the submit waits its turn. TRANSFERRING.
+   the submit waits its turn (the machine's WAITING). TRANSFERRING (RESERVED on).
 2. The prefill worker claims the pages when it admits the request (STARTED, answered
    with ACK: only then may it WRITE); the lease runs from there on this worker's own
    clock, renewed by every notice of progress (RENEW while it waits or computes, each
@@ -21,6 +21,10 @@ Life of a request here (the transfer's own states are cluster/transfer/inbound.p
 5. Finish or abort frees the pages once. A lease that ends or an abort during
    TRANSFERRING sends REVOKE and keeps the pages until no WRITE can land any more: all
    landed, the sender's CANCEL, its reported death, or `revoke_cap_s` after the REVOKE.
+
+Where a request stands here is its transfer machine's state (waiting for pages, holding
+them, aborted while holding them, or RELEASED: no transfer any more, or none ever) and,
+once the engine has it, the engine's; the worker keeps no flag beside them.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from cluster.engine.engine import LLMEngine
 from cluster.protocol import DecodeHandle, DecodeStats, KVEvents
 from cluster.request_checks import refuse_in_flight
 from cluster.transfer import inbound
+from cluster.transfer.inbound import InboundStatus
 from cluster.types import (
     FinishReason,
     KVTarget,
@@ -44,7 +49,7 @@ from cluster.types import (
     RequestId,
     RequestOutput,
     RequestStatus,
-    SamplingParams,
+    Submission,
     TokenDelta,
 )
 from cluster.worker_loop import WorkerLoop, fail, settle
@@ -55,25 +60,15 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class _Submit:
-    """What a submit waiting for pages asks for, and where its KVTarget goes."""
-
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    done: asyncio.Future[KVTarget | None]
-
-
-@dataclass
 class _Stream:
     """A request here from its submit until its last delta is sent and no WRITE can land
     in its pages any more: the one place the worker keeps it (its sequence is the
-    engine's)."""
+    engine's). Its state is its transfer's; the rest is plain data."""
 
-    reader: str  # whose outbox its deltas go to
+    submission: Submission  # what was asked, and whose outbox its deltas go to
     emitted: int  # output tokens sent so far (at first: those resumed)
-    submit: _Submit | None = None  # waiting for pages, in the order submits came
-    transfer: Transfer | None = None  # its pages reserved, until the KV lands or won't
-    over: bool = False  # its last delta is sent (aborted): it waits for its transfer only
+    done: asyncio.Future[KVTarget | None]  # the submit's answer: settled once, at admission
+    transfer: Transfer
 
 
 class DecodeWorker:
@@ -101,36 +96,31 @@ class DecodeWorker:
 
     # --- actor API -----------------------------------------------------------------------
 
-    async def submit(
-        self,
-        request_id: RequestId,
-        prompt_ids: list[int],
-        sampling: SamplingParams,
-        remote: bool,
-        reader: str,
-        resumed: int = 0,
-    ) -> KVTarget | None:
-        """Admit a request: a leased KVTarget to prefill into elsewhere, or None if it
-        prefills here (colocated, short uncached part, or aborted while waiting). Its
-        deltas go to `reader`'s outbox (see `outputs`). `resumed`: the prompt ends with
-        that many tokens of the request's own output (a migrated request, see
-        LLMEngine.add_request); its deltas are numbered after them."""
+    async def submit(self, submission: Submission) -> KVTarget | None:
+        """Admit a request: a leased KVTarget to prefill into elsewhere (`remote_prefill`),
+        or None if it prefills here (not `remote_prefill`, a short uncached part, or
+        aborted while waiting). Its deltas go to `reader`'s outbox (see `outputs`).
+        `resumed`: the prompt ends with that many tokens of the request's own output (a
+        migrated request, see LLMEngine.add_request); its deltas are numbered after them."""
         done: asyncio.Future[KVTarget | None] = asyncio.get_running_loop().create_future()
+        s, rid = submission, submission.request_id
 
         def admit() -> None:
-            refuse_in_flight(request_id, self._streams)
-            stream = self._streams[request_id] = _Stream(reader, resumed)
-            self._outboxes.claim(reader)
+            refuse_in_flight(rid, self._streams)
+            uncached = len(s.prompt_ids) - self.engine.cached_prefix_tokens(s.prompt_ids)
+            local = not s.remote_prefill or uncached <= self.transfer.local_prefill_tokens
+            terms = self.receiver.terms
+            state = inbound.released(terms) if local else inbound.waiting(terms)
+            self._streams[rid] = _Stream(s, s.resumed, done, Transfer(state))
+            self._outboxes.claim(s.reader)
             try:
-                uncached = len(prompt_ids) - self.engine.cached_prefix_tokens(prompt_ids)
-                if not remote or uncached <= self.transfer.local_prefill_tokens:
-                    self.engine.add_request(prompt_ids, sampling, request_id, resumed)
+                if local:
+                    self.engine.add_request(s.prompt_ids, s.sampling, rid, s.resumed)
                     settle(done, None)
                     return
-                stream.submit = _Submit(prompt_ids, sampling, done)
                 self._admit()
             except Exception:
-                self._forget(request_id)
+                self._forget(rid)
                 raise
 
         await self._loop.call(admit)
@@ -143,10 +133,9 @@ class DecodeWorker:
 
         def run() -> bool:
             stream = self._streams.get(request_id)
-            if stream is None or stream.over:
+            if stream is None or stream.transfer.state.aborted:
                 return False
-            if stream.transfer is not None:
-                self._release(self.receiver.sender_gone(request_id, stream.transfer, why))
+            self._release(self.receiver.sender_gone(request_id, stream.transfer, why))
             return True
 
         return await self._loop.call(run)
@@ -161,7 +150,7 @@ class DecodeWorker:
         many there were."""
 
         def run() -> int:
-            rids = [rid for rid, stream in self._streams.items() if not stream.over]
+            rids = [r for r, stream in self._streams.items() if not stream.transfer.state.aborted]
             for rid in rids:
                 self._abort(rid, why, evicted=True)
             return len(rids)
@@ -196,8 +185,8 @@ class DecodeWorker:
             self.engine.pool.page_size,
             len(sched.running),
             len(sched.waiting) + len(sched.restoring),
-            sum(s.transfer is not None for s in self._streams.values()),
-            sum(s.submit is not None for s in self._streams.values()),
+            sum(s.transfer.state.holding for s in self._streams.values()),
+            sum(s.transfer.state.status is InboundStatus.WAITING for s in self._streams.values()),
             sum(seq.num_uncomputed for seq in (*sched.waiting, *sched.restoring)),
             self.engine.counts,
             self.receiver.pages_received,
@@ -210,17 +199,18 @@ class DecodeWorker:
     # --- the engine thread ---------------------------------------------------------------
 
     def _tick(self) -> float:
-        transfers = {r: s.transfer for r, s in self._streams.items() if s.transfer is not None}
-        self._release(self.receiver.poll(transfers))
+        self._release(self.receiver.poll({r: s.transfer for r, s in self._streams.items()}))
         self._admit()
         if not self.engine.scheduler.has_work:
-            return 0.001 if transfers else 0.05
+            holding = any(s.transfer.state.holding for s in self._streams.values())
+            return 0.001 if holding else 0.05
         try:
             outputs = self.engine.step()
         except Exception as e:
             log.exception("decode step failed; failing its requests")
             for rid, stream in list(self._streams.items()):
-                if stream.transfer is None and self.engine.abort_request(rid, FinishReason.ERROR):
+                released = stream.transfer.state.status is InboundStatus.RELEASED
+                if released and self.engine.abort_request(rid, FinishReason.ERROR):
                     self._publish(self._final(rid, FinishReason.ERROR, f"engine step failed: {e}"))
             return 0.0
         self._publish(*(self._delta(out) for out in outputs))
@@ -228,27 +218,28 @@ class DecodeWorker:
 
     def _admit(self) -> None:
         """Reserve pages for waiting submits, in order, while pages last."""
-        waiting = [(rid, s, s.submit) for rid, s in self._streams.items() if s.submit is not None]
-        for rid, stream, submit in waiting:
+        waiting = [
+            (r, s)
+            for r, s in self._streams.items()
+            if s.transfer.state.status is InboundStatus.WAITING
+        ]
+        for rid, stream in waiting:
             try:
-                reservation = self.engine.reserve(
-                    submit.prompt_ids, submit.sampling, rid, stream.emitted
-                )
+                s = stream.submission
+                reservation = self.engine.reserve(s.prompt_ids, s.sampling, rid, stream.emitted)
             except Exception as e:
                 self._forget(rid)
-                fail(submit.done, e)
+                fail(stream.done, e)
                 continue
             if reservation is None:
                 return
-            stream.submit = None
-            pages = tuple(reservation.pages)
-            stream.transfer, target = self.receiver.expect(pages, reservation.num_cached_tokens)
-            settle(submit.done, target)
+            pages, num_cached = tuple(reservation.pages), reservation.num_cached_tokens
+            settle(stream.done, self.receiver.expect(rid, stream.transfer, pages, num_cached))
 
     def _release(self, released: list[tuple[RequestId, Release]]) -> None:
-        """Transfers no WRITE can land in any more: decode, recompute, fail or free each."""
+        """Transfers no WRITE can land in any more: decode, recompute, fail, free or
+        withdraw each."""
         for rid, release in released:
-            self._streams[rid].transfer = None
             match release:
                 case inbound.StartDecode(first):
                     out = self.engine.start_decode(rid, first)
@@ -264,29 +255,29 @@ class DecodeWorker:
                 case inbound.FreePages():  # its last delta went with the abort
                     self.engine.abort_request(rid)
                     del self._streams[rid]
+                case inbound.Withdraw():  # aborted while waiting for pages: none held
+                    settle(self._streams.pop(rid).done, None)
 
     def _abort(
         self, rid: RequestId, why: str | None = None, evicted: bool = False
     ) -> RequestStatus | None:
         stream = self._streams.get(rid)
-        if stream is None or stream.over:
+        if stream is None or stream.transfer.state.aborted:
             return None
-        if stream.submit is not None:
-            settle(stream.submit.done, None)
-            self._publish(self._final(rid, FinishReason.ABORT, why, evicted))
-            return RequestStatus.WAITING
-        status = self.engine.status(rid)
-        transfer = stream.transfer
-        if transfer is None and not self.engine.abort_request(rid):
+        phase = stream.transfer.state.status
+        status = (
+            RequestStatus.WAITING if phase is InboundStatus.WAITING else self.engine.status(rid)
+        )
+        if phase is InboundStatus.RELEASED and not self.engine.abort_request(rid):
             return None
         self._publish(self._final(rid, FinishReason.ABORT, why, evicted))
-        if transfer is not None:  # its pages go now, or once no WRITE can land
-            self._release(self.receiver.abort(rid, transfer))
+        # Waiting for pages or holding them: its machine ends it now, or once no WRITE can land.
+        self._release(self.receiver.abort(rid, stream.transfer))
         return status
 
     def _forget(self, rid: RequestId) -> None:
         """A submit refused: no delta will come."""
-        self._outboxes.forget(self._streams.pop(rid).reader)
+        self._outboxes.forget(self._streams.pop(rid).submission.reader)
 
     def _delta(self, out: RequestOutput, sent: int = 0) -> tuple[str, TokenDelta]:
         """The output as its reader's delta, less its first `sent` tokens (the router has
@@ -299,7 +290,7 @@ class DecodeWorker:
             del self._streams[rid]
         else:
             stream.emitted += len(out.new_token_ids)
-        return stream.reader, TokenDelta(
+        return stream.submission.reader, TokenDelta(
             rid,
             index,
             tuple(out.new_token_ids[sent:]),
@@ -315,13 +306,12 @@ class DecodeWorker:
     def _final(
         self, rid: RequestId, reason: FinishReason, error: str | None, evicted: bool = False
     ) -> tuple[str, TokenDelta]:
+        """Its last delta; a request still in its transfer machine stays until it releases."""
         stream = self._streams[rid]
-        if stream.transfer is None:
+        if stream.transfer.state.status is InboundStatus.RELEASED:
             del self._streams[rid]
-        else:
-            stream.over = True
         delta = TokenDelta(rid, stream.emitted, (), "", (), reason, error, evicted=evicted)
-        return stream.reader, delta
+        return stream.submission.reader, delta
 
     def _publish(self, *deltas: tuple[str, TokenDelta]) -> None:
         self._outboxes.publish(list(deltas))

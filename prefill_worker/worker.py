@@ -46,7 +46,7 @@ from cluster.types import (
     ModelInfo,
     RequestId,
     RequestStatus,
-    SamplingParams,
+    Submission,
 )
 from cluster.worker_loop import WorkerLoop, settle
 from prefill_worker.sender import KVSender
@@ -94,46 +94,28 @@ class PrefillWorker:
         stats = partial(self._loop.call_blocking, self._stats, 5.0)
         self.metrics_url = worker_metrics.serve(name, self.engine.model_id, stats, engine)
 
-    async def prefill(
-        self,
-        request_id: RequestId,
-        prompt_ids: list[int],
-        sampling: SamplingParams,
-        decode: DecodeHandle,
-        reader: str,
-        resumed: int = 0,
-    ) -> FirstToken | None:
-        """Submit the request to `decode` (its deltas go to `reader`'s outbox there, see
-        DecodeWorker.submit), then prefill the prompt into the pages reserved there. The
-        first token; None if the decode worker prefills the request itself (a short
-        uncached part, or this worker could not serve it), is gone (its reader ends the
-        request's stream), or the request was aborted. A request the decode worker refuses
-        raises its error here. `resumed`: the prompt ends with that many tokens of the
-        request's own output (a migrated request, see LLMEngine.add_request)."""
-        refuse_in_flight(request_id, self._requests)
-        request = self._requests[request_id] = _Request()
+    async def prefill(self, submission: Submission, decode: DecodeHandle) -> FirstToken | None:
+        """Submit the request to `decode` as it is (its deltas go to its reader's outbox
+        there, see DecodeWorker.submit), then prefill the prompt into the pages reserved
+        there. The first token; None if the decode worker prefills the request itself (not
+        `remote_prefill`, a short uncached part, or this worker could not serve it), is
+        gone (its reader ends the request's stream), or the request was aborted. A request
+        the decode worker refuses raises its error here. `resumed`: the prompt ends with
+        that many tokens of the request's own output (a migrated request, see
+        LLMEngine.add_request)."""
+        refuse_in_flight(submission.request_id, self._requests)
+        request = self._requests[submission.request_id] = _Request()
         try:
-            return await self._prefill(
-                request_id, request, prompt_ids, sampling, decode, reader, resumed
-            )
+            return await self._prefill(submission, request, decode)
         finally:
-            del self._requests[request_id]
+            del self._requests[submission.request_id]
 
     async def _prefill(
-        self,
-        request_id: RequestId,
-        request: _Request,
-        prompt_ids: list[int],
-        sampling: SamplingParams,
-        decode: DecodeHandle,
-        reader: str,
-        resumed: int,
+        self, submission: Submission, request: _Request, decode: DecodeHandle
     ) -> FirstToken | None:
-        asked = time.monotonic()
+        asked, request_id, sampling = time.monotonic(), submission.request_id, submission.sampling
         try:
-            target = await decode.submit.remote(
-                request_id, prompt_ids, sampling, True, reader, resumed
-            )
+            target = await decode.submit.remote(submission)
         except RayActorError as e:
             log.warning("request %s: decode worker gone: %s", request_id, e)
             return None
@@ -150,9 +132,8 @@ class PrefillWorker:
         def admit() -> None:
             self.sender.start(request_id, target)
             try:
-                self.engine.add_request(
-                    prompt_ids, dataclasses.replace(sampling, max_tokens=1), request_id, resumed
-                )
+                one = dataclasses.replace(sampling, max_tokens=1)
+                self.engine.add_request(submission.prompt_ids, one, request_id, submission.resumed)
             except Exception:
                 self.sender.stop(request_id)
                 raise

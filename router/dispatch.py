@@ -52,6 +52,7 @@ from cluster.types import (
     InFlightError,
     RequestId,
     SamplingParams,
+    Submission,
     TokenDelta,
 )
 from router import attempt
@@ -197,7 +198,7 @@ class Dispatcher:
         try:
             if prefill is None:
                 try:
-                    await decode.submit.remote(rid, prompt, sampling, False, self.reader, resumed)
+                    await decode.submit.remote(self._submission(stream, remote_prefill=False))
                 except RayActorError as e:
                     stream.step(attempt.SubmitDied(f"decode worker failed: {e}"))  # raises
                 except Exception as e:
@@ -298,7 +299,7 @@ class Dispatcher:
         rid, asked, resumed, done = stream.rid, time.monotonic(), stream.resumed, stream.progress
         try:
             first: FirstToken | None = await stream.prefill.prefill.remote(
-                rid, stream.prompt_ids, stream.sampling, stream.decode, self.reader, resumed
+                self._submission(stream, remote_prefill=True), stream.decode
             )
         except RayActorError as e:
             await self._prefill_lost(stream, e)
@@ -329,9 +330,7 @@ class Dispatcher:
         rid, why = stream.rid, f"prefill worker failed: {error}"
         log.warning("request %s: %s", rid, why)
         try:
-            await stream.decode.submit.remote(
-                rid, stream.prompt_ids, stream.sampling, False, self.reader, stream.resumed
-            )
+            await stream.decode.submit.remote(self._submission(stream, remote_prefill=False))
             return
         except RayActorError:  # gone too: its reader ends the stream
             return
@@ -342,6 +341,17 @@ class Dispatcher:
             return
         if not isinstance(error, ActorUnavailableError):
             await self._transfer_failed(rid, stream.decode, why)
+
+    def _submission(self, stream: _Stream, remote_prefill: bool) -> Submission:
+        """The attempt's message to a worker: `remote_prefill` to a prefill worker."""
+        return Submission(
+            request_id=stream.rid,
+            prompt_ids=stream.prompt_ids,
+            sampling=stream.sampling,
+            remote_prefill=remote_prefill,
+            reader=self.reader,
+            resumed=stream.resumed,
+        )
 
     def _poll(self, decode: DecodeHandle) -> None:
         # Ray's handles to one actor are equal (and hash alike): one reader per worker.

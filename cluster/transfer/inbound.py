@@ -6,6 +6,9 @@ the router's reports into events, passes its own monotonic time, and applies the
 actions. Every duration is counted on this side's clock alone, so no page safety
 depends on two hosts' clocks agreeing.
 
+0. WAITING: the request waits its turn for pages (none are free yet); nobody holds a
+   KVTarget for it. RESERVED once they are (`Reserved`); an abort now ends it at once
+   (`Withdraw`: nothing to free), and a STARTED, which no sender can send yet, is REVOKEd.
 1. RESERVED: pages are held for the prompt and nobody may WRITE into them: a sender
    posts no WRITE before its ACK. The sender's STARTED (sent when its worker admits the
    request to prefill) claims them: ACK, and the lease starts. No STARTED within
@@ -20,9 +23,13 @@ depends on two hosts' clocks agreeing.
    death, or `revoke_cap_s` after the REVOKE with no answer (a hung sender; it stops
    posting on its own `lease_s` after its last progress, long before).
 4. RELEASED: the pages were handed on exactly once: to decode (all landed), to a local
-   prefill (recompute), or freed (failed, aborted). Later notices change nothing; a
-   STARTED is answered with REVOKE. A transfer the receiver no longer holds (or never
-   held) is RELEASED too (`released`): so a late claim posts nothing.
+   prefill (recompute), or freed (failed, aborted), or none were ever held (withdrawn).
+   Later notices change nothing; a STARTED is answered with REVOKE. A transfer the
+   receiver no longer holds (or never held: a request that prefills here) is RELEASED too
+   (`released`): so a late claim posts nothing.
+
+RESERVED, RECEIVING and REVOKING are the request's TRANSFERRING here (`holding`); an
+aborted request (`aborted`) has had its last delta and waits only for its release.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from cluster.types import SampledToken
 
 
 class InboundStatus(enum.Enum):
+    WAITING = "waiting"
     RESERVED = "reserved"
     RECEIVING = "receiving"
     REVOKING = "revoking"
@@ -51,6 +59,11 @@ class Terms:
 
 
 # --- events ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reserved:
+    """Pages were reserved for the prompt: the sender has `lease_s` to claim them."""
 
 
 @dataclass(frozen=True)
@@ -98,7 +111,7 @@ class SenderGone:
     why: str
 
 
-Event = Started | Renew | Layers | Done | Cancel | Tick | Abort | SenderGone
+Event = Reserved | Started | Renew | Layers | Done | Cancel | Tick | Abort | SenderGone
 
 
 # --- actions ---------------------------------------------------------------------------------
@@ -140,8 +153,14 @@ class FreePages:
     """The request was aborted: free its pages (its end was already published)."""
 
 
-Action = Ack | Revoke | StartDecode | Recompute | Fail | FreePages
-RELEASES = (StartDecode, Recompute, Fail, FreePages)  # each hands the pages on, once
+@dataclass(frozen=True)
+class Withdraw:
+    """The request was aborted before any pages were reserved: answer its submit with no
+    target (its end was already published); there is nothing to free."""
+
+
+Action = Ack | Revoke | StartDecode | Recompute | Fail | FreePages | Withdraw
+RELEASES = (StartDecode, Recompute, Fail, FreePages, Withdraw)  # each ends the transfer, once
 
 
 @dataclass(frozen=True)
@@ -158,10 +177,19 @@ class Inbound:
     def complete(self) -> bool:
         return self.done is not None and self.landed >= self.done.num_writes
 
+    @property
+    def holding(self) -> bool:
+        """Pages are held for KV from elsewhere (TRANSFERRING): not yet handed on."""
+        return self.status in (
+            InboundStatus.RESERVED,
+            InboundStatus.RECEIVING,
+            InboundStatus.REVOKING,
+        )
 
-def reserve(terms: Terms, now: float) -> Inbound:
-    """Pages were just reserved: the sender has `lease_s` to claim them."""
-    return Inbound(terms, InboundStatus.RESERVED, now + terms.lease_s)
+
+def waiting(terms: Terms) -> Inbound:
+    """A request that will prefill elsewhere, waiting for pages to be reserved for it."""
+    return Inbound(terms, InboundStatus.WAITING, 0.0)
 
 
 def released(terms: Terms) -> Inbound:
@@ -172,6 +200,8 @@ def released(terms: Terms) -> Inbound:
 
 def on_event(s: Inbound, e: Event, now: float) -> tuple[Inbound, tuple[Action, ...]]:
     """The transfer's next state and what to do; RELEASES appear at most once per transfer."""
+    if s.status is InboundStatus.WAITING:
+        return _on_waiting(s, e, now)
     if s.status is InboundStatus.RELEASED:
         return s, ((Revoke(),) if isinstance(e, Started) else ())
     terms = s.terms
@@ -206,6 +236,22 @@ def on_event(s: Inbound, e: Event, now: float) -> tuple[Inbound, tuple[Action, .
             return _release(dataclasses.replace(s, why=why), why)
     if s.complete and s.status is not InboundStatus.RESERVED:
         return _release(s, "")
+    return s, ()
+
+
+def _on_waiting(s: Inbound, e: Event, now: float) -> tuple[Inbound, tuple[Action, ...]]:
+    """No pages yet: only their reservation or an abort matters; a claim is on nothing."""
+    match e:
+        case Reserved():
+            return dataclasses.replace(
+                s, status=InboundStatus.RESERVED, deadline=now + s.terms.lease_s
+            ), ()
+        case Abort():
+            return dataclasses.replace(s, status=InboundStatus.RELEASED, aborted=True), (
+                Withdraw(),
+            )
+        case Started():
+            return s, (Revoke(),)
     return s, ()
 
 

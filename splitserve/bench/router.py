@@ -102,6 +102,7 @@ from cluster.types import (
     ModelInfo,
     RequestId,
     SamplingParams,
+    Submission,
     TokenDelta,
 )
 from decode_worker.worker import spawn as spawn_decode
@@ -213,18 +214,11 @@ class StubDecode:
         self.info = Method(remote=lambda: _value(ModelInfo("stub", 2048, 49152, 16)))
         self.abort = Method(remote=lambda rid: _value(None))
 
-    async def _submit(
-        self,
-        rid: RequestId,
-        ids: list[int],
-        s: SamplingParams,
-        remote: bool,
-        reader: str,
-        resumed: int,
-    ) -> None:
-        for i in range(s.max_tokens):
-            end = FinishReason.LENGTH if i == s.max_tokens - 1 else None
-            self._out.put_nowait(TokenDelta(rid, i, (100 + i,), "x", (), end))
+    async def _submit(self, submission: Submission) -> None:
+        n = submission.sampling.max_tokens
+        for i in range(n):
+            end = FinishReason.LENGTH if i == n - 1 else None
+            self._out.put_nowait(TokenDelta(submission.request_id, i, (100 + i,), "x", (), end))
 
     async def _outputs(
         self, reader: str, after: int, timeout_s: float

@@ -25,6 +25,7 @@ from cluster.types import (
     RequestId,
     RequestStatus,
     SamplingParams,
+    Submission,
     TokenDelta,
 )
 from router.dispatch import Dispatcher
@@ -34,6 +35,21 @@ from tests.integration.disagg import collect, run
 from tests.integration.test_disagg import GREEDY, SEEDED, long_prompt
 
 READER = "failure-tests"  # the outbox these tests read by hand
+
+
+def submission(
+    rid: RequestId, prompt_ids: list[int], remote_prefill: bool, sampling: SamplingParams = GREEDY
+) -> Submission:
+    """The request as a router hands it over, its deltas to READER's outbox."""
+    return Submission(
+        request_id=rid,
+        prompt_ids=prompt_ids,
+        sampling=sampling,
+        remote_prefill=remote_prefill,
+        reader=READER,
+    )
+
+
 # Long enough for a claim made by a sender that is ready before the reservation (a Ray
 # reply, a connect and a notice), short enough to wait out.
 SHORT_LEASE = {"lease_s": 2.0, "local_prefill_tokens": 0}
@@ -83,7 +99,7 @@ async def _outputs(d: Any, rid: RequestId, timeout_s: float = 60) -> list[TokenD
 async def _stall_past_the_lease(d: Any, rid: RequestId, ids: list[int]) -> list[TokenDelta]:
     """Claim, stall until the decode worker revokes, see it keep the pages, then cancel."""
     sender = StalledSender(f"stalled-{rid}", COMPAT)
-    target = await d.submit.remote(rid, ids, GREEDY, True, READER)
+    target = await d.submit.remote(submission(rid, ids, remote_prefill=True))
     sender.claim(target, rid)
     await until(lambda: sender.hears(NoticeKind.ACK), "the claim acknowledged")
     await until(lambda: sender.hears(NoticeKind.REVOKE), "the lease revoked (its own clock)")
@@ -125,7 +141,7 @@ def test_an_abort_during_a_claimed_transfer_ends_the_stream_and_keeps_the_pages_
     sender = StalledSender("aborted-sender", COMPAT)
 
     async def go() -> None:
-        target = await d.submit.remote(rid, prompts[7], GREEDY, True, READER)
+        target = await d.submit.remote(submission(rid, prompts[7], remote_prefill=True))
         sender.claim(target, rid)
         await until(lambda: sender.hears(NoticeKind.ACK), "the claim acknowledged")
         assert await d.abort.remote(rid) is RequestStatus.TRANSFERRING
@@ -136,11 +152,13 @@ def test_an_abort_during_a_claimed_transfer_ends_the_stream_and_keeps_the_pages_
         assert await d.abort.remote(rid) is None  # its stream is over: nothing to abort
         assert not await d.transfer_failed.remote(rid, "too late")
         with pytest.raises(InvalidRequestError, match="already in flight"):
-            await d.submit.remote(rid, prompts[7], GREEDY, True, READER)
+            await d.submit.remote(submission(rid, prompts[7], remote_prefill=True))
         sender.cancel()
         await until(lambda: _stat(d, "transferring", 0), "the pages let go")
         assert (await d.stats.remote()).in_flight == 0
-        assert await d.submit.remote(rid, prompts[7], GREEDY, False, READER) is None  # anew
+        assert (
+            await d.submit.remote(submission(rid, prompts[7], remote_prefill=False)) is None
+        )  # anew
         assert await d.abort.remote(rid) is not None
 
     run(go())
@@ -158,7 +176,7 @@ def test_a_reservation_nobody_fills_is_released_when_its_lease_ends(
     late = StalledSender("late-sender", COMPAT)
 
     async def go() -> list[int]:
-        target = await d.submit.remote(rid, prompts[8], GREEDY, True, READER)
+        target = await d.submit.remote(submission(rid, prompts[8], remote_prefill=True))
         assert target is not None and len(target.pages) == -(-len(prompts[8]) // 16)
         assert target.lease_s == SHORT_LEASE["lease_s"]
         deltas = await _outputs(d, rid)
@@ -279,7 +297,9 @@ def test_abort_while_waiting_for_decode_pages(
 
     async def go() -> None:
         disp = Dispatcher()
-        target = await d.submit.remote(held, first, SamplingParams(max_tokens=8), True, READER)
+        target = await d.submit.remote(
+            submission(held, first, remote_prefill=True, sampling=SamplingParams(max_tokens=8))
+        )
         holder.claim(target, held)
         await until(lambda: holder.hears(NoticeKind.ACK), "the claim acknowledged")
         b = asyncio.create_task(collect(disp, small, GREEDY, d, p, "starved"))
@@ -386,7 +406,10 @@ def test_mismatched_peers_are_refused_at_the_handshake(
     async def go() -> None:
         # Refused by the handshake's hash check, not by a lease or a timeout: the decode
         # worker hears it at once, and with policy fail ends the request saying so.
-        assert await bad.prefill.remote(rid, prompts[0], GREEDY, strict, READER) is None
+        assert (
+            await bad.prefill.remote(submission(rid, prompts[0], remote_prefill=True), strict)
+            is None
+        )
         deltas = await _outputs(strict, rid)
         assert deltas[-1].finish_reason is FinishReason.ERROR
         assert deltas[-1].error is not None and "compatibility hash" in deltas[-1].error
@@ -409,13 +432,15 @@ def test_a_duplicate_request_id_is_refused_and_the_first_request_is_untouched(
     ids = long_prompt(prompts[8] + prompts[1], 400)  # uncached
 
     async def go() -> None:
-        first = asyncio.ensure_future(p.prefill.remote(rid, ids, GREEDY, d, READER))
+        first = asyncio.ensure_future(
+            p.prefill.remote(submission(rid, ids, remote_prefill=True), d)
+        )
         # An async actor may start calls out of order: wait until the first one is in.
         await until(lambda: _in(p, rid), "the first prefill to be admitted")
         with pytest.raises(InvalidRequestError, match="already in flight"):
-            await d.submit.remote(rid, prompts[0], GREEDY, False, READER)
+            await d.submit.remote(submission(rid, prompts[0], remote_prefill=False))
         with pytest.raises(InvalidRequestError, match="already in flight"):
-            await p.prefill.remote(rid, prompts[0], GREEDY, d, READER)
+            await p.prefill.remote(submission(rid, prompts[0], remote_prefill=True), d)
         token = await first
         # The decode worker's deltas start after the first token, which it never repeats.
         deltas = await _outputs(d, rid)

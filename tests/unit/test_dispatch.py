@@ -18,6 +18,7 @@ from cluster.types import (
     RequestId,
     SampledToken,
     SamplingParams,
+    Submission,
     TokenDelta,
 )
 from router.dispatch import DELIVER_SLICE, Dispatcher, Progress, WorkerLost, _Stream
@@ -92,8 +93,9 @@ class _Pair:
         self.prefill = type("Prefill", (), {"prefill": _Remote(self._prefill)})()
         self.decode = type("Decode", (), {"outputs": _Remote(self._outputs)})()
 
-    async def _prefill(self, rid: RequestId, *request: Any) -> FirstToken:
-        self.rid.set_result(rid)
+    async def _prefill(self, submission: Submission, decode: Any) -> FirstToken:
+        assert submission.remote_prefill  # the KV is pushed to `decode`, which reserves for it
+        self.rid.set_result(submission.request_id)
         return await self.reply
 
     async def _outputs(self, reader: str, cursor: int, wait_s: float) -> Any:
@@ -139,8 +141,8 @@ def test_a_first_token_queued_right_behind_the_decode_workers_deltas_goes_first(
     async def go() -> list[TokenDelta]:
         pair, dispatcher = _Pair(), Dispatcher()
 
-        async def prefill(rid: RequestId, *request: Any) -> FirstToken:
-            pair.rid.set_result(rid)
+        async def prefill(submission: Submission, decode: Any) -> FirstToken:
+            pair.rid.set_result(submission.request_id)
             await asyncio.sleep(0)  # the decode worker's deltas are queued meanwhile
             return FirstToken(SampledToken(7, None), "a")
 
@@ -188,8 +190,8 @@ def test_after_a_move_a_dead_prefill_worker_is_still_reported_to_the_new_decode_
     async def go() -> tuple[list[RequestId], list[RequestId]]:
         dispatcher, called, asked, told = Dispatcher(), asyncio.Event(), [], []
 
-        async def prefill(rid: RequestId, *request: Any) -> FirstToken:
-            asked.append(rid)
+        async def prefill(submission: Submission, decode: Any) -> FirstToken:
+            asked.append(submission.request_id)
             called.set()
             await asyncio.Event().wait()  # it dies before it answers
             raise AssertionError
@@ -229,10 +231,10 @@ async def _all(stream: Any) -> list[TokenDelta]:
     return [d async for d in stream]
 
 
-async def _in_flight(rid: RequestId, *request: Any) -> None:
+async def _in_flight(submission: Submission) -> None:
     from cluster.types import InFlightError
 
-    raise InFlightError(f"request_id: {rid!r} is already in flight")
+    raise InFlightError(f"request_id: {submission.request_id!r} is already in flight")
 
 
 async def _here(rid: RequestId, why: str) -> bool:

@@ -36,9 +36,19 @@ class Run:
     released_by: int = -1  # the index of the event the pages were released on
 
 
-def run(events: list[object], terms: Terms = TERMS, start: float = 0.0) -> Run:
-    """Feed the events in order, checking at each release that no WRITE could still land."""
-    r = Run(m.reserve(terms, start), start, [])
+def reserved(terms: Terms, now: float) -> m.Inbound:
+    """A request whose pages were reserved at `now`, after its wait for them."""
+    state, actions = m.on_event(m.waiting(terms), m.Reserved(), now)
+    assert actions == () and state.status is InboundStatus.RESERVED
+    return state
+
+
+def run(
+    events: list[object], terms: Terms = TERMS, start: float = 0.0, state: m.Inbound | None = None
+) -> Run:
+    """Feed the events in order, checking at each release that no WRITE could still land;
+    from `state`, by default pages reserved at `start`."""
+    r = Run(reserved(terms, start) if state is None else state, start, [])
     landed, done, revoked_at = 0, None, None
     for i, e in enumerate(events):
         r.now += e.seconds if isinstance(e, Wait) else STEP
@@ -90,6 +100,20 @@ def test_every_order_hands_the_pages_on_once_and_only_when_no_write_can_land(
             assert isinstance(release, m.Recompute if recompute else m.Fail), order
 
 
+def test_from_the_wait_for_pages_every_order_ends_once_and_an_abort_first_withdraws() -> None:
+    """The wait for pages and the transfer are one machine: an abort before the
+    reservation withdraws the request (nothing held), after it the transfer's rules hold."""
+    events = [m.Reserved(), m.Started(), m.Layers(), DONE, m.Abort(), LAPSE]
+    for order in itertools.permutations(events):
+        r = run([*order, LAST], state=m.waiting(TERMS))
+        assert r.state.status is InboundStatus.RELEASED and not r.state.holding
+        (release,) = releases(r)
+        if order.index(m.Abort()) < order.index(m.Reserved()):
+            assert release == m.Withdraw() and r.released_by == order.index(m.Abort()), order
+        elif m.Abort() in order[: r.released_by + 1]:
+            assert release == m.FreePages(), order
+
+
 def test_the_happy_path_acks_the_claim_and_decodes_once_every_write_has_landed() -> None:
     r = run([m.Started(), m.Layers(), m.Layers(), m.Done(3, SampledToken(7, -0.5)), m.Layers()])
     assert r.actions == [m.Ack(), m.StartDecode(SampledToken(7, -0.5))]
@@ -97,6 +121,7 @@ def test_the_happy_path_acks_the_claim_and_decodes_once_every_write_has_landed()
 
 def test_the_lease_counts_from_the_claim_and_each_notice_of_progress_renews_it() -> None:
     r = run([Wait(TERMS.lease_s - 1), m.Started()])  # a long queue before the claim: fine
+    assert r.state.holding
     for _ in range(5):  # minutes of prefill, each notice within a lease of the last
         r.now += TERMS.lease_s - 1
         r.state, actions = m.on_event(r.state, m.Renew(), r.now)
@@ -165,3 +190,41 @@ def test_a_transfer_not_held_is_released_to_the_protocol_and_a_claim_on_it_is_re
     done = m.Done(1, SampledToken(5, 0.0))
     for event in (m.Renew(), m.Layers(), done, m.Cancel(), m.Tick(), m.Abort()):
         assert m.on_event(gone, event, 1e9) == (gone, ())
+
+
+def test_a_request_waiting_for_pages_has_no_lease_and_its_abort_withdraws_it_at_once() -> None:
+    waiting = m.waiting(TERMS)
+    assert not waiting.holding and not waiting.aborted
+    for event in (m.Renew(), m.Layers(), m.Done(1, SampledToken(5, 0.0)), m.Cancel(), m.Tick(), LAST):
+        assert m.on_event(waiting, event, 1e9) == (waiting, ())  # waits as long as it takes
+    assert m.on_event(waiting, m.Started(), 1e9) == (waiting, (m.Revoke(),))  # on no pages
+    gone, actions = m.on_event(waiting, m.Abort(), 1e9)
+    assert actions == (m.Withdraw(),)
+    assert gone.status is InboundStatus.RELEASED and gone.aborted and not gone.holding
+
+
+def test_the_claim_s_lease_counts_from_the_reservation_not_from_the_wait_for_pages() -> None:
+    state = m.waiting(TERMS)
+    state, actions = m.on_event(state, m.Tick(), 10 * TERMS.lease_s)  # a long wait: fine
+    state, actions = m.on_event(state, m.Reserved(), 10 * TERMS.lease_s)
+    state, actions = m.on_event(state, m.Tick(), 11 * TERMS.lease_s - 1)
+    assert actions == () and state.status is InboundStatus.RESERVED
+    state, actions = m.on_event(state, m.Tick(), 11 * TERMS.lease_s)
+    assert len(actions) == 1 and isinstance(actions[0], m.Recompute)
+
+
+def test_holding_is_true_from_the_reservation_to_the_release_and_an_abort_is_kept() -> None:
+    """TRANSFERRING is the machine's: it ends with the one release, aborted or not."""
+    state = reserved(TERMS, 0.0)
+    seen = []
+    for event in (m.Started(), m.Layers(), m.Abort(), m.Layers(), m.Cancel()):
+        state, actions = m.on_event(state, event, 1.0)
+        seen.append((state.holding, state.aborted, actions))
+    assert seen == [
+        (True, False, (m.Ack(),)),
+        (True, False, ()),
+        (True, True, (m.Revoke(),)),  # its last delta is out; the pages wait for the sender
+        (True, True, ()),
+        (False, True, (m.FreePages(),)),
+    ]
+    assert m.on_event(state, m.Reserved(), 2.0) == (state, ())  # a reservation only once

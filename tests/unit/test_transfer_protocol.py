@@ -174,7 +174,8 @@ def pair(sender_offset_s: float, receiver_offset_s: float, recompute: bool = Tru
     terms = Terms(LEASE_S, 10 * LEASE_S, recompute)
     receiver = KVReceiver(FakeEndpoint("decode", net), terms, LAYERS, clocks[1])  # type: ignore[arg-type]
     pages = tuple(pool.allocate(3) or [])
-    transfer, target = receiver.expect(DST, 0)
+    transfer = Transfer(inbound.waiting(terms))
+    target = receiver.expect(RID, transfer, DST, 0)
     sender.start(RID, target)
     sender.transfers.submit(int).result()  # STARTED is out
     return Pair(net, sender, receiver, pool, holds, pages, {RID: transfer})

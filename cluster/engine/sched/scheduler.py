@@ -22,7 +22,8 @@ The scheduler is where a request lives in its engine: `requests` holds each one 
 `add` (or a successful `reserve`) to `finish`, the queues say where it is.
 
 A request whose prompt KV another worker computes skips 1-3: `reserve` takes pages for
-its whole prompt (cached prefix first) and holds it TRANSFERRING outside the queue;
+its whole prompt (cached prefix first) and holds it TRANSFERRING outside the queues
+(its status is the one record of that: `transferring` is derived from it);
 `activate` makes it RUNNING once the KV has landed, `requeue` sends it to the front of
 the queue to be prefilled here when the KV will not come.
 """
@@ -83,9 +84,13 @@ class Scheduler(Generic[S]):
         self.requests: dict[RequestId, S] = {}  # every request in flight, by id
         self.waiting: deque[S] = deque()
         self.running: list[S] = []
-        self.transferring: list[S] = []
         self.restoring: list[S] = []
         self.num_preemptions = 0
+
+    @property
+    def transferring(self) -> list[S]:
+        """Requests whose prompt KV another worker writes into their reserved pages."""
+        return [s for s in self.requests.values() if s.status is RequestStatus.TRANSFERRING]
 
     @property
     def has_work(self) -> bool:
@@ -113,18 +118,17 @@ class Scheduler(Generic[S]):
         seq.num_registered = len(cached)
         seq.status = RequestStatus.TRANSFERRING
         self.requests[seq.request_id] = seq
-        self.transferring.append(seq)
         return True
 
     def activate(self, seq: S) -> None:
         """seq's prompt KV is all in its pages: it decodes from the next step."""
-        self.transferring.remove(seq)
+        assert seq.status is RequestStatus.TRANSFERRING, seq.status
         self.commit(seq, seq.num_prompt - seq.num_computed)
         self.running.append(seq)
 
     def requeue(self, seq: S) -> None:
         """seq's KV will not arrive: free its reserved pages and prefill it here, first."""
-        self.transferring.remove(seq)
+        assert seq.status is RequestStatus.TRANSFERRING, seq.status
         self.pool.free(seq.pages)
         seq.pages = []
         seq.num_computed = seq.num_registered = 0
@@ -289,7 +293,7 @@ class Scheduler(Generic[S]):
     def finish(self, seq: S, reason: FinishReason) -> None:
         """End seq: free its pages once, whatever state it is in."""
         del self.requests[seq.request_id]
-        for queue in (self.running, self.waiting, self.transferring, self.restoring):
+        for queue in (self.running, self.waiting, self.restoring):
             if seq in queue:
                 queue.remove(seq)
         self.pool.free(seq.pages)

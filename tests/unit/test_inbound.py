@@ -195,7 +195,14 @@ def test_a_transfer_not_held_is_released_to_the_protocol_and_a_claim_on_it_is_re
 def test_a_request_waiting_for_pages_has_no_lease_and_its_abort_withdraws_it_at_once() -> None:
     waiting = m.waiting(TERMS)
     assert not waiting.holding and not waiting.aborted
-    for event in (m.Renew(), m.Layers(), m.Done(1, SampledToken(5, 0.0)), m.Cancel(), m.Tick(), LAST):
+    for event in (
+        m.Renew(),
+        m.Layers(),
+        m.Done(1, SampledToken(5, 0.0)),
+        m.Cancel(),
+        m.Tick(),
+        LAST,
+    ):
         assert m.on_event(waiting, event, 1e9) == (waiting, ())  # waits as long as it takes
     assert m.on_event(waiting, m.Started(), 1e9) == (waiting, (m.Revoke(),))  # on no pages
     gone, actions = m.on_event(waiting, m.Abort(), 1e9)

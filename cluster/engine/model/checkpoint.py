@@ -131,7 +131,7 @@ def load_checkpoint(
         weights: Weights = StreamedWeights(p, dtype, device, progress)
         quant = checkpoint_quant(p)
         if keep_blocks and (quant is None or quant.method not in PACKED):
-            raise QuantizationError(f"{p}: a checkpoint directory of float weights keeps no blocks")
+            raise QuantizationError(f"{p}: float weights in a directory, not a .gguf file")
         if quant is not None:
             weights = Prequantized(weights, quant, keep_blocks)
         return spec, Unfused(weights, spec)

@@ -131,10 +131,11 @@ class Prequantized:
         perm = None
         if self.quant.method == "gptq" and base + "g_idx" in self.weights:
             g_idx = self._tensor(base + "g_idx").long()
-            if not torch.equal(g_idx, torch.arange(g_idx.numel()) // self._group(g_idx.numel())):
+            runs = torch.arange(len(g_idx)) // self._group(len(g_idx))  # groups as runs
+            if not torch.equal(g_idx, runs):
                 perm = torch.argsort(g_idx, stable=True)  # act-order: each group's inputs
                 q = q[perm]
-                if not torch.equal(g_idx[perm], torch.arange(len(perm)) // self._group(len(perm))):
+                if not torch.equal(g_idx[perm], runs):
                     raise ModelLoadError(f"{base}g_idx: groups of unequal sizes")
         g = group_quant(q, zeros + self.quant.zero_offset, scales.float(), perm)
         return g if self.keep else g.dequantize()

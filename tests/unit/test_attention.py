@@ -15,7 +15,7 @@ from torch.nn.attention import SDPBackend
 
 from cluster.config import ConfigError
 from cluster.engine.kernels import attention_cpu
-from cluster.engine.kernels.attention import resolve_backend
+from cluster.engine.kernels.attention import LayerAttention, resolve_backend
 from cluster.engine.kernels.attention_cpu import (
     CpuBackend,
     CpuMetadata,
@@ -284,3 +284,69 @@ def test_a_later_token_s_large_score_stays_out_of_an_earlier_row_s_softmax() -> 
     ours = paged_attention(q, k, v, k_cache, v_cache, meta, lay, attention_cpu._kernel())
     ref = paged_attention(q, k, v, k_cache, v_cache, meta, lay)  # SDPA on the chunk's own K/V
     torch.testing.assert_close(ours, ref, rtol=0, atol=1e-5)
+
+
+def _windowed_reference(
+    q: torch.Tensor, cache: KVCache, batch: StepBatch, attn: LayerAttention
+) -> torch.Tensor:
+    """Each query row by itself, over its sequence's tokens as the cache holds them: the
+    keys in (position - window, position], scores scaled, soft-capped, softmax, V."""
+    lay, out = cache.layout, []
+    for i in range(batch.num_seqs):
+        context = batch.context_lens[i]
+        ids = batch.page_table[i, : pages_for(context, lay.page_size)]
+        keys = lay.gather(cache.k[0], ids, context).float()  # [context, kv_heads, dim]
+        values = lay.gather(cache.v[0], ids, context).float()
+        for row in range(batch.query_start[i], batch.query_start[i + 1]):
+            p = int(batch.positions[row])
+            lo = 0 if attn.window is None else max(0, p + 1 - attn.window)
+            group = q.shape[1] // keys.shape[1]
+            k = keys[lo : p + 1].repeat_interleave(group, 1)  # [t, heads, dim]
+            v = values[lo : p + 1].repeat_interleave(group, 1)
+            s = torch.einsum("hd,thd->ht", q[row].float(), k) * attn.scale_for(q.shape[-1])
+            if attn.softcap is not None:
+                s = torch.tanh(s / attn.softcap) * attn.softcap
+            out.append(torch.einsum("ht,thd->hd", torch.softmax(s, -1), v))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("page_size", [16, 5])
+@pytest.mark.parametrize(
+    "attn",
+    [
+        LayerAttention(window=1),
+        LayerAttention(window=7, scale=0.3),
+        LayerAttention(window=20, softcap=5.0),
+        LayerAttention(window=1000, softcap=2.0),
+        LayerAttention(scale=0.2, softcap=3.0),
+    ],
+    ids=["window-1", "window-7-scale", "window-20-softcap", "window-past-context", "softcap"],
+)
+@pytest.mark.parametrize("in_place", [True, False], ids=["kernel", "gathered"])
+def test_gemma_s_windows_and_soft_capping_attend_as_defined(
+    page_size: int, attn: LayerAttention, in_place: bool
+) -> None:
+    # Gemma's layers: a sliding window (the query's own token and the window - 1 before it),
+    # scores soft-capped and scaled by query_pre_attn_scalar. Decodes of 1, 17, 40 tokens, a
+    # chunk after cached context and a fresh prompt, in the C kernel and the gathered path,
+    # against each row computed by itself.
+    if in_place and attention_cpu._kernel() is None:
+        pytest.skip("no C compiler here")
+    g = torch.Generator().manual_seed(11)
+    layout = KVLayout(1, 3, 64, page_size, torch.float32)
+    cache = KVCache(layout, 24 * 16 // page_size + 4, CPU)
+    for t in (cache.k[0], cache.v[0]):
+        t.copy_(torch.randn(t.shape, generator=g))
+    lens, news = [1, 17, 40, 32, 6], [1, 1, 1, 5, 6]
+    table = scattered_pages(lens, page_size, cache.k[0].shape[0], seed=3)
+    positions = torch.cat([torch.arange(n - new, n) for n, new in zip(lens, news, strict=True)])
+    owner = torch.cat([torch.full((new,), i) for i, new in enumerate(news)])
+    slots = table[owner, positions // page_size] * page_size + positions % page_size
+    starts = [0, *torch.tensor(news).cumsum(0).tolist()]
+    batch = StepBatch(3, starts, lens, table, slots, positions)
+    n = starts[-1]
+    q, k, v = (torch.randn(n, h, 64, generator=g) for h in (9, 3, 3))
+    backend = CpuBackend(layout, CPU, in_place=in_place, layers=[attn])
+    assert (backend.kernel is not None) == in_place
+    ours = backend.forward(0, q, k, v, cache, backend.prepare(batch))
+    torch.testing.assert_close(ours, _windowed_reference(q, cache, batch, attn), rtol=0, atol=2e-5)

@@ -15,6 +15,8 @@ RoPE and rotates them as it stores (one kernel); the others take them rotated. B
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -22,6 +24,23 @@ import torch
 from cluster.config import ConfigError
 from cluster.engine.kernels.kv_cache import QMAX, KVCache, KVLayout, kv_dtype
 from cluster.engine.kernels.step_batch import StepBatch
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """How one layer's attention differs from causal softmax(q k^T / sqrt(head_dim)) V over
+    its whole context (Gemma's layers; every other family's are `PLAIN`)."""
+
+    scale: float | None = None  # multiplies q . k; None: head_dim ** -0.5
+    window: int | None = None  # the last `window` tokens only, the query's own included
+    softcap: float | None = None  # scores (scaled) -> softcap * tanh(scores / softcap)
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, signed sin; None: the model's
+
+    def scale_for(self, head_dim: int) -> float:
+        return head_dim**-0.5 if self.scale is None else self.scale
+
+
+PLAIN = LayerAttention()
 
 
 class AttentionBackend(Protocol):
@@ -96,17 +115,23 @@ def make_backend(
     num_heads: int,
     device: torch.device,
     rope: tuple[torch.Tensor, torch.Tensor],  # the model's cos and signed-sin tables
+    layers: Sequence[LayerAttention] = (),  # each layer's, where any is not PLAIN
 ) -> AttentionBackend:
     """The backend named by `resolve_backend`, built for this engine's cache."""
     if name == "cpu":
         from cluster.engine.kernels.attention_cpu import CpuBackend
 
-        return CpuBackend(layout, device)
+        return CpuBackend(layout, device, layers=layers)
     if name == "triton":
         from cluster.engine.kernels.attention_triton import TritonBackend
 
-        return TritonBackend(device, layout.num_kv_heads, rope)
+        return TritonBackend(device, layout.num_kv_heads, rope, layers=layers)
     assert name == "flashinfer", name
+    if any(a != PLAIN for a in layers):
+        raise ConfigError(
+            "attention_backend: flashinfer is not given this model's sliding windows, "
+            "soft-capping and score scale (Gemma's); attention_backend triton serves them"
+        )
     from cluster.engine.kernels.attention_flashinfer import FlashInferBackend
 
     return FlashInferBackend(layout, num_heads, device)

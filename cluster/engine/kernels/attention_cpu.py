@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 
 from cluster.config import ConfigError
 from cluster.engine.kernels import native
+from cluster.engine.kernels.attention import PLAIN, LayerAttention
 from cluster.engine.kernels.kv_cache import KVCache, KVLayout
 from cluster.engine.kernels.step_batch import StepBatch
 from cluster.engine.sched.page_pool import pages_for
@@ -65,10 +67,12 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.paged_attention.restype = ctypes.c_int
     lib.paged_attention.argtypes = [
         ptr, ptr, i64, i64, i64, ptr, ptr, ctypes.c_int, i64, ptr, i64, ptr, i64, ctypes.c_float,
+        i64, ctypes.c_float,
     ]  # fmt: skip
     lib.paged_prefill.restype = ctypes.c_int
     lib.paged_prefill.argtypes = [
         ptr, ptr, i64, i64, i64, ptr, ptr, ctypes.c_int, i64, ptr, i64, i64, ctypes.c_float,
+        i64, ctypes.c_float,
     ]  # fmt: skip
     lib.kv_store.restype = None
     lib.kv_store.argtypes = [ptr, ctypes.c_int, i64, i64, i64, ptr, i64, ptr, i64]
@@ -79,11 +83,18 @@ class CpuBackend:
     name = "cpu"
     fuses_rope = False
 
-    def __init__(self, layout: KVLayout, device: torch.device, in_place: bool = True) -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        device: torch.device,
+        in_place: bool = True,
+        layers: Sequence[LayerAttention] = (),  # each layer's, where any is not PLAIN
+    ) -> None:
         """`in_place`: decodes and prefills read their pages through our kernels where they
         build (else the pages are gathered)."""
         self.layout = layout
         self.device = device
+        self.layers = tuple(layers)
         self.kernel = _kernel() if in_place and layout.kind >= 0 else None
         if layout.scaled and self.kernel is None:
             raise ConfigError(
@@ -132,8 +143,9 @@ class CpuBackend:
         cache: KVCache,
         metadata: CpuMetadata,
     ) -> torch.Tensor:
+        attn = self.layers[layer] if self.layers else PLAIN
         return paged_attention(
-            q, k, v, cache.k[layer], cache.v[layer], metadata, self.layout, self.kernel
+            q, k, v, cache.k[layer], cache.v[layer], metadata, self.layout, self.kernel, attn
         )
 
 
@@ -146,6 +158,7 @@ def paged_attention(
     batch: CpuMetadata,
     layout: KVLayout,
     kernel: ctypes.CDLL | None = None,  # paged_attention.c, where the decodes read in place
+    attn: LayerAttention = PLAIN,
 ) -> torch.Tensor:
     for cache, x in ((k_cache, k), (v_cache, v)):
         if layout.scaled and kernel is not None:
@@ -156,7 +169,7 @@ def paged_attention(
     nd = batch.num_decodes
     if nd and batch.decode_lens is not None:
         assert kernel is not None and batch.decode_pages is not None
-        outs.append(_decode_in_place(kernel, q[:nd], k_cache, v_cache, batch, layout))
+        outs.append(_decode_in_place(kernel, q[:nd], k_cache, v_cache, batch, layout, attn))
     elif nd:
         assert batch.decode_pages is not None and batch.decode_mask is not None
         assert batch.decode_workspace is not None
@@ -168,14 +181,32 @@ def paged_attention(
         kv_heads, head_dim = k.shape[1], k.shape[2]
         kd = ws_k.view(kv_heads, nd, -1, head_dim).transpose(0, 1)
         vd = ws_v.view(kv_heads, nd, -1, head_dim).transpose(0, 1)
-        outs.append(_decode_attention(q[:nd], kd, vd, batch.decode_mask))
+        mask = batch.decode_mask
+        if attn.window is not None:  # the last `window` of each row's context
+            lens = mask.flatten(1).sum(1, keepdim=True)
+            at = torch.arange(mask.shape[-1])[None, :]
+            mask = mask & (at >= lens - attn.window)[:, None, None, :]
+        if attn == PLAIN:
+            outs.append(_decode_attention(q[:nd], kd, vd, mask))
+        else:
+            outs.append(_explicit(q[:nd].unsqueeze(2), kd, vd, mask, attn).squeeze(2))
     for c in batch.prefills:
         if kernel is not None:
             rows = q[c.start : c.start + c.num_tokens]
-            outs.append(_prefill_in_place(kernel, rows, k_cache, v_cache, c, layout))
+            outs.append(_prefill_in_place(kernel, rows, k_cache, v_cache, c, layout, attn))
             continue
         qc = heads_first(q[c.start : c.start + c.num_tokens])
-        if c.context_len == c.num_tokens:
+        if attn != PLAIN:
+            kc = heads_first(layout.gather(k_cache, c.pages, c.context_len))
+            vc = heads_first(layout.gather(v_cache, c.pages, c.context_len))
+            offset = c.context_len - c.num_tokens
+            rows = torch.arange(c.num_tokens).unsqueeze(1) + offset
+            at = torch.arange(c.context_len).unsqueeze(0)
+            mask = at <= rows
+            if attn.window is not None:
+                mask &= at > rows - attn.window
+            out = _explicit(qc, kc, vc, mask, attn)
+        elif c.context_len == c.num_tokens:
             kc = heads_first(k[c.start : c.start + c.num_tokens])
             vc = heads_first(v[c.start : c.start + c.num_tokens])
             out = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=True)
@@ -208,6 +239,7 @@ def _decode_in_place(
     v_cache: torch.Tensor,
     batch: CpuMetadata,
     lay: KVLayout,
+    attn: LayerAttention,
 ) -> torch.Tensor:
     """The decodes' attention by paged_attention.c, reading their pages in place."""
     pages, lens = batch.decode_pages, batch.decode_lens
@@ -218,7 +250,8 @@ def _decode_in_place(
     failed = kernel.paged_attention(
         qf.data_ptr(), out.data_ptr(), heads, lay.num_kv_heads, dim, k_cache.data_ptr(),
         v_cache.data_ptr(), lay.kind, lay.page_size, pages.data_ptr(),
-        pages.shape[1], lens.data_ptr(), rows, dim**-0.5,
+        pages.shape[1], lens.data_ptr(), rows, attn.scale_for(dim), attn.window or 0,
+        attn.softcap or 0.0,
     )  # fmt: skip
     if failed:
         raise MemoryError("paged_attention: no scratch memory for its scores")
@@ -232,6 +265,7 @@ def _prefill_in_place(
     v_cache: torch.Tensor,
     chunk: PrefillChunk,
     lay: KVLayout,
+    attn: LayerAttention,
 ) -> torch.Tensor:
     """A prefill chunk's attention (after its context, if any) by paged_attention.c."""
     qf = q.float().contiguous()
@@ -241,7 +275,7 @@ def _prefill_in_place(
     failed = kernel.paged_prefill(
         qf.data_ptr(), out.data_ptr(), heads, lay.num_kv_heads, dim, k_cache.data_ptr(),
         v_cache.data_ptr(), lay.kind, lay.page_size, pages.data_ptr(),
-        chunk.context_len, rows, dim**-0.5,
+        chunk.context_len, rows, attn.scale_for(dim), attn.window or 0, attn.softcap or 0.0,
     )  # fmt: skip
     if failed:
         raise MemoryError("paged_prefill: no scratch memory")
@@ -280,3 +314,21 @@ def _decode_attention(
     scores = torch.matmul(q.view(b, k.shape[1], -1, dim), k.transpose(2, 3)).float()
     scores = (scores * dim**-0.5).masked_fill(~mask, float("-inf"))
     return torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), v).view(b, heads, dim)
+
+
+def _explicit(
+    q: torch.Tensor,  # [b, heads, rows, head_dim]
+    k: torch.Tensor,  # [b, kv_heads, context, head_dim]
+    v: torch.Tensor,
+    mask: torch.Tensor,  # broadcasts to [b, heads, rows, context], True: attended
+    attn: LayerAttention,
+) -> torch.Tensor:
+    """Attention as transformers' eager path computes Gemma's: scores times the scale,
+    soft-capped, masked, softmax in float32 (SDPA has no soft-capping)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * attn.scale_for(q.shape[-1])
+    if attn.softcap is not None:
+        scores = torch.tanh(scores / attn.softcap) * attn.softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)

@@ -8,11 +8,14 @@ never waits on the host. q and k reach `forward` before RoPE (`fuses_rope`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from cluster.config import ConfigError
 from cluster.engine.kernels import paged_kernels
+from cluster.engine.kernels.attention import PLAIN, LayerAttention
 from cluster.engine.kernels.kv_cache import KVCache
 from cluster.engine.kernels.step_batch import StepBatch
 
@@ -59,7 +62,13 @@ class TritonBackend:
         kv_heads: int,
         rope: tuple[torch.Tensor, torch.Tensor],  # the model's cos and signed-sin tables
         block: int = 64,
+        layers: Sequence[LayerAttention] = (),  # each layer's, where any is not PLAIN
     ) -> None:
+        if any(a != PLAIN for a in layers):
+            raise ConfigError(
+                "attention_backend: triton does not compute sliding windows, soft-capping or "
+                "a score scale other than 1/sqrt(head_dim) (Gemma's) yet"
+            )
         self.device = device
         self.kv_heads = kv_heads
         self.rope = rope

@@ -18,9 +18,10 @@ typedef int (*qmatmul_fn)(const void *, int, int64_t, int64_t, const uint8_t *, 
                           void *, int);
 typedef int (*decode_fn)(const float *, float *, int64_t, int64_t, int64_t, const void *,
                          const void *, int, int64_t, const int64_t *, int64_t, const int64_t *,
-                         int64_t, float);
+                         int64_t, float, int64_t, float);
 typedef int (*prefill_fn)(const float *, float *, int64_t, int64_t, int64_t, const void *,
-                          const void *, int, int64_t, const int64_t *, int64_t, int64_t, float);
+                          const void *, int, int64_t, const int64_t *, int64_t, int64_t, float,
+                          int64_t, float);
 typedef void (*norm_fn)(void *, const void *, const void *, void *, int64_t, int64_t, int64_t,
                         int64_t, int64_t, float, int);
 typedef void (*rope_fn)(void *, const int64_t *, const void *, const void *, int64_t, int64_t,
@@ -120,13 +121,14 @@ static int attend(const Model *m, const Step *s, const Layer *l) {
   float scale = (float)m->scale;
   if (s->decodes && m->paged_attention(s->qf, s->af, m->heads, m->kv_heads, m->dim, l->k_cache,
                                        l->v_cache, kind, m->page_size, s->decode_pages,
-                                       s->decode_width, s->decode_lens, s->decodes, scale))
+                                       s->decode_width, s->decode_lens, s->decodes, scale, 0,
+                                       0.f))
     return -1;
   for (int64_t c = 0; c < s->chunks; c++) {
     const int64_t *at = s->chunk + 4 * c;  // first row, rows, context, pages
     if (m->paged_prefill(s->qf + at[0] * q, s->af + at[0] * q, m->heads, m->kv_heads, m->dim,
                          l->k_cache, l->v_cache, kind, m->page_size,
-                         (const int64_t *)(intptr_t)at[3], at[2], at[1], scale))
+                         (const int64_t *)(intptr_t)at[3], at[2], at[1], scale, 0, 0.f))
       return -1;
   }
   if (bf16) narrow(s->af, (uint16_t *)s->a, s->n * q);

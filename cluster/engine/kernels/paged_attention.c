@@ -37,16 +37,23 @@ enum { SPLIT_PAGES = 16, BLOCK = 16, TILE = 8 };
 enum { SPLIT_PAGES = 16, BLOCK = 16, TILE = 4 };
 #endif
 
+// A score soft-capped (Gemma 2's attention): softcap * tanh(s / softcap); 0: as it is.
+static inline float capped(float s, float softcap) {
+  return softcap > 0.f ? softcap * tanhf(s / softcap) : s;
+}
+
 // Query heads [kvh * group, (kvh + 1) * group) of one row over its tokens [begin, end),
-// begin a page's first: out gets each head's sum of e^(score - top) V, not yet divided by
-// `total`, the sum of those weights; `scores` holds group * (end - begin) rounded up to LANES.
-// Inlined where kind and dim are constants, so the loops over dim unroll.
+// begin a page's first, those before `lo` masked (a sliding window's start): out gets each
+// head's sum of e^(score - top) V, not yet divided by `total`, the sum of those weights;
+// `scores` holds group * (end - begin) rounded up to LANES. Inlined where kind and dim are
+// constants, so the loops over dim unroll.
 static inline __attribute__((always_inline)) void attend(
     const float *q, const void *k_cache, const void *v_cache, int kind, int64_t kv_heads,
     int64_t dim, int64_t page_size, const int64_t *pages, int64_t begin, int64_t end,
-    int64_t kvh, int64_t group, float scale, float *scores, float *row, float *out, float *top,
-    float *total) {
+    int64_t lo, int64_t kvh, int64_t group, float scale, float softcap, float *scores,
+    float *row, float *out, float *top, float *total) {
   int64_t len = end - begin, stride = (len + LANES - 1) / LANES * LANES;
+  int64_t skip = lo > begin ? lo - begin : 0;  // masked tokens at the start
   for (int64_t g = 0; g < group; g++) top[g] = -INFINITY, total[g] = 0.f;
   for (int64_t t0 = begin, p = begin / page_size; t0 < end; t0 += page_size, p++) {
     const uint8_t *run = kv_run(k_cache, kind, pages[p] * kv_heads + kvh, page_size, dim);
@@ -60,9 +67,9 @@ static inline __attribute__((always_inline)) void attend(
         float s = 0.f;
 #pragma omp simd reduction(+ : s)
         for (int64_t d = 0; d < dim; d++) s += qg[d] * k[d];
-        s *= scale * kv_read_scale(run, kind, j, page_size, dim);
+        s = capped(s * scale * kv_read_scale(run, kind, j, page_size, dim), softcap);
         scores[g * stride + t0 - begin + j] = s;
-        top[g] = s > top[g] ? s : top[g];
+        if (t0 + j >= lo) top[g] = s > top[g] ? s : top[g];
       }
     }
   }
@@ -72,9 +79,11 @@ static inline __attribute__((always_inline)) void attend(
     float *sg = scores + g * stride;
     lanes sum = (lanes){0};
     for (int64_t t = len; t < stride; t++) sg[t] = top[g];  // finite; weighs 0 below
+    for (int64_t t = 0; t < skip; t++) sg[t] = top[g];
     for (int64_t t = 0; t < stride; t += LANES) {
       lanes w = exp_nonpositive(load(sg + t) - top[g]);
       w = pick(index + (float)t < (float)len, w, (lanes){0});
+      if (skip) w = pick(index + (float)t < (float)skip, (lanes){0}, w);
       store(sg + t, w);
       sum += w;
     }
@@ -99,7 +108,8 @@ static inline __attribute__((always_inline)) void attend(
 }
 
 // out[r] for r < rows: query row r of q attends to the first lens[r] tokens of the
-// sequence whose page ids are tables[r] (width table_width). A task is a row's KV head over
+// sequence whose page ids are tables[r] (width table_width), or with a `window` (> 0) to
+// the last `window` of them; scores times `scale`, then soft-capped by `softcap` (> 0). A task is a row's KV head over
 // SPLIT_PAGES of its pages; a row longer than that has its splits' sums merged (as
 // flash-decoding does), so a small batch of long rows still has tasks for every thread. The
 // splits fall at fixed pages, so a row's output does not depend on its batch. Returns 0,
@@ -107,7 +117,7 @@ static inline __attribute__((always_inline)) void attend(
 int paged_attention(const float *q, float *out, int64_t heads, int64_t kv_heads, int64_t dim,
                     const void *k_cache, const void *v_cache, int kind, int64_t page_size,
                     const int64_t *tables, int64_t table_width, const int64_t *lens,
-                    int64_t rows, float scale) {
+                    int64_t rows, float scale, int64_t window, float softcap) {
   int64_t group = heads / kv_heads, longest = 0, tasks = rows * kv_heads;
   for (int64_t r = 0; r < rows; r++) longest = lens[r] > longest ? lens[r] : longest;
   int64_t splits = ((longest + page_size - 1) / page_size + SPLIT_PAGES - 1) / SPLIT_PAGES;
@@ -129,13 +139,16 @@ int paged_attention(const float *q, float *out, int64_t heads, int64_t kv_heads,
       int64_t at = (r * heads + kvh * group) * dim, begin = split * SPLIT_PAGES * page_size;
       int64_t end = begin + SPLIT_PAGES * page_size;
       end = end > lens[r] ? lens[r] : end;
-      begin = begin > end ? end : begin;  // a shorter row's last splits: empty
+      int64_t lo = window > 0 && lens[r] > window ? lens[r] - window : 0;
+      int64_t first = lo / page_size * page_size;  // the window's first page
+      begin = begin < first ? first : begin;
+      begin = begin > end ? end : begin;  // a shorter row's last splits, or before the window: empty
       const int64_t *pages = tables + r * table_width;
       float top[group], total[group], *o = out + at;
       if (parts) o = parts + i * group * (dim + 2);
 #define ATTEND(KIND, DIM)                                                                  \
-  attend(q + at, k_cache, v_cache, KIND, kv_heads, DIM, page_size, pages, begin, end, kvh, \
-         group, scale, scores + dim, scores, o, top, total)
+  attend(q + at, k_cache, v_cache, KIND, kv_heads, DIM, page_size, pages, begin, end, lo, \
+         kvh, group, scale, softcap, scores + dim, scores, o, top, total)
 #define ATTEND_64(KIND) ATTEND(KIND, 64)
 #define ATTEND_128(KIND) ATTEND(KIND, 128)
 #define ATTEND_ANY(KIND) ATTEND(KIND, dim)
@@ -230,16 +243,22 @@ static inline __attribute__((always_inline)) void tile_scores(const float *restr
     }
 }
 
-// One query vector's scores for a page (`width` of them, a multiple of LANES, those from
-// `valid` on masked) become its softmax weights against the running max `*top`: the sum
-// `*total` and the output so far `o` shrink where the max grows; the weights' sum is added.
-static inline __attribute__((always_inline)) void weigh(float *s, int64_t width, int64_t valid,
-                                                        float scale, float *top, float *total,
-                                                        float *o, int64_t dim) {
+// One query vector's scores for a page (`width` of them, a multiple of LANES, those before
+// `from` (a sliding window's start) and from `valid` on masked), times `scale` and
+// soft-capped, become its softmax weights against the running max `*top`: the sum `*total`
+// and the output so far `o` shrink where the max grows; the weights' sum is added.
+static inline __attribute__((always_inline)) void weigh(float *s, int64_t width, int64_t from,
+                                                        int64_t valid, float scale,
+                                                        float softcap, float *top,
+                                                        float *total, float *o, int64_t dim) {
   lanes index, big = (lanes){0} - INFINITY;
   for (int l = 0; l < LANES; l++) index[l] = (float)l;
   for (int64_t j = 0; j < width; j += LANES) {
-    lanes x = pick(index + (float)j < (float)valid, load(s + j) * scale, (lanes){0} - INFINITY);
+    lanes x = load(s + j) * scale;
+    if (softcap > 0.f)
+      for (int l = 0; l < LANES; l++) x[l] = capped(x[l], softcap);
+    x = pick(index + (float)j < (float)valid, x, (lanes){0} - INFINITY);
+    if (from > 0) x = pick(index + (float)j < (float)from, (lanes){0} - INFINITY, x);
     store(s + j, x);
     big = pick(x > big, x, big);
   }
@@ -256,6 +275,7 @@ static inline __attribute__((always_inline)) void weigh(float *s, int64_t width,
   for (int64_t j = 0; j < width; j += LANES) {
     lanes w = exp_nonpositive(load(s + j) - *top);
     w = pick(index + (float)j < (float)valid, w, (lanes){0});
+    if (from > 0) w = pick(index + (float)j < (float)from, (lanes){0}, w);
     store(s + j, w);
     sum += w;
   }
@@ -284,7 +304,7 @@ static inline __attribute__((always_inline)) void prefill_block(
     const float *restrict q, float *restrict out, int64_t heads, int64_t kv_heads, int64_t dim,
     const void *k_cache, const void *v_cache, int kind, int64_t page_size,
     const int64_t *pages, int64_t first_row, int64_t i0, int64_t i1, int64_t kvh, float scale,
-    float *restrict kt, float *restrict vt, float *restrict top, float *restrict total,
+    int64_t window, float softcap, float *restrict kt, float *restrict vt, float *restrict top, float *restrict total,
     float *restrict acc, const float **qs, const float *zeros) {
   int64_t group = heads / kv_heads, vectors = (i1 - i0) * group, end = first_row + i1;
   int64_t width = (page_size + LANES - 1) / LANES * LANES;
@@ -294,7 +314,9 @@ static inline __attribute__((always_inline)) void prefill_block(
   for (int64_t r = 0; r < vectors; r++) top[r] = -INFINITY, total[r] = 0.f;
   memset(acc, 0, (size_t)(vectors * dim) * sizeof(float));
   memset(s, 0, sizeof s);  // the padding past page_size: finite, masked
-  for (int64_t t0 = 0, p = 0; t0 < end; t0 += page_size, p++) {
+  // With a window, the pages before the block's first row's window are never read.
+  int64_t lo = window > 0 && first_row + i0 + 1 > window ? first_row + i0 + 1 - window : 0;
+  for (int64_t p = lo / page_size, t0 = p * page_size; t0 < end; t0 += page_size, p++) {
     int64_t n = end - t0 < page_size ? end - t0 : page_size;
     const uint8_t *k_run = kv_run(k_cache, kind, pages[p] * kv_heads + kvh, page_size, dim);
     const uint8_t *v_run = kv_run(v_cache, kind, pages[p] * kv_heads + kvh, page_size, dim);
@@ -321,9 +343,11 @@ static inline __attribute__((always_inline)) void prefill_block(
       tile_scores(kt, qs + r0, dim, page_size, width, s);
       for (int64_t u = 0; u < TILE && r0 + u < vectors; u++) {
         int64_t r = r0 + u, valid = first_row + i0 + r / group + 1 - t0;
+        int64_t from = window > 0 ? valid - window : 0;  // this row's window, in the page
+        if (from >= n) continue;  // the page lies before this row's window
         valid = valid > n ? n : valid;
         float *o = acc + r * dim, *w = s + u * width;
-        weigh(w, width, valid, scale, top + r, total + r, o, dim);
+        weigh(w, width, from, valid, scale, softcap, top + r, total + r, o, dim);
         add_weighted(o, w, valid, vt, dim);
       }
     }
@@ -336,11 +360,13 @@ static inline __attribute__((always_inline)) void prefill_block(
   }
 }
 
-// out[i] for i < n, as above; q and out [n, heads, dim] float32. Returns 0, or -1 when
-// scratch memory cannot be had.
+// out[i] for i < n, as above (with a `window` > 0, each row attends to its last `window`
+// tokens; `softcap` as paged_attention's); q and out [n, heads, dim] float32. Returns 0, or
+// -1 when scratch memory cannot be had.
 int paged_prefill(const float *q, float *out, int64_t heads, int64_t kv_heads, int64_t dim,
                   const void *k_cache, const void *v_cache, int kind, int64_t page_size,
-                  const int64_t *pages, int64_t context, int64_t n, float scale) {
+                  const int64_t *pages, int64_t context, int64_t n, float scale,
+                  int64_t window, float softcap) {
   int64_t group = heads / kv_heads, blocks = (n + BLOCK - 1) / BLOCK;
   int64_t vectors = BLOCK * group;
   int failed = 0;
@@ -363,7 +389,8 @@ int paged_prefill(const float *q, float *out, int64_t heads, int64_t kv_heads, i
       float *total = top + vectors, *acc = total + vectors, *zeros = acc + vectors * dim;
 #define BLOCK_OF(KIND, PS, DIM)                                                         \
   prefill_block(q, out, heads, kv_heads, DIM, k_cache, v_cache, KIND, PS, pages,        \
-                context - n, i0, i1, kvh, scale, kt, vt, top, total, acc, qs, zeros)
+                context - n, i0, i1, kvh, scale, window, softcap, kt, vt, top, total, acc, \
+                qs, zeros)
 #define BLOCK_16_64(KIND) BLOCK_OF(KIND, 16, 64)
 #define BLOCK_16_128(KIND) BLOCK_OF(KIND, 16, 128)
 #define BLOCK_ANY(KIND) BLOCK_OF(KIND, page_size, dim)

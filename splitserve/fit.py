@@ -47,7 +47,11 @@ def engine_workspace_bytes(
     `backend` or the one its attention_backend resolves to on `device`."""
     dtype = pick_dtype(engine.dtype, device)
     backend = backend or resolve_backend(
-        engine.attention_backend, device, dtype, engine.kv_cache_dtype
+        engine.attention_backend,
+        device,
+        dtype,
+        engine.kv_cache_dtype,
+        plain=not spec.sandwich_norms,
     )
     item = getattr(torch, dtype).itemsize
     return workspace_bytes(

@@ -279,7 +279,7 @@ class PiecewiseGraphs:
                 self.qkv[:b].copy_(qkv)
                 if not self.attention.fuses_rope:
                     qk, _ = m.heads(self.qkv[:b])
-                    keep(qk, m.rope(qk, positions, m.rope_rows(positions)))
+                    keep(qk, m.rope(i, qk, positions, m.rope_rows(positions)))
             else:
                 assert mlp is not None
                 self.mlp[:b].copy_(mlp)

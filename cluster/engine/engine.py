@@ -118,7 +118,11 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or spec.max_position, spec.max_position)
         self.layout = KVLayout.of(self.model.spec, config.page_size, kv)  # its heads
         backend = resolve_backend(
-            config.attention_backend, self.device, self.dtype, config.kv_cache_dtype
+            config.attention_backend,
+            self.device,
+            self.dtype,
+            config.kv_cache_dtype,
+            plain=not spec.sandwich_norms,
         )
         workspace = workspace_bytes(
             self.model.spec,

@@ -227,6 +227,7 @@ def build(model: LlamaModel, cache: KVCache, attention: AttentionBackend) -> Lay
     if (
         model.group is not None
         or model.spec.experts  # a Mixture-of-Experts' routing: not in layer_loop.c yet
+        or model.spec.gemma  # its norms, GELU and windows: not in layer_loop.c yet
         or model.kernels is None  # the C layer ops, built for the model's dtype
         or model.kernels is not layer_kernels_cpu.module(model.cos.dtype)
         or not isinstance(attention, CpuBackend)

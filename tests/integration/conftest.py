@@ -237,6 +237,57 @@ def tiny_qwen3_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return _save_tiny(tmp_path_factory.mktemp("ckpt"), "tiny-qwen3-moe", config)
 
 
+@pytest.fixture(scope="session")
+def tiny_gemma_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Gemma (1): norms as 1 + w, GELU gating, scaled embeddings, one KV head."""
+    from transformers import GemmaConfig
+
+    config = GemmaConfig(**TINY, num_key_value_heads=1, head_dim=32, pad_token_id=0)
+    return _save_tiny(tmp_path_factory.mktemp("ckpt"), "tiny-gemma", config)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma2_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Gemma 2: every other layer an 8-token sliding window, attention and final logits
+    soft-capped (tight caps, so the tiny model's scores reach them), query_pre_attn_scalar
+    apart from head_dim, norms around each sublayer, GELU gating, scaled embeddings."""
+    from transformers import Gemma2Config
+
+    config = Gemma2Config(
+        **{**TINY, "num_hidden_layers": 4},
+        num_key_value_heads=2,
+        head_dim=32,
+        query_pre_attn_scalar=24,
+        sliding_window=8,
+        attn_logit_softcapping=0.5,
+        final_logit_softcapping=2.0,
+        pad_token_id=0,
+    )
+    return _save_tiny(tmp_path_factory.mktemp("ckpt"), "tiny-gemma2", config)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Gemma 3 (text): q/k norms, three sliding layers of four (8-token window) rotated at
+    their own base, the full one's RoPE linearly scaled, no soft-capping."""
+    from transformers import Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        **{**TINY, "num_hidden_layers": 4},
+        num_key_value_heads=2,
+        head_dim=32,
+        query_pre_attn_scalar=24,
+        sliding_window=8,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+        },
+        pad_token_id=0,
+    )
+    return _save_tiny(tmp_path_factory.mktemp("ckpt"), "tiny-gemma3", config)
+
+
 # --- real Ray workers ----------------------------------------------------------------------
 
 # A small token budget makes prompts of a few hundred tokens prefill in several chunks.

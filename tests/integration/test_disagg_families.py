@@ -1,8 +1,8 @@
 """The families beyond Llama through the disaggregated path: a Mixture-of-Experts model
-(Mixtral) and Qwen3 (q/k norms) served by a prefill and a decode worker, their KV moved
-over NIXL, give the tokens of one colocated worker; and a stream moved off a dead decode
-worker goes on as if never moved. (Their float32 logits against transformers:
-test_hf_checkpoint.py; the experts' own tests: test_experts.py.)"""
+(Mixtral), Qwen3 (q/k norms) and Gemma 3 (sliding windows) served by a prefill and a
+decode worker, their KV moved over NIXL, give the tokens of one colocated worker; and a
+stream moved off a dead decode worker goes on as if never moved. (Their float32 logits
+against transformers: test_hf_checkpoint.py; the experts' own tests: test_experts.py.)"""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from tests.integration.test_migration import kill_then_continue
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 
 
-@pytest.mark.parametrize("which", ["tiny_mixtral_dir", "tiny_qwen3_dir"])
+@pytest.mark.parametrize("which", ["tiny_mixtral_dir", "tiny_qwen3_dir", "tiny_gemma3_dir"])
 def test_a_family_served_disaggregated_and_moved_gives_one_workers_tokens(
     which: str, workers: Any, prompts: list[list[int]], request: pytest.FixtureRequest
 ) -> None:

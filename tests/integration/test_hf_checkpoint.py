@@ -51,6 +51,9 @@ def _engine_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
         "tiny_phi3_dir",
         "tiny_mixtral_dir",
         "tiny_qwen3_moe_dir",
+        "tiny_gemma_dir",
+        "tiny_gemma2_dir",
+        "tiny_gemma3_dir",
     ],
 )
 def test_logits_match_transformers(which: str, request: pytest.FixtureRequest):
@@ -73,7 +76,15 @@ def test_logits_match_transformers(which: str, request: pytest.FixtureRequest):
 
 @pytest.mark.parametrize(
     "which",
-    ["tiny_llama_dir", "tiny_qwen3_dir", "tiny_phi3_dir", "tiny_mixtral_dir", "tiny_qwen3_moe_dir"],
+    [
+        "tiny_llama_dir",
+        "tiny_qwen3_dir",
+        "tiny_phi3_dir",
+        "tiny_mixtral_dir",
+        "tiny_qwen3_moe_dir",
+        "tiny_gemma2_dir",
+        "tiny_gemma3_dir",
+    ],
 )
 def test_generate_on_a_hf_checkpoint(which: str, request: pytest.FixtureRequest):
     from transformers import AutoModelForCausalLM

@@ -180,3 +180,20 @@ def test_a_worker_that_loses_a_rank_mid_stream_is_replaced_and_its_stream_ends_t
     assert reply.decode_worker == h.read(lambda: pool.serving[0])
     assert reply.token_ids == expected.token_ids
     h.assert_all_pages_free()
+
+
+def test_gemma_split_across_two_ranks_gives_one_ranks_greedy_tokens(
+    ray_workers: Any, tiny_gemma2_dir: Any
+) -> None:
+    # Gemma 2's sliding windows, soft-capping, norms around each sublayer and scaled
+    # embeddings with its heads split 2 + 2 (KV heads 1 + 1) and its vocabulary in halves.
+    exact = {"model": str(tiny_gemma2_dir), "dtype": "float32", "quantization": "none"}
+    prompts = RAW_PROMPTS[:3]  # with 32 new tokens each, well past the 8-token window
+    one = LLMEngine(EngineConfig(**exact, **SMALL))
+    expected = [c.token_ids for c in one.generate(prompts, GREEDY)]
+    split = LLMEngine(EngineConfig(**exact, **SMALL, tensor_parallel_size=2))
+    try:
+        assert split.layout.num_kv_heads == 1 and split.model.spec.num_heads == 2
+        assert [c.token_ids for c in split.generate(prompts, GREEDY)] == expected
+    finally:
+        split.close()

@@ -37,8 +37,8 @@ def test_qwen3_normalizes_its_q_and_k_heads_and_the_others_do_not(tmp_path: Path
 
 
 def test_a_family_not_served_is_refused_naming_it_and_those_that_are(tmp_path: Path) -> None:
-    with pytest.raises(ModelLoadError, match="'GemmaForCausalLM' is not supported") as e:
-        _spec(tmp_path, "GemmaForCausalLM")
+    with pytest.raises(ModelLoadError, match="'GPTNeoXForCausalLM' is not supported") as e:
+        _spec(tmp_path, "GPTNeoXForCausalLM")
     assert all(name in str(e.value) for name in HF_ARCHITECTURES)
 
 
@@ -52,6 +52,37 @@ def test_a_sliding_window_caps_the_context_unless_it_is_off(tmp_path: Path) -> N
     assert _spec(tmp_path, "MistralForCausalLM", sliding_window=4096).max_position == 512
     off = {"sliding_window": 100, "use_sliding_window": False}
     assert _spec(tmp_path, "Qwen2ForCausalLM", **off).max_position == 512
+
+
+def test_gemma_reads_which_layers_slide_and_refuses_what_it_does_not_compute(
+    tmp_path: Path,
+) -> None:
+    four = {"num_hidden_layers": 4, "head_dim": 16, "sliding_window": 32}
+    g2 = _spec(tmp_path, "Gemma2ForCausalLM", **four, attn_logit_softcapping=50.0)
+    assert g2.windows == (32, None, 32, None) and g2.attn_softcap == 50.0
+    assert g2.max_position == 512  # the window is computed, not a cap on the context
+    assert g2.query_scale == 16**-0.5 and g2.sandwich_norms and not g2.qk_norm
+    six = {**four, "num_hidden_layers": 7}  # Gemma 3: five sliding of each six
+    g3 = _spec(tmp_path, "Gemma3ForCausalLM", **six, query_pre_attn_scalar=4, rope_theta=1e6)
+    assert g3.windows == (32,) * 5 + (None, 32) and g3.qk_norm and g3.query_scale == 0.5
+    assert (g3.rope_theta, g3.local_rope_theta) == (1e6, 10000.0)
+    nested = {  # transformers 5 writes one RoPE set a layer type
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+    }
+    g3 = _spec(tmp_path, "Gemma3ForCausalLM", **six, rope_parameters=nested)
+    assert g3.rope_scaling["factor"] == 8.0 and g3.local_rope_theta == 1e4
+    g1 = _spec(tmp_path, "GemmaForCausalLM", head_dim=16)
+    assert g1.gemma and not g1.sandwich_norms and g1.windows == ()
+    with pytest.raises(ModelLoadError, match="hidden_activation 'silu'"):
+        _spec(tmp_path, "Gemma2ForCausalLM", **four, hidden_activation="silu")
+    with pytest.raises(ModelLoadError, match="use_bidirectional_attention"):
+        _spec(tmp_path, "Gemma3ForCausalLM", **four, use_bidirectional_attention=True)
+    with pytest.raises(ModelLoadError, match=r"layer_types \['chunked_attention'\]"):
+        _spec(tmp_path, "Gemma3ForCausalLM", **four, layer_types=["chunked_attention"] * 4)
+    sliding_yarn = {**nested, "sliding_attention": {"rope_type": "yarn", "rope_theta": 1e4}}
+    with pytest.raises(ModelLoadError, match="sliding layers' rope_type 'yarn'"):
+        _spec(tmp_path, "Gemma3ForCausalLM", **four, rope_parameters=sliding_yarn)
 
 
 PUBLISHED = {

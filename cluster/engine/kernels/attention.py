@@ -67,12 +67,16 @@ class AttentionBackend(Protocol):
         ...
 
 
-def resolve_backend(name: str, device: torch.device, dtype: str, kv_cache_dtype: str) -> str:
+def resolve_backend(
+    name: str, device: torch.device, dtype: str, kv_cache_dtype: str, plain: bool = True
+) -> str:
     """The backend `engine.attention_backend: name` means on `device` at `dtype` (resolved,
     not auto) over pages of `kv_cache_dtype`; ConfigError when it cannot run there. auto: cpu
     on CPU; on CUDA FlashInfer if installed, the dtype is bfloat16 (it has no float32
     kernels) and the pages are not 8-bit (it reads no scale per token and head), else triton.
-    fp8 pages on a GPU without fp8 conversions (compute capability below 8.9) are refused."""
+    fp8 pages on a GPU without fp8 conversions (compute capability below 8.9) are refused.
+    `plain`: every layer's attention is PLAIN; else (Gemma's) auto is triton on CUDA, as
+    FlashInfer is not given windows, soft-capping or scales here."""
     has = lambda module: importlib.util.find_spec(module) is not None
     kv = kv_dtype(kv_cache_dtype, torch.float32)
     scaled = kv in QMAX
@@ -87,7 +91,7 @@ def resolve_backend(name: str, device: torch.device, dtype: str, kv_cache_dtype:
     if name == "auto":
         if device.type == "cpu":
             return "cpu"
-        fits = has("flashinfer") and dtype == "bfloat16" and not scaled
+        fits = has("flashinfer") and dtype == "bfloat16" and not scaled and plain
         return "flashinfer" if fits else "triton"
     if scaled and name == "flashinfer":
         raise ConfigError(

@@ -45,8 +45,12 @@ HF_ARCHITECTURES = (
     "Phi3ForCausalLM",
     "MixtralForCausalLM",
     "Qwen3MoeForCausalLM",
+    "GemmaForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
-QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
+GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 GGUF_ARCHITECTURES = ("llama", "qwen2")
 ROPE_TYPES = ("default", "linear", "llama3")
 CPU = torch.device("cpu")
@@ -79,11 +83,25 @@ class ModelSpec:
     experts_per_token: int = 0
     expert_size: int = 0
     renormalize_experts: bool = True
+    # Gemma: RMSNorm weights as 1 + w, GELU (tanh) gating, embeddings times
+    # sqrt(hidden_size); from Gemma 2 on, the attention's and the MLP's outputs each normed
+    # before their add (`sandwich_norms`)
+    gemma: bool = False
+    sandwich_norms: bool = False
+    query_scale: float | None = None  # query_pre_attn_scalar ** -0.5; None: head_dim's
+    windows: tuple[int | None, ...] = ()  # each layer's sliding window (None: full); (): none
+    attn_softcap: float | None = None  # attention scores soft-capped (Gemma 2)
+    final_softcap: float | None = None  # logits soft-capped (Gemma 2)
+    local_rope_theta: float | None = None  # Gemma 3's sliding layers' RoPE base (unscaled)
 
-    def rope_inv_freq(self) -> torch.Tensor:
-        """Inverse frequencies of the rotary embedding, computed as transformers does."""
+    def rope_inv_freq(self, local: bool = False) -> torch.Tensor:
+        """Inverse frequencies of the rotary embedding, computed as transformers does
+        (`local`: Gemma 3's sliding layers', default RoPE at local_rope_theta)."""
         dim = self.head_dim
         exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+        if local:
+            assert self.local_rope_theta is not None
+            return 1.0 / (self.local_rope_theta**exponents)
         inv_freq = 1.0 / (self.rope_theta**exponents)
         kind = self.rope_scaling.get("rope_type", "default")
         if kind == "linear":
@@ -260,7 +278,10 @@ def spec_from_hf_config(path: Path) -> ModelSpec:
             f"{path}: architecture {archs[0]!r} is not supported (supported: {HF_ARCHITECTURES})"
         )
     read_quant_config(cfg, path)  # a quantization it cannot read is refused here
+    gemma = _gemma(cfg, archs[0], path)
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    if "full_attention" in rope:  # Gemma 3 in transformers 5: one set a layer type
+        rope = dict(rope["full_attention"])
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ROPE_TYPES:
         raise ModelLoadError(f"{path}: rope_type {kind!r} is not supported ({ROPE_TYPES})")
@@ -272,9 +293,10 @@ def spec_from_hf_config(path: Path) -> ModelSpec:
     # A sliding window (Phi-3-mini's 2047, Mistral 7B v0.1's 4096; Qwen2's off unless
     # use_sliding_window) is not computed here: the context is capped to it, where every
     # token attends to all before it anyway.
+    # Gemma's windowed layers are computed (`windows`).
     window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
     max_position = cfg.get("max_position_embeddings", 2048)
-    if isinstance(window, int) and 0 < window < max_position:
+    if not gemma and isinstance(window, int) and 0 < window < max_position:
         max_position = window
     eos = cfg.get("eos_token_id")
     heads = cfg["num_attention_heads"]
@@ -297,7 +319,59 @@ def spec_from_hf_config(path: Path) -> ModelSpec:
         name=cfg.get("_name_or_path") or path.parent.name,
         qk_norm=archs[0] in QK_NORM,
         **experts,
+        **gemma,
     )
+
+
+def _gemma(cfg: dict[str, Any], arch: str, path: Path) -> dict[str, Any]:
+    """ModelSpec's Gemma fields from a Gemma, Gemma 2 or 3 config ({} for another family):
+    which layers slide (`layer_types`, else every other layer from the first (Gemma 2) or
+    five of each six (Gemma 3, `sliding_window_pattern`); none in Gemma 1); what the engine
+    does not compute refused naming its key."""
+    if arch not in GEMMA:
+        return {}
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ModelLoadError(
+            f"{path}: hidden_activation {act!r} is not supported (gelu_pytorch_tanh)"
+        )
+    if cfg.get("use_bidirectional_attention"):
+        raise ModelLoadError(
+            f"{path}: use_bidirectional_attention true (an encoder's) is not supported: "
+            "attention here is causal"
+        )
+    layers = cfg["num_hidden_layers"]
+    if arch == "GemmaForCausalLM":
+        return {"gemma": True}
+    pattern = 2 if arch == "Gemma2ForCausalLM" else cfg.get("sliding_window_pattern", 6)
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
+    ]
+    unknown = set(types) - {"sliding_attention", "full_attention"}
+    if unknown or len(types) != layers:
+        raise ModelLoadError(
+            f"{path}: layer_types {sorted(unknown) or types} is not supported (one of "
+            "sliding_attention or full_attention for each layer)"
+        )
+    window = cfg.get("sliding_window")
+    local: float | None = None
+    if arch == "Gemma3ForCausalLM":
+        sliding = (cfg.get("rope_parameters") or {}).get("sliding_attention") or {}
+        if sliding.get("rope_type", "default") != "default":
+            raise ModelLoadError(
+                f"{path}: the sliding layers' rope_type {sliding['rope_type']!r} is not "
+                "supported (default)"
+            )
+        local = sliding.get("rope_theta") or cfg.get("rope_local_base_freq", 10000.0)
+    return {
+        "gemma": True,
+        "sandwich_norms": True,
+        "query_scale": float(cfg.get("query_pre_attn_scalar") or cfg["head_dim"]) ** -0.5,
+        "windows": tuple(window if t == "sliding_attention" else None for t in types),
+        "attn_softcap": cfg.get("attn_logit_softcapping"),
+        "final_softcap": cfg.get("final_logit_softcapping"),
+        "local_rope_theta": None if local is None else float(local),
+    }
 
 
 def _experts(cfg: dict[str, Any], arch: str, path: Path) -> dict[str, Any]:

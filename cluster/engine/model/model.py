@@ -1,4 +1,5 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache.
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Mixtral, Qwen3-MoE, Gemma 1,
+2 and 3) over a paged KV cache.
 
 The numerics follow transformers' LlamaModel step for step (RMSNorm in float32,
 rotate-half RoPE, SDPA), so greedy output is token-identical in float32. On CUDA the
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from cluster.engine.kernels import layer_kernels_cpu
-from cluster.engine.kernels.attention import AttentionBackend
+from cluster.engine.kernels.attention import AttentionBackend, LayerAttention
 from cluster.engine.kernels.kv_cache import KVCache
 from cluster.engine.model.checkpoint import ModelSpec, Weights
 from cluster.engine.model.experts import DenseMlp, Experts, Mlp
@@ -51,10 +52,12 @@ class Layer:
     post_norm: torch.Tensor
     mlp: Mlp  # dense, or a Mixture-of-Experts
     qk_norms: tuple[torch.Tensor, torch.Tensor] | None = None  # Qwen3's [head_dim] each
+    # Gemma's norms of the attention's and the MLP's outputs, each before its residual add
+    sandwich: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def tensors(self) -> list[torch.Tensor]:
-        norms = [self.input_norm, self.post_norm, *(self.qk_norms or ())]
+        norms = [self.input_norm, self.post_norm, *(self.qk_norms or ()), *(self.sandwich or ())]
         return [*norms, *self.qkv.tensors, *self.o.tensors, *self.mlp.tensors]
 
 
@@ -100,6 +103,12 @@ class LlamaModel:
             t = take(name)
             assert isinstance(t, torch.Tensor), f"{name}: a vector is never quantized"
             return t.to(device=device, dtype=dtype)
+
+        def norm(name: str) -> torch.Tensor:
+            """An RMSNorm's weight; Gemma's multiply by 1 + w (added in float32)."""
+            if not spec.gemma:
+                return vec(name)
+            return (1 + vec(name).float()).to(dtype)
 
         def matrix(*names: str, mode: str = quantization) -> torch.Tensor | GroupQuant:
             """The named matrices stacked by rows: float, or groups as the mode keeps them."""
@@ -148,7 +157,7 @@ class LlamaModel:
             self.embed = Embedding(
                 table.to(dtype) if isinstance(table, torch.Tensor) else table, dtype
             )
-        self.norm = vec("model.norm.weight")
+        self.norm = norm("model.norm.weight")
         self.layers: list[Layer] = []
         for i in range(spec.num_layers):
             p = f"model.layers.{i}."
@@ -158,7 +167,11 @@ class LlamaModel:
                 bias = torch.cat([vec(att + f"{n}_proj.bias") for n in "qkv"])
             qk_norms = None
             if spec.qk_norm:
-                qk_norms = (vec(att + "q_norm.weight"), vec(att + "k_norm.weight"))
+                qk_norms = (norm(att + "q_norm.weight"), norm(att + "k_norm.weight"))
+            sandwich, post_norm = None, p + "post_attention_layernorm.weight"
+            if spec.sandwich_norms:  # its post_attention_layernorm norms attention's output
+                sandwich = (norm(post_norm), norm(p + "post_feedforward_layernorm.weight"))
+                post_norm = p + "pre_feedforward_layernorm.weight"
             mlp: Mlp
             if spec.experts:  # the router stays float, as vLLM keeps it
                 mlp = Experts(
@@ -171,12 +184,13 @@ class LlamaModel:
                 mlp = dense(p + "mlp.")
             self.layers.append(
                 Layer(
-                    input_norm=vec(p + "input_layernorm.weight"),
+                    input_norm=norm(p + "input_layernorm.weight"),
                     qkv=mat(*(att + f"{n}_proj.weight" for n in "qkv"), bias=bias),
                     o=mat(att + "o_proj.weight"),
-                    post_norm=vec(p + "post_attention_layernorm.weight"),
+                    post_norm=norm(post_norm),
                     mlp=mlp,
                     qk_norms=qk_norms,
+                    sandwich=sandwich,
                 )
             )
         vocab = spec.vocab_size if group is None else group.shard.vocab_width
@@ -186,10 +200,40 @@ class LlamaModel:
                 f"checkpoint {spec.name!r}: embed_tokens has shape {tuple(self.embed.shape)}, "
                 f"config says {expected}"
             )
-        freqs = torch.outer(torch.arange(spec.max_position).float(), spec.rope_inv_freq())
+        self.cos, self.signed_sin = self._rope_tables(spec.rope_inv_freq(), device, dtype)
+        # Each layer's RoPE tables: the model's, or Gemma 3's sliding layers' own.
+        self.layer_rope = [(self.cos, self.signed_sin)] * spec.num_layers
+        if spec.local_rope_theta is not None:
+            local = self._rope_tables(spec.rope_inv_freq(local=True), device, dtype)
+            for i, window in enumerate(spec.windows):
+                if window is not None:
+                    self.layer_rope[i] = local
+        # sqrt(hidden_size) in the activations' dtype, as Gemma's embedding multiplies
+        self.embed_scale = torch.tensor(spec.hidden_size**0.5, dtype=dtype) if spec.gemma else None
+
+    def _rope_tables(
+        self, inv_freq: torch.Tensor, device: torch.device, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin [max_position, head_dim] of these frequencies (`rotate`)."""
+        freqs = torch.outer(torch.arange(self.spec.max_position).float(), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(device=device, dtype=dtype)
-        self.signed_sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1).to(device, dtype)
+        signed_sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
+        return emb.cos().to(device=device, dtype=dtype), signed_sin.to(device, dtype)
+
+    def attention_layers(self) -> tuple[LayerAttention, ...]:
+        """Each layer's attention where any is not PLAIN (Gemma 2's and 3's), else ()."""
+        s = self.spec
+        if not s.sandwich_norms:
+            return ()
+        return tuple(
+            LayerAttention(
+                scale=s.query_scale,
+                window=s.windows[i],
+                softcap=s.attn_softcap,
+                rope=None if self.layer_rope[i][0] is self.cos else self.layer_rope[i],
+            )
+            for i in range(s.num_layers)
+        )
 
     @property
     def tensors(self) -> list[torch.Tensor]:
@@ -224,7 +268,7 @@ class LlamaModel:
             if s.qk_norm:
                 qk = self.norm_heads(i, qk)
             if not attention.fuses_rope:  # else attention rotates q and k as it stores k
-                qk = self.rope(qk, positions, rows)  # q and k together: one RoPE
+                qk = self.rope(i, qk, positions, rows)  # q and k together: one RoPE
             a = attention.forward(i, qk[:, : s.num_heads], qk[:, s.num_heads :], v, cache, metadata)
             if on_layer is not None and self.group is None:
                 on_layer(i)
@@ -280,27 +324,36 @@ class LlamaModel:
         added, the MLP of its RMSNorm, not yet added)."""
         layer = self.layers[i]
         o = self._sum(layer.o(a.reshape(a.shape[0], -1)))
+        if layer.sandwich is not None:
+            o = self._norm(o, layer.sandwich[0])
         x, h = self._add_norm(x, o, layer.post_norm)
-        return x, self._sum(layer.mlp(h, self._silu_mul))
+        mlp = self._sum(layer.mlp(h, self._gelu_mul if self.spec.gemma else self._silu_mul))
+        return x, mlp if layer.sandwich is None else self._norm(mlp, layer.sandwich[1])
 
     def logits(self, x: torch.Tensor, mlp: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Float32 next-token logits of the given rows, from the last layer's residual and
         MLP output."""
-        x = x[rows] + mlp[rows]
-        x = F.rms_norm(x, (self.spec.hidden_size,), self.norm, self.spec.rms_norm_eps)
+        x = self._norm(x[rows] + mlp[rows], self.norm)
         logits = self.lm_head(x).float()
-        return logits if self.group is None else self.group.gather_vocab(logits)
+        logits = logits if self.group is None else self.group.gather_vocab(logits)
+        cap = self.spec.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (self.spec.hidden_size,), weight, self.spec.rms_norm_eps)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """The tokens' embedding rows; split across ranks, each looks up the ids in its
         slice of the vocabulary, zeros elsewhere, and the sum is the row (exactly)."""
         if self.group is None:
-            return self.embed(ids)
-        start, end = self.group.shard.vocab
-        local = ids - start
-        inside = (local >= 0) & (local < end - start)
-        x = self.embed(torch.where(inside, local, 0))
-        return self.group.all_reduce(x * inside.unsqueeze(1).to(x.dtype))
+            x = self.embed(ids)
+        else:
+            start, end = self.group.shard.vocab
+            local = ids - start
+            inside = (local >= 0) & (local < end - start)
+            x = self.embed(torch.where(inside, local, 0))
+            x = self.group.all_reduce(x * inside.unsqueeze(1).to(x.dtype))
+        return x if self.embed_scale is None else x * self.embed_scale
 
     def _sum(self, partial: torch.Tensor) -> torch.Tensor:
         """A row-parallel projection's output: its ranks' partial sums added up."""
@@ -315,25 +368,40 @@ class LlamaModel:
         x = x + delta
         return x, F.rms_norm(x, (self.spec.hidden_size,), weight, self.spec.rms_norm_eps)
 
-    def rope_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The rows' cos and signed sin for `rope`, gathered once a step; None on CUDA, where
-        the fused kernel reads the tables by position."""
+    def rope_rows(
+        self, positions: torch.Tensor
+    ) -> dict[int, tuple[torch.Tensor, torch.Tensor]] | None:
+        """The rows' cos and signed sin for `rope`, gathered once a step for each set of
+        tables (keyed by the cos table's id); None where a fused kernel reads the tables by
+        position."""
         if self.kernels is not None:
             return None
-        return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
+        tables = {id(cos): (cos, sin) for cos, sin in self.layer_rope}
+        return {
+            key: (cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
+            for key, (cos, sin) in tables.items()
+        }
 
     def rope(
         self,
+        i: int,
         qk: torch.Tensor,
         positions: torch.Tensor,
-        rows: tuple[torch.Tensor, torch.Tensor] | None,  # (cos, signed sin) per row
+        rows: dict[int, tuple[torch.Tensor, torch.Tensor]] | None,  # rope_rows'
     ) -> torch.Tensor:
-        """q and k rotated: in place on CUDA (one kernel), else by `rotate`'s four ops."""
+        """Layer i's q and k rotated: in place by a fused kernel, else by `rotate`'s four
+        ops."""
+        cos, signed_sin = self.layer_rope[i]
         if rows is None:
             assert self.kernels is not None
-            self.kernels.rope_(qk, positions, self.cos, self.signed_sin)
+            self.kernels.rope_(qk, positions, cos, signed_sin)
             return qk
-        return rotate(qk, *rows)
+        return rotate(qk, *rows[id(cos)])
+
+    def _gelu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """Gemma's gating: GELU (tanh approximation) of the gate times up."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
 
     def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:

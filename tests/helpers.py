@@ -1,6 +1,7 @@
 """Shared test helpers: the leak check every engine test ends with, the one way tests
 wait (polling an observable predicate until a deadline, never a sleep then an assert),
-the mark for tests whose subject is bfloat16 compute, and scattered page tables."""
+the mark for tests whose subject is bfloat16 compute, scattered page tables, and attention
+row by row as a layer (LayerAttention) defines it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ import pytest
 import torch
 
 from cluster.engine.engine import LLMEngine
+from cluster.engine.kernels.attention import LayerAttention
 from cluster.engine.kernels.cpu_isa import cpu, native_bf16
+from cluster.engine.kernels.kv_cache import KVCache
+from cluster.engine.kernels.step_batch import StepBatch
 from cluster.engine.sched.page_pool import pages_for
 
 POLL_S = 0.02
@@ -62,3 +66,27 @@ def scattered_pages(lens: list[int], page_size: int, num_pages: int, seed: int) 
         table[i, :count] = order[used : used + count]
         used += count
     return table
+
+
+def windowed_reference(
+    q: torch.Tensor, cache: KVCache, batch: StepBatch, attn: LayerAttention
+) -> torch.Tensor:
+    """Each query row by itself, over its sequence's tokens as the cache holds them: the
+    keys in (position - window, position], scores scaled, soft-capped, softmax, V."""
+    lay, out = cache.layout, []
+    for i in range(batch.num_seqs):
+        context = batch.context_lens[i]
+        ids = batch.page_table[i, : pages_for(context, lay.page_size)]
+        keys = lay.gather(cache.k[0], ids, context).float()  # [context, kv_heads, dim]
+        values = lay.gather(cache.v[0], ids, context).float()
+        for row in range(batch.query_start[i], batch.query_start[i + 1]):
+            p = int(batch.positions[row])
+            lo = 0 if attn.window is None else max(0, p + 1 - attn.window)
+            group = q.shape[1] // keys.shape[1]
+            k = keys[lo : p + 1].repeat_interleave(group, 1)  # [t, heads, dim]
+            v = values[lo : p + 1].repeat_interleave(group, 1)
+            s = torch.einsum("hd,thd->ht", q[row].float(), k) * attn.scale_for(q.shape[-1])
+            if attn.softcap is not None:
+                s = torch.tanh(s / attn.softcap) * attn.softcap
+            out.append(torch.einsum("ht,thd->hd", torch.softmax(s, -1), v))
+    return torch.stack(out)

@@ -26,7 +26,7 @@ from cluster.engine.kernels.attention_cpu import (
 from cluster.engine.kernels.kv_cache import KVCache, KVLayout, gather_tokens
 from cluster.engine.kernels.step_batch import StepBatch
 from cluster.engine.sched.page_pool import pages_for
-from tests.helpers import scattered_pages
+from tests.helpers import scattered_pages, windowed_reference
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 
@@ -286,30 +286,6 @@ def test_a_later_token_s_large_score_stays_out_of_an_earlier_row_s_softmax() -> 
     torch.testing.assert_close(ours, ref, rtol=0, atol=1e-5)
 
 
-def _windowed_reference(
-    q: torch.Tensor, cache: KVCache, batch: StepBatch, attn: LayerAttention
-) -> torch.Tensor:
-    """Each query row by itself, over its sequence's tokens as the cache holds them: the
-    keys in (position - window, position], scores scaled, soft-capped, softmax, V."""
-    lay, out = cache.layout, []
-    for i in range(batch.num_seqs):
-        context = batch.context_lens[i]
-        ids = batch.page_table[i, : pages_for(context, lay.page_size)]
-        keys = lay.gather(cache.k[0], ids, context).float()  # [context, kv_heads, dim]
-        values = lay.gather(cache.v[0], ids, context).float()
-        for row in range(batch.query_start[i], batch.query_start[i + 1]):
-            p = int(batch.positions[row])
-            lo = 0 if attn.window is None else max(0, p + 1 - attn.window)
-            group = q.shape[1] // keys.shape[1]
-            k = keys[lo : p + 1].repeat_interleave(group, 1)  # [t, heads, dim]
-            v = values[lo : p + 1].repeat_interleave(group, 1)
-            s = torch.einsum("hd,thd->ht", q[row].float(), k) * attn.scale_for(q.shape[-1])
-            if attn.softcap is not None:
-                s = torch.tanh(s / attn.softcap) * attn.softcap
-            out.append(torch.einsum("ht,thd->hd", torch.softmax(s, -1), v))
-    return torch.stack(out)
-
-
 @pytest.mark.parametrize("page_size", [16, 5])
 @pytest.mark.parametrize(
     "attn",
@@ -349,4 +325,4 @@ def test_gemma_s_windows_and_soft_capping_attend_as_defined(
     backend = CpuBackend(layout, CPU, in_place=in_place, layers=[attn])
     assert (backend.kernel is not None) == in_place
     ours = backend.forward(0, q, k, v, cache, backend.prepare(batch))
-    torch.testing.assert_close(ours, _windowed_reference(q, cache, batch, attn), rtol=0, atol=2e-5)
+    torch.testing.assert_close(ours, windowed_reference(q, cache, batch, attn), rtol=0, atol=2e-5)

@@ -11,10 +11,14 @@ from typing import Any
 import pytest
 import torch
 
+from cluster.engine.kernels.attention import LayerAttention
 from cluster.engine.kernels.kv_cache import KVCache, KVLayout, gather_tokens
-from tests.helpers import scattered_pages
+from cluster.engine.kernels.step_batch import StepBatch
+from cluster.engine.model.model import rotate
+from tests.helpers import scattered_pages, windowed_reference
 
 paged_kernels = pytest.importorskip("cluster.engine.kernels.paged_kernels")
+from cluster.engine.kernels.attention_triton import TritonBackend  # noqa: E402
 
 PAGE, HEADS, KV_HEADS, DIM, NUM_PAGES = 16, 6, 2, 32, 40
 
@@ -137,8 +141,6 @@ def test_rope_store_rotates_q_and_k_and_stores_k_and_v_in_their_slots_skipping_p
     """q, k, v side by side in the fused qkv rows (strided), as the model hands them over:
     q rotated in place as model.rotate does, k rotated into its slot, v copied; slot -1 (a
     graph's padding row) writes nothing."""
-    from cluster.engine.model.model import rotate
-
     caches = torch.zeros(2, 4, KV_HEADS, PAGE, DIM, dtype=dtype, device=kernel_device)
     k_cache, v_cache = caches.unbind()
     g = torch.Generator().manual_seed(4)
@@ -308,3 +310,67 @@ def test_paged_prefill_reads_8bit_pages_in_place(
         assert (got - ref).abs().max().item() < 1e-5, f"chunk {i}"
         ref = _reference(q[rows].cpu(), exact.k[0], exact.v[0], cpu_table[i], lens[i])
         assert (got - ref).abs().max().item() < LOOSE[dtype], f"chunk {i}"
+
+
+def _rope_tables(theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and signed-sin tables of 320 positions (model.LlamaModel's), RoPE base `theta`."""
+    inverse = 1.0 / theta ** (torch.arange(0, DIM, 2) / DIM)
+    freqs = torch.outer(torch.arange(320).float(), inverse)
+    cos = torch.cat((freqs, freqs), dim=-1).cos()
+    return cos.to(device), torch.cat((-freqs.sin(), freqs.sin()), dim=-1).to(device)
+
+
+@pytest.mark.parametrize(
+    "attn",
+    [
+        LayerAttention(window=1),
+        LayerAttention(window=7, scale=0.3),
+        LayerAttention(window=100, softcap=5.0),
+        LayerAttention(window=1000, softcap=2.0),
+        LayerAttention(scale=0.2, softcap=3.0),
+    ],
+    ids=["window-1", "window-7-scale", "window-100-softcap", "window-past-context", "softcap"],
+)
+def test_the_backend_attends_as_gemma_s_layers_define(
+    attn: LayerAttention, kernel_device: torch.device
+) -> None:
+    # Gemma's layers: a sliding window (the query's own token and the window - 1 before
+    # it), scores soft-capped and scaled by query_pre_attn_scalar, the layer's own RoPE
+    # tables (base 1e6; the model's 1e4). Decodes of 1, 17, 40 and 300 tokens in 3 splits
+    # (the 300-token row's window of 100 split three ways, past the first 112-token third of
+    # its context), a 5-token chunk after 27 cached, a 23-token one after 137 (five tiles
+    # of 5 tokens x 3 heads, each row's window starting in its own place: key blocks
+    # skipped, masked at the windows' edge, whole) and a fresh prompt.
+    layout = KVLayout(1, KV_HEADS, DIM, PAGE, torch.float32)
+    cache = KVCache(layout, NUM_PAGES, kernel_device)
+    g = torch.Generator().manual_seed(21)
+    for t in (cache.k[0], cache.v[0]):
+        t.copy_(torch.randn(t.shape, generator=g))
+    lens, news = [1, 17, 40, 300, 32, 160, 6], [1, 1, 1, 1, 5, 23, 6]
+    table = scattered_pages(lens, PAGE, NUM_PAGES, seed=22)
+    positions = torch.cat([torch.arange(n - new, n) for n, new in zip(lens, news, strict=True)])
+    owner = torch.cat([torch.full((new,), i) for i, new in enumerate(news)])
+    slots = table[owner, positions // PAGE] * PAGE + positions % PAGE
+    starts = [0, *torch.tensor(news).cumsum(0).tolist()]
+    batch = StepBatch(4, starts, lens, table, slots, positions)
+    q, k, v = (torch.randn(starts[-1], h, DIM, generator=g) for h in (HEADS, KV_HEADS, KV_HEADS))
+    layer = replace(attn, rope=_rope_tables(1e6, kernel_device))
+    model_rope = _rope_tables(1e4, kernel_device)
+    backend = TritonBackend(kernel_device, KV_HEADS, model_rope, block=16, layers=[layer])
+    metadata = replace(backend.prepare(batch), num_splits=3)
+
+    # What the layer's forward leaves: q and the new keys rotated by its tables, and the
+    # new keys and values in their slots.
+    cos, sin = (t.cpu()[positions][:, None] for t in layer.rope)
+    want_q = rotate(q, cos, sin)
+    want = KVCache(layout, NUM_PAGES, torch.device("cpu"))
+    want.k.copy_(cache.k)
+    want.v.copy_(cache.v)
+    layout.store(want.k[0], slots, rotate(k, cos, sin))
+    layout.store(want.v[0], slots, v)
+    on = lambda x: x.to(kernel_device)
+    out = backend.forward(0, on(q.clone()), on(k), on(v), cache, metadata)
+    torch.testing.assert_close(cache.k.cpu(), want.k, rtol=0, atol=1e-5)
+    assert torch.equal(cache.v.cpu(), want.v)
+    ref = windowed_reference(want_q, want, batch, layer)
+    torch.testing.assert_close(out.cpu(), ref, rtol=0, atol=2e-5)

@@ -3,7 +3,9 @@
 `prepare` packs the step's page table, context lengths, query offsets, slots and
 positions into one int32 buffer and copies it to the device once; every layer then
 launches two to four kernels (RoPE with the KV store, decode + its reduce, prefill) and
-never waits on the host. q and k reach `forward` before RoPE (`fuses_rope`).
+never waits on the host. q and k reach `forward` before RoPE (`fuses_rope`), rotated by
+the layer's tables where its LayerAttention has its own, with its window, soft-capping and
+score scale.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.config import ConfigError
 from cluster.engine.kernels import paged_kernels
 from cluster.engine.kernels.attention import PLAIN, LayerAttention
 from cluster.engine.kernels.kv_cache import KVCache
@@ -64,11 +65,7 @@ class TritonBackend:
         block: int = 64,
         layers: Sequence[LayerAttention] = (),  # each layer's, where any is not PLAIN
     ) -> None:
-        if any(a != PLAIN for a in layers):
-            raise ConfigError(
-                "attention_backend: triton does not compute sliding windows, soft-capping or "
-                "a score scale other than 1/sqrt(head_dim) (Gemma's) yet"
-            )
+        self.layers = layers
         self.device = device
         self.kv_heads = kv_heads
         self.rope = rope
@@ -116,9 +113,11 @@ class TritonBackend:
     ) -> torch.Tensor:
         md, nd = metadata, metadata.num_decodes
         k_cache, v_cache = cache.k[layer], cache.v[layer]
+        attn = self.layers[layer] if self.layers else PLAIN
         paged_kernels.rope_store_kv(
-            q, k, v, k_cache, v_cache, cache.layout, md.slot_mapping, md.positions, *self.rope
-        )
+            q, k, v, k_cache, v_cache, cache.layout, md.slot_mapping, md.positions,
+            *(attn.rope or self.rope),
+        )  # fmt: skip
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if nd:
             paged_kernels.paged_decode(
@@ -131,6 +130,7 @@ class TritonBackend:
                 md.num_splits,
                 out[:nd],
                 self.block,
+                attn,
             )
         if md.max_query_len:
             paged_kernels.paged_prefill(
@@ -145,5 +145,6 @@ class TritonBackend:
                 out,
                 self.block,
                 self.block,
+                attn,
             )
         return out

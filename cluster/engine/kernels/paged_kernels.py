@@ -12,6 +12,11 @@ matches the CPU one. Scores are kept in base-2 units (scaled by log2 e once) so 
 softmax takes exp2, and only the blocks that hold the context's end (decode) or the
 causal diagonal (prefill) are masked; the blocks before them load and score unmasked.
 
+A layer's LayerAttention (Gemma's): its score scale; soft-capping, cap tanh(score / cap)
+before the softmax (a constexpr, so plain layers compile without it); a sliding window,
+whose keys before it are skipped: a decode's partitions split the window alone, and a
+prefill tile masks the blocks at its rows' window starts.
+
 - `rope_store_kv`: RoPE of the step's q (in place) and new K, and the new K/V into their
   slots, in one launch; a slot of -1 (a padding row of a captured graph) writes nothing.
 - `paged_decode`: one query token per sequence. A program takes one sequence, one KV
@@ -43,6 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cluster.engine.kernels.attention import PLAIN, LayerAttention
 from cluster.engine.kernels.kv_cache import QMAX, SHIFT, KVLayout
 from cluster.engine.kernels.layer_kernels import rotated
 
@@ -216,30 +222,63 @@ def _load_keys(cache, offs, kmask, DOT: tl.constexpr, CODE: tl.constexpr, MASKED
 
 @triton.jit
 def _attend(
-    qv, k_cache, v_cache, offs, scales, kmask, valid, m_i, l_i, acc, scale,
+    qv, k_cache, v_cache, offs, scales, kmask, valid, m_i, l_i, acc, scale, cap,
     DOT: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr, CODE: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """One block of keys into the running softmax (max m_i, sum l_i, weighted values acc,
     in base 2) of the query rows qv. MASKED: `kmask` [keys] limits the loads and `valid`
     [rows, keys] the scores; else every key of the block is there and visible. 8-bit
-    (CODE): each key's scale (at `scales`) times its score, each value's times its weight."""
+    (CODE): each key's scale (at `scales`) times its score, each value's times its weight.
+    SOFTCAP: scores are cap tanh(x), where q.k scale is 2 x log2(e) (`_score_args`)."""
     kt = _load_keys(k_cache, offs, kmask, DOT, CODE, MASKED)
     s = tl.dot(qv, tl.trans(kt), input_precision=PRECISION)
     if CODE is not None:
         s = s * (scale * _token_scales(k_cache, scales, kmask))[None, :]
     else:
         s = s * scale
+    if SOFTCAP:
+        s = cap * _tanh_half_log2(s)
     if MASKED:
         s = tl.where(valid, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
+    shift = m_new
+    if MASKED:  # a row that sees no key yet (all below its window): weights 0, not NaN
+        shift = tl.where(m_new > float("-inf"), m_new, 0.0)
+    p = tl.exp2(s - shift[:, None])
+    alpha = tl.exp2(m_i - shift)
     vt = _load_keys(v_cache, offs, kmask, DOT, CODE, MASKED)
     weights = p
     if CODE is not None:
         weights = p * _token_scales(v_cache, scales, kmask)[None, :]
     acc = acc * alpha[:, None] + tl.dot(weights.to(DOT), vt, input_precision=PRECISION)
     return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
+def _tanh_half_log2(u):
+    """tanh(x) of u = 2 x log2(e): Triton's interpreter has no tanh. From exp2(-|u|) in
+    (0, 1], which never overflows."""
+    e = tl.exp2(-tl.abs(u))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(u < 0, -t, t)
+
+
+@triton.jit
+def _window_start(length, window):
+    """The first key a query at position length - 1 sees: its window's (window > 0), else 0."""
+    return tl.where(window > 0, tl.maximum(length - window, 0), 0)
+
+
+def _score_args(attn: LayerAttention, dim: int) -> tuple[float, float, int, bool]:
+    """A layer's (scale, cap, window, SOFTCAP) as the kernels take them. Scores are in base
+    2: q.k times its scale, times log2(e); soft-capped, softcap tanh(x) log2(e) for x = q.k
+    scale / softcap, passed as cap = softcap log2(e) and a scale that makes q.k scale
+    `_tanh_half_log2`'s u = 2 x log2(e). Window 0: the whole context."""
+    scale = attn.scale_for(dim)
+    if attn.softcap is None:
+        return scale * LOG2E, 0.0, attn.window or 0, False
+    return 2 * LOG2E * scale / attn.softcap, attn.softcap * LOG2E, attn.window or 0, True
 
 
 @triton.jit
@@ -254,17 +293,18 @@ def _partition(length, num_splits, BLOCK_N: tl.constexpr):
 )
 def _decode_kernel(
     q, k_cache, v_cache, table, lens, part_acc, part_max, part_sum,
-    stride_q, stride_table, scale, num_splits, kv_heads,
+    stride_q, stride_table, scale, cap, window, num_splits, kv_heads,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, RUN: tl.constexpr,
-    CODE: tl.constexpr,
+    CODE: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     split = tl.program_id(2)
     length = tl.load(lens + b)
-    partition = _partition(length, num_splits, BLOCK_N)
-    start = split * partition
+    first = _window_start(length, window)  # the partitions split the keys the query sees
+    partition = _partition(length - first, num_splits, BLOCK_N)
+    start = first + split * partition
     if start < length:  # a partition past the context stores nothing: the reduce skips it
         end = tl.minimum(length, start + partition)
         rows = tl.arange(0, GROUP_PAD)
@@ -286,7 +326,7 @@ def _decode_kernel(
             offs, scales = _key_offsets(table_row, kpos, kmask, h, PAGE, kv_heads, D, RUN)
             m_i, l_i, acc = _attend(
                 qv, k_cache, v_cache, offs, scales, kmask, kmask[None, :], m_i, l_i, acc, scale,
-                DOT, PRECISION, False, CODE,
+                cap, DOT, PRECISION, False, CODE, SOFTCAP,
             )  # fmt: skip
         for n0 in range(full, end, BLOCK_N):  # the context's last, partial block
             kpos = n0 + tl.arange(0, BLOCK_N)
@@ -294,7 +334,7 @@ def _decode_kernel(
             offs, scales = _key_offsets(table_row, kpos, kmask, h, PAGE, kv_heads, D, RUN)
             m_i, l_i, acc = _attend(
                 qv, k_cache, v_cache, offs, scales, kmask, kmask[None, :], m_i, l_i, acc, scale,
-                DOT, PRECISION, True, CODE,
+                cap, DOT, PRECISION, True, CODE, SOFTCAP,
             )  # fmt: skip
         part = (b * (kv_heads * GROUP) + heads) * num_splits + split
         tl.store(part_acc + part[:, None] * D + dims[None, :], acc, mask=qmask[:, None])
@@ -307,13 +347,14 @@ REDUCE_CHUNK = 8  # partitions the reduce loads at a time: its tile is [8, head_
 
 @triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["lens"])
 def _decode_reduce(
-    part_acc, part_max, part_sum, out, lens, stride_out, num_splits, heads,
+    part_acc, part_max, part_sum, out, lens, stride_out, window, num_splits, heads,
     D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     length = tl.load(lens + b)
-    used = tl.cdiv(length, _partition(length, num_splits, BLOCK_N))
+    seen = length - _window_start(length, window)
+    used = tl.cdiv(seen, _partition(seen, num_splits, BLOCK_N))
     base = (b * heads + h) * num_splits
     chunk = tl.arange(0, CHUNK)
     # The largest partition max, then the partitions weighted by it: CHUNK at a time, so
@@ -349,8 +390,10 @@ def paged_decode(
     num_splits: int,  # partitions of each context (attention_triton.decode_splits)
     out: torch.Tensor,  # [B, heads, head_dim] contiguous, q's dtype: the attention output
     block_n: int = 64,
+    attn: LayerAttention = PLAIN,
 ) -> None:
     batch, heads, dim = q.shape
+    scale, cap, window, softcap = _score_args(attn, dim)
     kv_heads, page = layout.num_kv_heads, layout.page_size
     group = heads // kv_heads
     assert q.stride(1) == dim and q.stride(2) == 1
@@ -359,13 +402,13 @@ def paged_decode(
     part_sum = torch.empty_like(part_max)
     _decode_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, table, lens, part_acc, part_max, part_sum,
-        q.stride(0), table.stride(0), dim**-0.5 * LOG2E, num_splits, kv_heads,
+        q.stride(0), table.stride(0), scale, cap, window, num_splits, kv_heads,
         group, max(16, triton.next_power_of_2(group)), dim, page, block_n, *_dot_types(q),
-        *_runs(layout),
+        *_runs(layout), softcap,
     )  # fmt: skip
     assert out.is_contiguous()
     _decode_reduce[(batch, heads)](
-        part_acc, part_max, part_sum, out, lens, out.stride(0), num_splits, heads,
+        part_acc, part_max, part_sum, out, lens, out.stride(0), window, num_splits, heads,
         dim, REDUCE_CHUNK, block_n,
     )  # fmt: skip
 
@@ -376,10 +419,10 @@ def paged_decode(
 )
 def _prefill_kernel(
     q, k_cache, v_cache, out, table, lens, query_start,
-    stride_q, stride_qh, stride_out, stride_table, scale, kv_heads,
+    stride_q, stride_qh, stride_out, stride_table, scale, cap, window, kv_heads,
     GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
     TOKENS: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
-    RUN: tl.constexpr, CODE: tl.constexpr,
+    RUN: tl.constexpr, CODE: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     s = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -407,26 +450,41 @@ def _prefill_kernel(
         acc = tl.zeros([BLOCK_M, D], tl.float32)
         table_row = table + s.to(tl.int64) * stride_table
         end = tl.minimum(length, offset + first + TOKENS)  # causal: no key past the last row
-        # Keys before the block's first token are visible to all its rows: unmasked blocks.
+        # Keys before the tile's first token that every row's window holds (all of them
+        # without a window) are unmasked blocks; those from the first row's window start up
+        # to there are masked at the windows' edges, and those before it skipped.
         full = (offset + first) // BLOCK_N * BLOCK_N
-        for n0 in range(0, full, BLOCK_N):
+        lowest = tl.where(window > 0, offset + rows + 1 - window, 0)  # each row's first key
+        lo = _window_start(offset + first + 1, window) // BLOCK_N * BLOCK_N
+        every = tl.minimum(tl.cdiv(_window_start(end, window), BLOCK_N) * BLOCK_N, full)
+        for n0 in range(lo, every, BLOCK_N):  # the windows' starts: masks
+            kpos = n0 + tl.arange(0, BLOCK_N)
+            kmask = kpos < end  # all true here: only the table's load takes it
+            offs, scales = _key_offsets(table_row, kpos, kmask, kv_head, PAGE, kv_heads, D, RUN)
+            valid = kpos[None, :] >= lowest[:, None]
+            m_i, l_i, acc = _attend(
+                qv, k_cache, v_cache, offs, scales, kmask, valid, m_i, l_i, acc, scale, cap,
+                DOT, PRECISION, True, CODE, SOFTCAP,
+            )  # fmt: skip
+        for n0 in range(every, full, BLOCK_N):
             kpos = n0 + tl.arange(0, BLOCK_N)
             kmask = kpos < end  # all true here: only the table's load takes it
             offs, scales = _key_offsets(table_row, kpos, kmask, kv_head, PAGE, kv_heads, D, RUN)
             m_i, l_i, acc = _attend(
                 qv, k_cache, v_cache, offs, scales, kmask, kmask[None, :], m_i, l_i, acc, scale,
-                DOT, PRECISION, False, CODE,
+                cap, DOT, PRECISION, False, CODE, SOFTCAP,
             )  # fmt: skip
-        for n0 in range(full, end, BLOCK_N):  # the diagonal: causal masks
+        for n0 in range(full, end, BLOCK_N):  # the diagonal: causal masks (and windows')
             kpos = n0 + tl.arange(0, BLOCK_N)
             kmask = kpos < end
             offs, scales = _key_offsets(table_row, kpos, kmask, kv_head, PAGE, kv_heads, D, RUN)
             valid = (kpos[None, :] <= (offset + rows)[:, None]) & kmask[None, :]
+            valid &= kpos[None, :] >= lowest[:, None]
             m_i, l_i, acc = _attend(
-                qv, k_cache, v_cache, offs, scales, kmask, valid, m_i, l_i, acc, scale, DOT,
-                PRECISION, True, CODE,
+                qv, k_cache, v_cache, offs, scales, kmask, valid, m_i, l_i, acc, scale, cap,
+                DOT, PRECISION, True, CODE, SOFTCAP,
             )  # fmt: skip
-        o = acc / l_i[:, None]
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a padding row's window: maybe no key
         dst = out + tokens[:, None] * stride_out + heads[:, None] * D + dims[None, :]
         tl.store(dst, o.to(out.dtype.element_ty), mask=rmask[:, None])
 
@@ -443,8 +501,10 @@ def paged_prefill(
     out: torch.Tensor,  # [N, heads, head_dim], q's dtype: rows of the chunks are written
     block_m: int = 64,  # rows of a program's tile: tokens x the GQA group's query heads
     block_n: int = 64,
+    attn: LayerAttention = PLAIN,
 ) -> None:
     heads, dim = q.shape[1], q.shape[2]
+    scale, cap, window, softcap = _score_args(attn, dim)
     kv_heads, page = layout.num_kv_heads, layout.page_size
     group = heads // kv_heads
     tokens = block_m // group
@@ -452,6 +512,6 @@ def paged_prefill(
     grid = (table.shape[0], kv_heads, triton.cdiv(max_query_len, tokens))
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, table, lens, query_start,
-        q.stride(0), q.stride(1), out.stride(0), table.stride(0), dim**-0.5 * LOG2E, kv_heads,
-        group, dim, page, block_m, tokens, block_n, *_dot_types(q), *_runs(layout),
+        q.stride(0), q.stride(1), out.stride(0), table.stride(0), scale, cap, window, kv_heads,
+        group, dim, page, block_m, tokens, block_n, *_dot_types(q), *_runs(layout), softcap,
     )  # fmt: skip

@@ -1,7 +1,8 @@
 """The engine with the triton attention backend: on the CPU under Triton's interpreter it
 produces the CPU backend's greedy tokens and logprobs on a two-layer Llama with grouped
 KV heads, with float and int8 KV pages (prefix hit and chunked prefill included; the
-bundled model's 30 layers took the interpreter 43 s), and one decode step of this GPU path
+bundled model's 30 layers took the interpreter 43 s), and on Gemma 2 and 3's windowed,
+soft-capped layers; and one decode step of this GPU path
 stays within its host budget.
 On a CUDA device, decode runs as CUDA graphs and matches the CPU engine on the bundled
 model."""
@@ -30,6 +31,26 @@ ENGINE = dict(
     max_num_batched_tokens=12,
     max_model_len=256,
 )
+
+
+@pytest.mark.parametrize("which", ["tiny_gemma2_dir", "tiny_gemma3_dir"])
+def test_triton_backend_serves_gemma_s_layers_as_the_cpu_backend(
+    which: str, request: pytest.FixtureRequest
+) -> None:
+    # Sliding windows of 8 tokens (the story is 20), soft-capping (Gemma 2), each layer's
+    # RoPE tables (Gemma 3's sliding layers), over chunked prefill and paged decode.
+    model = str(request.getfixturevalue(which))
+    triton = LLMEngine(
+        EngineConfig(model=model, attention_backend="triton", device="cpu", **ENGINE)
+    )
+    cpu = LLMEngine(EngineConfig(model=model, device="cpu", **ENGINE))
+    assert triton.runner.attention.name == "triton" and cpu.runner.attention.name == "cpu"
+    story = cpu.tokenizer.encode("Once upon a time, in a small village by the sea, there lived")
+    greedy = SamplingParams(max_tokens=6, logprobs=True, ignore_eos=True)
+    [want], [got] = cpu.generate([story], greedy), triton.generate([story], greedy)
+    assert got.token_ids == want.token_ids
+    assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+    assert_no_leak(triton)
 
 
 @pytest.mark.parametrize("kv", ["auto", "int8"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -196,6 +197,57 @@ def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
     config = Qwen3Config(**TINY, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)
     return _save_tiny(tmp_path_factory.mktemp("ckpt"), "tiny-qwen3", config)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_gguf(tiny_qwen3_dir: Any) -> Any:
+    """The tiny Qwen3's weights as a float32 GGUF, named and keyed as llama.cpp writes a
+    qwen3 file (q/k norms as attn_q_norm / attn_k_norm, head_dim as attention.key_length),
+    with the bundled GGUF's tokenizer."""
+    import gguf
+    from safetensors.torch import load_file
+
+    config = json.loads((tiny_qwen3_dir / "config.json").read_text())
+    path = tiny_qwen3_dir.parent / "tiny-qwen3.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen3")
+    for key, value in (
+        ("context_length", config["max_position_embeddings"]),
+        ("embedding_length", config["hidden_size"]),
+        ("feed_forward_length", config["intermediate_size"]),
+        ("block_count", config["num_hidden_layers"]),
+        ("attention.head_count", config["num_attention_heads"]),
+        ("attention.head_count_kv", config["num_key_value_heads"]),
+        ("attention.key_length", config["head_dim"]),
+        ("attention.value_length", config["head_dim"]),
+    ):
+        w.add_uint32(f"qwen3.{key}", value)
+    w.add_float32("qwen3.attention.layer_norm_rms_epsilon", config["rms_norm_eps"])
+    w.add_float32("qwen3.rope.freq_base", config["rope_parameters"]["rope_theta"])
+    bundled = gguf.GGUFReader(str(bundled_model_path()))
+    for key, field in bundled.fields.items():
+        if key.startswith("tokenizer."):
+            value = field.contents()
+            sub = field.types[1] if len(field.types) > 1 else None
+            w.add_key_value(key, value, field.types[0], sub)
+    names = {"embed_tokens": "token_embd", "norm": "output_norm"}
+    layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down"}  # fmt: skip
+    for name, t in load_file(tiny_qwen3_dir / "model.safetensors").items():
+        parts = name.split(".")
+        if parts[1] == "layers":
+            gguf_name = f"blk.{parts[2]}.{layer['.'.join(parts[3:-1])]}.{parts[-1]}"
+        else:
+            gguf_name = f"{names[parts[1]]}.weight"
+        w.add_tensor(gguf_name, t.float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -183,3 +183,17 @@ def test_a_hugging_face_id_is_served_from_the_local_cache(
     missing = subprocess.run([*cli, "--model", "org/not-here"], capture_output=True, text=True)
     assert missing.returncode == 2
     assert f"not in the Hugging Face cache at {tmp_path / 'hub'}" in missing.stderr
+
+
+def test_a_qwen3_gguf_gives_its_checkpoint_s_logits(
+    tiny_qwen3_dir: Path, tiny_qwen3_gguf: Path
+) -> None:
+    # The same float32 weights, one as llama.cpp names a qwen3 GGUF: the same numbers.
+    ids = torch.randint(0, 49152, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    logits = []
+    for path in (tiny_qwen3_dir, tiny_qwen3_gguf):
+        engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", kv_cache_gb=0.01))
+        assert engine.spec.qk_norm and engine.spec.head_dim == 32  # not hidden / heads (16)
+        logits.append(_engine_logits(engine, ids))
+        assert_no_leak(engine)
+    assert torch.equal(*logits)

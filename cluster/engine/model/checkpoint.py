@@ -51,7 +51,7 @@ HF_ARCHITECTURES = (
 )
 QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
 GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
-GGUF_ARCHITECTURES = ("llama", "qwen2")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")
 CPU = torch.device("cpu")
 Progress = Callable[[int, int], None]  # (tensors read, tensors in all), after each one
@@ -408,6 +408,8 @@ _GGUF_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -577,7 +579,10 @@ def _gguf_spec(reader: GGUFFile, path: Path) -> ModelSpec:
         num_layers=int(get("block_count")),
         num_heads=heads,
         num_kv_heads=kv_heads,
-        head_dim=int(gguf_field(reader, f"{arch}.rope.dimension_count", hidden // heads)),
+        head_dim=int(
+            gguf_field(reader, f"{arch}.attention.key_length")  # Qwen3's, apart from hidden's
+            or gguf_field(reader, f"{arch}.rope.dimension_count", hidden // heads)
+        ),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
         rope_theta=float(get("rope.freq_base", 10000.0)),
         max_position=int(get("context_length")),
@@ -586,6 +591,7 @@ def _gguf_spec(reader: GGUFFile, path: Path) -> ModelSpec:
         eos_token_ids=(int(gguf_field(reader, "tokenizer.ggml.eos_token_id")),),
         rope_scaling=rope,
         name=str(gguf_field(reader, "general.name", path.stem)),
+        qk_norm="blk.0.attn_q_norm.weight" in names,
     )
 
 

@@ -46,7 +46,7 @@ def load_model(
     ConfigError naming the field when this model cannot take that mode or split."""
     try:
         if quantization != "none" and device.type != "cpu":
-            raise QuantizationError(f"its kernels run on CPU only so far, not {device.type}")
+            on_gpu(quantization, torch.cuda.get_device_capability(device))
         stated = checkpoint_quant(path) if path.is_dir() else None
         if quantization in METHODS and (stated is None or stated.method != quantization):
             had = "none" if stated is None else stated.method
@@ -54,7 +54,8 @@ def load_model(
         # int8 / int4 quantize from float32, as they were measured; a quantized checkpoint
         # dequantizes in float32 too
         load_dtype = dtype if quantization == "none" and stated is None else torch.float32
-        keep = quantization in ("gguf", *PACKED)
+        # awq / gptq / gguf codes as stored for our CPU kernels; fp8's for a GPU's FP8 GEMM
+        keep = quantization in ("gguf", *PACKED) or (quantization == "fp8" and device.type != "cpu")
         spec, weights = load_checkpoint(path, keep, load_dtype, device, progress)
         if split is None:
             return spec, LlamaModel(spec, weights, dtype, device, quantization)
@@ -66,6 +67,18 @@ def load_model(
         return spec, LlamaModel(local, sharded, dtype, device, quantization, group)
     except QuantizationError as e:
         raise ConfigError(f"quantization: {quantization}: {e}") from None
+
+
+def on_gpu(quantization: str, capability: tuple[int, int]) -> None:
+    """QuantizationError unless a GPU of this compute capability runs `quantization`: only
+    fp8, on the FP8 GEMM of 8.9 (Ada) and later; every other mode's kernels are the CPU's."""
+    if quantization != "fp8":
+        raise QuantizationError("its kernels run on the CPU only so far, not on a GPU")
+    if capability < (8, 9):
+        major, minor = capability
+        raise QuantizationError(
+            f"an FP8 GEMM needs compute capability 8.9 or later; this GPU's is {major}.{minor}"
+        )
 
 
 def pick_device(name: str) -> torch.device:
@@ -120,10 +133,10 @@ def pick_dtype(name: str, device: torch.device) -> str:
 def pick_quantization(name: str, path: Path, device: torch.device) -> str:
     """The weight mode `engine.quantization: name` means for the model at `path`. auto: a
     GGUF file's own blocks as stored (gguf) on the CPU, whose kernels read them, when each
-    block type has a kernel; a checkpoint directory's own quantization (fp8, awq, gptq: on
-    the CPU only, a GPU refuses them at load); float weights (none) otherwise: a float
-    directory, a GPU, a GGUF of K-quants. Read from the files, never timed: every worker
-    resolves it alike."""
+    block type has a kernel; a checkpoint directory's own quantization (awq, gptq: on the
+    CPU only, a GPU refuses them at load; fp8 on either, `on_gpu`); float weights (none)
+    otherwise: a float directory, a GPU, a GGUF of K-quants. Read from the files, never
+    timed: every worker resolves it alike."""
     if name != "auto":
         return name
     if path.is_dir():
@@ -150,12 +163,14 @@ def describe_modes(config: EngineConfig, dtype: str, quantization: str, device: 
         why = {
             "gguf": "the GGUF's blocks as stored",
             "none": "float weights",
-            "fp8": "the checkpoint's FP8 weights as 8-bit groups",
+            "fp8": "the checkpoint's FP8 weights on an FP8 GEMM"
+            if device == "cuda"
+            else "the checkpoint's FP8 weights as 8-bit groups",
         }.get(quantization, f"the checkpoint's own {quantization} 4-bit groups")
         parts.append(f"quantization auto: {quantization} ({why})")
     else:
         parts.append(f"quantization {quantization}")
-    if quantization != "none":
+    if quantization != "none" and device == "cpu":
         parts[-1] += f" on {qmatmul.describe()}"
     return ", ".join(parts)
 

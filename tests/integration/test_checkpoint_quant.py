@@ -16,9 +16,13 @@ import torch
 
 from cluster.config import ConfigError, EngineConfig
 from cluster.engine.engine import LLMEngine
+from cluster.engine.kernels.attention_cpu import CpuBackend
+from cluster.engine.kernels.kv_cache import KVCache, KVLayout
+from cluster.engine.kernels.step_batch import StepBatch
 from cluster.engine.model.checkpoint import load_checkpoint
+from cluster.engine.model.model import LlamaModel
 from cluster.engine.model.model_files import ModelLoadError
-from cluster.engine.model.quantization import GroupQuant
+from cluster.engine.model.quantization import Fp8Linear, Fp8Rows, GroupQuant
 from cluster.types import SamplingParams
 from splitserve.bench.checkpoint_formats import FORMATS, write_quantized
 from tests.helpers import assert_no_leak
@@ -85,6 +89,51 @@ def test_served_on_auto_it_answers_as_transformers_on_the_matrices_it_stands_for
     print(f"{fmt}: logprob differences {(ours - theirs).abs().max():.2e}")
     assert (ours - theirs).abs().max() < 0.02
     assert_no_leak(engine)
+
+
+def _prompt_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
+    """Every position's logits from one prefill of `ids` through paged attention."""
+    cpu, n, pages = torch.device("cpu"), len(ids), -(-len(ids) // 16)
+    cache = KVCache(KVLayout.of(model.spec, 16, torch.float32), pages, cpu)
+    attention = CpuBackend(cache.layout, cpu)
+    table = torch.arange(pages).view(1, -1)
+    batch = StepBatch(0, [0, n], [n], table, torch.arange(n), torch.arange(n))
+    rows = torch.arange(n)
+    return model.forward(torch.tensor(ids), rows, attention, attention.prepare(batch), cache, rows)
+
+
+@pytest.mark.parametrize("fmt", ["fp8-tensor", "fp8-block"])
+def test_fp8_kept_for_an_fp8_gemm_loads_as_stored_and_answers_as_transformers(
+    fmt: str, float_dir: Path, tmp_path: Path
+) -> None:
+    # As a GPU with an FP8 GEMM loads an FP8 checkpoint (keep): e4m3 codes and a scale a
+    # row, multiplied by torch._scaled_mm (here its CPU kernel), activations rounded to
+    # e4m3 a row at a time.
+    from transformers import AutoModelForCausalLM
+
+    quantized, dequantized, exact = write_quantized(float_dir, tmp_path, fmt, GROUP)
+    _, weights = load_checkpoint(quantized, True)
+    for key, want in exact.items():
+        got = weights.pop(key)
+        assert isinstance(got, Fp8Rows) and got.codes.dtype == torch.float8_e4m3fn
+        held = got.codes.float() * got.scale[:, None]
+        if fmt == "fp8-tensor":  # codes and scale as stored
+            assert torch.equal(held, want), key
+        else:  # blocks' codes re-rounded under a row's scale: within half a step of e4m3's
+            step = want.abs().amax(1, keepdim=True) / 448 * 2**5  # the step at codes 256-448
+            assert ((held - want).abs() <= step * 0.5001).all(), key  # ties land on 0.5
+    spec, weights = load_checkpoint(quantized, True)
+    model = LlamaModel(spec, weights, torch.float32, torch.device("cpu"), "fp8")
+    assert isinstance(model.layers[0].qkv, Fp8Linear) and isinstance(model.layers[0].o, Fp8Linear)
+    ids = torch.randint(0, 49152, (24,), generator=torch.Generator().manual_seed(4)).tolist()
+    ours = _prompt_logits(model, ids).log_softmax(-1)
+    ref = AutoModelForCausalLM.from_pretrained(dequantized, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        theirs = ref(torch.tensor([ids])).logits[0].log_softmax(-1)
+    chosen = theirs.argmax(-1, keepdim=True)
+    diff = (ours.gather(1, chosen) - theirs.gather(1, chosen)).abs().max().item()
+    print(f"{fmt} on the FP8 GEMM: top logprob differences {diff:.2e}")
+    assert diff < 0.05
 
 
 def test_a_mode_that_is_not_the_checkpoints_own_is_refused_naming_both(

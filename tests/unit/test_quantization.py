@@ -1,5 +1,6 @@
-"""Weight quantization: group-wise int8/int4, GGUF blocks read exactly, and the int4
-kernel multiplying 4-bit and 8-bit groups like the dequantized matrix would."""
+"""Weight quantization: group-wise int8/int4, GGUF blocks read exactly, the int4 kernel
+multiplying 4-bit and 8-bit groups like the dequantized matrix would, and the FP8 GEMM
+(torch._scaled_mm, here on the CPU) multiplying FP8 rows like theirs."""
 
 from __future__ import annotations
 
@@ -10,12 +11,16 @@ from gguf.constants import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
+from cluster.engine.build import on_gpu
 from cluster.engine.model.quantization import (
     GROUP,
     DenseLinear,
+    Fp8Linear,
+    Fp8Rows,
     GroupQuant,
     Int4Linear,
     QuantizationError,
+    fp8_rows,
     from_gguf_blocks,
     linear,
     quantize,
@@ -86,3 +91,38 @@ def test_float_weights_stay_dense_in_the_engine_dtype() -> None:
     layer = linear(_matrix(8, GROUP), None, torch.bfloat16)
     assert isinstance(layer, DenseLinear) and layer.w.dtype == torch.bfloat16
     assert layer.w.shape == (GROUP, 8)  # stored [in, out]
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_the_fp8_gemm_multiplies_like_the_dequantized_matrix(rows: int) -> None:
+    w = fp8_rows(_matrix(96, 4 * GROUP))
+    assert w.codes.dtype == torch.float8_e4m3fn and w.scale.shape == (96,)
+    # each row's largest weight is e4m3's largest code
+    assert torch.equal(w.codes.float().abs().amax(1), torch.full((96,), 448.0))
+    bias = torch.randn(96)
+    layer = linear(w, bias, torch.float32)
+    assert isinstance(layer, Fp8Linear)
+    x = torch.randn(2, rows, 4 * GROUP, generator=torch.Generator().manual_seed(2))
+    ref = x @ (w.codes.float() * w.scale[:, None]).t() + bias
+    out = layer(x)
+    assert out.dtype == torch.float32 and out.shape == (2, rows, 96)
+    # the activations rounded to e4m3 under a scale a row (3 bits of mantissa): a dot
+    # product of 128 such terms lands within a few percent of the largest output
+    err = (out - ref).abs().max().item() / ref.abs().max().item()
+    assert 0 < err < 0.05
+    stacked = Fp8Rows.cat([w, fp8_rows(_matrix(32, 4 * GROUP, seed=1))])
+    assert stacked.shape == (128, 4 * GROUP) and torch.equal(
+        stacked.codes[:96].float(), w.codes.float()
+    )
+
+
+def test_only_fp8_runs_on_a_gpu_and_only_on_one_with_an_fp8_gemm() -> None:
+    on_gpu("fp8", (9, 0))  # Hopper
+    on_gpu("fp8", (8, 9))  # Ada
+    with pytest.raises(
+        QuantizationError, match=r"compute capability 8\.9 or later; this GPU's is 8\.0"
+    ):
+        on_gpu("fp8", (8, 0))
+    for mode in ("int8", "int4", "gguf", "awq", "gptq"):
+        with pytest.raises(QuantizationError, match="CPU only"):
+            on_gpu(mode, (9, 0))

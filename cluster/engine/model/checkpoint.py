@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from cluster.engine.model.checkpoint_quant import (
-    PACKED,
+    KEPT,
     Prequantized,
     checkpoint_quant,
     read_quant_config,
@@ -31,6 +31,7 @@ from cluster.engine.model.quantization import (
     GGUF_BLOCKS,
     GroupQuant,
     QuantizationError,
+    Stored,
     from_gguf_blocks,
 )
 
@@ -124,7 +125,7 @@ class Weights(Protocol):
 
     def __contains__(self, name: object) -> bool: ...
 
-    def pop(self, name: str) -> torch.Tensor | GroupQuant: ...
+    def pop(self, name: str) -> Stored: ...
 
 
 def load_checkpoint(
@@ -148,7 +149,7 @@ def load_checkpoint(
         spec = spec_from_hf_config(p / "config.json")
         weights: Weights = StreamedWeights(p, dtype, device, progress)
         quant = checkpoint_quant(p)
-        if keep_blocks and (quant is None or quant.method not in PACKED):
+        if keep_blocks and (quant is None or quant.method not in KEPT):
             raise QuantizationError(f"{p}: float weights in a directory, not a .gguf file")
         if quant is not None:
             weights = Prequantized(weights, quant, keep_blocks)
@@ -168,7 +169,7 @@ class Unfused:
     checkpoint has it. Below tensor_parallel.ShardedWeights, which cuts the parts as any."""
 
     def __init__(self, weights: Weights, spec: ModelSpec) -> None:
-        self.weights, self.held = weights, dict[str, torch.Tensor | GroupQuant]()
+        self.weights, self.held = weights, dict[str, Stored]()
         q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         inner = spec.intermediate_size
         self.parts: dict[str, tuple[str, list[str], list[int]]] = {}  # part -> fused, all
@@ -190,7 +191,7 @@ class Unfused:
             return True
         return isinstance(name, str) and name in self.parts and self.parts[name][0] in self.weights
 
-    def pop(self, name: str) -> torch.Tensor | GroupQuant:
+    def pop(self, name: str) -> Stored:
         if name in self.held:
             return self.held.pop(name)
         if name not in self.weights and _mixtral(name) in self.weights:

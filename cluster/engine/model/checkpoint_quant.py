@@ -4,8 +4,12 @@ the forms our kernels multiply, without re-quantizing where the form allows.
 - `fp8` (FP8 Llama/Qwen/DeepSeek checkpoints): e4m3 weights with a scale per tensor (or
   per output row: `weight_scale`) or per 128 x 128 block (`weight_scale_inv`, multiplied
   despite its name). w = code * scale, dequantized at load; on the CPU the engine then
-  stores it as its 8-bit groups. Activation scales (`input_scale`) are not read: the
-  activations stay float, as in our int8 mode.
+  stores it as its 8-bit groups. Kept (`keep`, a GPU's FP8 GEMM): the codes as stored with
+  a scale per output row (`Fp8Rows`), a per-tensor scale repeated on each row; 128 x 128
+  blocks' codes re-rounded to e4m3 under each row's scale (an FP8 GEMM takes one scale a
+  row or a tensor; the second rounding is within e4m3's own step of the first).
+  Activation scales (`input_scale`) are not read: on the CPU the activations stay float,
+  as in our int8 mode; the FP8 GEMM scales each row of them itself (dynamic).
 - `awq` (AutoAWQ's GEMM layout) and `gptq` (AutoGPTQ's, with and without its v1 zero
   offset): 4-bit codes packed eight to an int32, a float16 scale and a 4-bit zero per group
   of `group_size` inputs, w = (q - z) * s. A group of 128 is four of our groups of 32 with
@@ -30,13 +34,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cluster.engine.model.model_files import ModelLoadError
-from cluster.engine.model.quantization import GROUP, GroupQuant
+from cluster.engine.model.quantization import GROUP, Fp8Rows, GroupQuant, Stored, fp8_rows
 
 if TYPE_CHECKING:
     from cluster.engine.model.checkpoint import Weights
 
 METHODS = ("fp8", "awq", "gptq")
 PACKED = ("awq", "gptq")  # 4-bit codes our int4 kernel reads as stored
+KEPT = ("fp8", *PACKED)  # whose codes load as stored when asked (keep)
 # AutoAWQ packs the eight outputs of a word in the order 0 2 4 6 1 3 5 7; this undoes it.
 _AWQ_UNDO = (0, 4, 1, 5, 2, 6, 3, 7)
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
@@ -103,9 +108,10 @@ def checkpoint_quant(directory: Path) -> CheckpointQuant | None:
 
 
 class Prequantized:
-    """A quantized checkpoint's matrices under their float names (`...proj.weight`): fp8 as
-    floats; awq / gptq as `GroupQuant`s of their own codes (`keep`), else dequantized. A
-    module the checkpoint left float (its lm_head, say) comes as it is."""
+    """A quantized checkpoint's matrices under their float names (`...proj.weight`), kept
+    (`keep`) as their codes are (awq / gptq: `GroupQuant`s, fp8: `Fp8Rows`), else
+    dequantized to floats. A module the checkpoint left float (its lm_head, say) comes as
+    it is."""
 
     def __init__(self, weights: Weights, quant: CheckpointQuant, keep: bool) -> None:
         self.weights, self.quant, self.keep = weights, quant, keep
@@ -115,13 +121,16 @@ class Prequantized:
             return True
         return isinstance(name, str) and _packed(name) + "qweight" in self.weights
 
-    def pop(self, name: str) -> torch.Tensor | GroupQuant:
+    def pop(self, name: str) -> Stored:
         base = _packed(name)
         if self.quant.method == "fp8":
             w = self._tensor(name)
             for key in ("weight_scale_inv", "weight_scale"):
                 if base + key in self.weights:
-                    return fp8_weight(w, self._tensor(base + key), self.quant.block)
+                    scale = self._tensor(base + key)
+                    if self.keep:
+                        return fp8_kept(w, scale, self.quant.block)
+                    return fp8_weight(w, scale, self.quant.block)
             return w  # left float
         if base + "qweight" not in self.weights:
             return self.weights.pop(name)
@@ -168,6 +177,16 @@ def fp8_weight(
     else:
         s = s.reshape(())
     return codes.float() * s
+
+
+def fp8_kept(codes: torch.Tensor, scale: torch.Tensor, block: Block | None) -> Fp8Rows:
+    """An FP8 matrix as an FP8 GEMM takes it: a scale a row (a tensor's repeated), codes as
+    stored; block-scaled ones re-rounded under each row's scale."""
+    rows = codes.shape[0]
+    if block is not None:
+        return fp8_rows(fp8_weight(codes, scale, block))
+    s = scale.float().reshape(-1).expand(rows) if scale.numel() == 1 else scale.float()
+    return Fp8Rows(codes.to(torch.float8_e4m3fn), s.reshape(rows).contiguous())
 
 
 def _nibbles(words: torch.Tensor, along_rows: bool) -> torch.Tensor:

@@ -30,9 +30,12 @@ from cluster.engine.model.quantization import (
     FLOAT_STORED_AS,
     DenseLinear,
     Embedding,
+    Fp8Rows,
     GroupQuant,
     Linear,
     Stacked,
+    Stored,
+    fp8_rows,
     linear,
     quantize,
     stackable,
@@ -94,7 +97,7 @@ class LlamaModel:
         else:  # built only here: a GPU host compiles nothing for it
             self.kernels = layer_kernels_cpu.module(dtype)
 
-        def take(name: str) -> torch.Tensor | GroupQuant:
+        def take(name: str) -> Stored:
             if name not in weights:
                 raise ModelLoadError(f"checkpoint {spec.name!r}: tensor {name} is missing")
             return weights.pop(name)
@@ -110,25 +113,34 @@ class LlamaModel:
                 return vec(name)
             return (1 + vec(name).float()).to(dtype)
 
-        def matrix(*names: str, mode: str = quantization) -> torch.Tensor | GroupQuant:
+        def matrix(*names: str, mode: str = quantization) -> Stored:
             """The named matrices stacked by rows: float, or groups as the mode keeps them."""
             return stored([take(n) for n in names], mode)
 
-        def stored(
-            parts: list[torch.Tensor | GroupQuant], mode: str = quantization
-        ) -> torch.Tensor | GroupQuant:
+        def stored(parts: list[Stored], mode: str = quantization) -> Stored:
             floats = [p for p in parts if isinstance(p, torch.Tensor)]
             if len(floats) == len(parts):
                 w = torch.cat(floats).to(device)
-                if mode not in FLOAT_STORED_AS:  # float as it is (gguf, awq, gptq: left float)
+                # float as it is: gguf, awq, gptq left it float; on a GPU (fp8 the only
+                # mode there) the FP8 GEMM's checkpoint left it float
+                if mode not in FLOAT_STORED_AS or device.type != "cpu":
                     return w
                 return quantize(w, FLOAT_STORED_AS[mode])
-            if len(parts) == 1:  # groups, as the checkpoint has them
+            if len(parts) == 1:  # groups or FP8 rows, as the checkpoint has them
                 return parts[0]
-            # A GGUF mixing kinds in one fused matrix: its float parts become 8-bit groups.
-            return GroupQuant.cat(
-                [quantize(p, "int8") if isinstance(p, torch.Tensor) else p for p in parts]
-            )
+            rows, groups = [], []  # a fused matrix mixing kinds: its float parts rounded
+            for part in parts:  # to FP8 rows (an FP8 checkpoint) or 8-bit groups (a GGUF)
+                if isinstance(part, Fp8Rows):
+                    rows.append(part)
+                elif isinstance(part, GroupQuant):
+                    groups.append(part)
+                elif device.type != "cpu":
+                    rows.append(fp8_rows(part))
+                else:
+                    groups.append(quantize(part, "int8"))
+            if rows and groups:
+                raise ModelLoadError(f"checkpoint {spec.name!r}: FP8 and grouped parts in one")
+            return Fp8Rows.cat(rows) if rows else GroupQuant.cat(groups)
 
         def mat(*names: str, bias: torch.Tensor | None = None) -> Linear:
             parts = [take(n) for n in names]
@@ -145,15 +157,22 @@ class LlamaModel:
         # them: at 4 bits they cost the bundled model 9% perplexity (measured), 8 bits 0.3%.
         vocab_mode = "int8" if quantization in ("int4", "awq", "gptq") else quantization
         embed_name = "model.embed_tokens.weight"
+
+        def vocab_matrix(name: str) -> torch.Tensor | GroupQuant:
+            m = matrix(name, mode=vocab_mode)
+            if isinstance(m, Fp8Rows):  # FP8 checkpoints leave them float
+                raise ModelLoadError(f"checkpoint {spec.name!r}: {name} in FP8 is not served")
+            return m
+
         if spec.tie_embeddings:
-            table = matrix(embed_name, mode=vocab_mode)
+            table = vocab_matrix(embed_name)
             self.lm_head = linear(table, None, dtype)
             # Tied: rows are looked up from what the head holds (a view when it is float).
             held = self.lm_head
             self.embed = Embedding(held.w.t() if isinstance(held, DenseLinear) else table, dtype)
         else:
-            self.lm_head = linear(matrix("lm_head.weight", mode=vocab_mode), None, dtype)
-            table = matrix(embed_name, mode=vocab_mode)
+            self.lm_head = linear(vocab_matrix("lm_head.weight"), None, dtype)
+            table = vocab_matrix(embed_name)
             self.embed = Embedding(
                 table.to(dtype) if isinstance(table, torch.Tensor) else table, dtype
             )

@@ -10,7 +10,9 @@
   float. The served model is the file's, not a float copy of it.
 - `awq`, `gptq`: a checkpoint directory's own 4-bit groups as stored (checkpoint_quant.py);
   the vocabulary matrices 8-bit as in int4.
-- `fp8`: a checkpoint directory's FP8 weights, dequantized at load and stored as int8.
+- `fp8`: a checkpoint directory's FP8 weights: on the CPU dequantized at load and stored
+  as int8; on a GPU with FP8 tensor cores kept as e4m3 codes with a scale per output row
+  (`Fp8Rows`) and multiplied by an FP8 GEMM (`Fp8Linear`).
 
 Where the CPU has AVX-512 VNNI or AVX2, our integer kernel multiplies every quantized
 matrix (cluster/engine/kernels/qmatmul.c, `BlockLinear`): each input row is rounded per group of
@@ -43,6 +45,7 @@ GROUP = 32  # weights per scale, along the input dimension
 # modes absent keep it float (none; gguf, awq and gptq keep their own quantized matrices).
 FLOAT_STORED_AS = {"int8": "int8", "int4": "int4", "fp8": "int8"}
 KERNEL_DTYPE = torch.bfloat16  # what the int4 kernel computes in
+E4M3_MAX = 448.0  # the largest float8_e4m3fn
 
 
 class QuantizationError(ValueError):
@@ -103,7 +106,7 @@ class GroupQuant:
         )
 
 
-def stackable(parts: Sequence[torch.Tensor | GroupQuant]) -> bool:
+def stackable(parts: Sequence[torch.Tensor | GroupQuant | Fp8Rows]) -> bool:
     """Whether matrices can be stacked by rows into one: none reorders its inputs."""
     return all(not isinstance(p, GroupQuant) or p.perm is None for p in parts)
 
@@ -157,6 +160,31 @@ def _group_quant(q: np.ndarray, scale: np.ndarray, offset: np.ndarray, bits: int
         torch.from_numpy(np.ascontiguousarray(offset)),
         bits,
     )
+
+
+@dataclass(frozen=True)
+class Fp8Rows:
+    """An FP8 matrix [out, in] as an FP8 GEMM reads it: e4m3 codes and one float32 scale
+    per output row, w = codes * scale (a checkpoint's scale per tensor or row as it is;
+    its 128 x 128 blocks' re-rounded to rows at load: checkpoint_quant.fp8_rows)."""
+
+    codes: torch.Tensor  # float8_e4m3fn [out, in]
+    scale: torch.Tensor  # float32 [out]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0], self.codes.shape[1]
+
+    @staticmethod
+    def cat(parts: Sequence[Fp8Rows]) -> Fp8Rows:
+        """Matrices stacked by rows (q, k and v as one): their rows and scales in order."""
+        return Fp8Rows(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]))
+
+
+def fp8_rows(w: torch.Tensor) -> Fp8Rows:
+    """A float matrix [out, in] rounded to e4m3 under a scale per row (its largest at 448)."""
+    scale = w.float().abs().amax(1).clamp(min=1e-12) / E4M3_MAX
+    return Fp8Rows((w.float() / scale[:, None]).to(torch.float8_e4m3fn), scale)
 
 
 # --- the matrices a forward pass multiplies by -----------------------------------------------
@@ -265,13 +293,43 @@ class Stacked:
         return held + ([] if self.bias is None else [self.bias])
 
 
-Linear = DenseLinear | Int4Linear | BlockLinear | Permuted | Stacked
+class Fp8Linear:
+    """y = x @ w.T (+ bias) on an FP8 GEMM (torch._scaled_mm: FP8 tensor cores on CUDA of
+    compute capability 8.9 on, oneDNN on the CPU): each row of x rounded to e4m3 under its
+    own scale, its largest value at 448 (dynamic per-token scales, as vLLM's FP8 W8A8), w
+    as stored; the sums in float32, out in the activations' dtype."""
+
+    def __init__(self, w: Fp8Rows, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        self.codes = w.codes
+        self.scale = w.scale.float().view(1, -1)
+        self.bias = bias
+        self.dtype = dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).float()
+        x_scale = rows.abs().amax(-1, keepdim=True).clamp(min=1e-12) / E4M3_MAX
+        codes = (rows / x_scale).to(torch.float8_e4m3fn)
+        y = torch._scaled_mm(
+            codes, self.codes.t(), scale_a=x_scale, scale_b=self.scale, out_dtype=self.dtype
+        )
+        y = y if self.bias is None else y + self.bias
+        return y.reshape(*x.shape[:-1], -1)
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.codes, self.scale] + ([] if self.bias is None else [self.bias])
 
 
-def linear(w: torch.Tensor | GroupQuant, bias: torch.Tensor | None, dtype: torch.dtype) -> Linear:
-    """The matrix `w` [out, in] multiplied as it is stored: float (cast to `dtype`) or groups,
-    on our kernel where this CPU runs it, else on torch's (its inputs reordered first where
-    its groups run in another order)."""
+Linear = DenseLinear | Int4Linear | BlockLinear | Permuted | Stacked | Fp8Linear
+Stored = torch.Tensor | GroupQuant | Fp8Rows  # a matrix as a checkpoint's weights give it
+
+
+def linear(w: Stored, bias: torch.Tensor | None, dtype: torch.dtype) -> Linear:
+    """The matrix `w` [out, in] multiplied as it is stored: float (cast to `dtype`), FP8 rows
+    on an FP8 GEMM, or groups, on our kernel where this CPU runs it, else on torch's (its
+    inputs reordered first where its groups run in another order)."""
+    if isinstance(w, Fp8Rows):
+        return Fp8Linear(w, bias, dtype)
     if isinstance(w, GroupQuant):
         kernel: BlockLinear | Int4Linear | None = None
         if w.q.device.type == "cpu" and qmatmul.available():

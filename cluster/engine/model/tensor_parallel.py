@@ -39,7 +39,7 @@ from cluster.config import ConfigError, EngineConfig
 from cluster.engine.kernels.kv_cache import KVCache
 from cluster.engine.kernels.step_batch import StepBatch
 from cluster.engine.model.checkpoint import ModelSpec, Weights
-from cluster.engine.model.quantization import GROUP, GroupQuant
+from cluster.engine.model.quantization import GROUP, Fp8Rows, GroupQuant, Stored
 from cluster.engine.model.shared_collectives import SHM, PeerLost, SharedExchange
 from cluster.types import PageId
 
@@ -136,14 +136,18 @@ class Shard:
         )
 
 
-def _rows(t: torch.Tensor | GroupQuant, start: int, end: int) -> torch.Tensor | GroupQuant:
+def _rows(t: Stored, start: int, end: int) -> Stored:
+    if isinstance(t, Fp8Rows):
+        return Fp8Rows(t.codes[start:end].clone(), t.scale[start:end].clone())
     if isinstance(t, GroupQuant):
         q, scale, offset = (x[start:end].clone() for x in (t.q, t.scale, t.offset))
         return GroupQuant(q, scale, offset, t.bits, t.perm)
     return t[start:end].clone()
 
 
-def _columns(t: torch.Tensor | GroupQuant, start: int, end: int) -> torch.Tensor | GroupQuant:
+def _columns(t: Stored, start: int, end: int) -> Stored:
+    if isinstance(t, Fp8Rows):  # a scale per output row: each rank's inputs keep it
+        return Fp8Rows(t.codes[:, start:end].clone(), t.scale)
     if isinstance(t, GroupQuant):
         if t.perm is not None:
             raise ConfigError("tensor_parallel_size: act-order (desc_act) matrices do not split")
@@ -168,7 +172,7 @@ class ShardedWeights:
     def __contains__(self, name: object) -> bool:
         return name in self.weights
 
-    def pop(self, name: str) -> torch.Tensor | GroupQuant:
+    def pop(self, name: str) -> Stored:
         t, s, d = self.weights.pop(name), self.shard, self.head_dim
         part = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else name
         if part == "q_proj":

@@ -309,10 +309,12 @@ class Fp8Linear:
         rows = x.reshape(-1, x.shape[-1]).float()
         x_scale = rows.abs().amax(-1, keepdim=True).clamp(min=1e-12) / E4M3_MAX
         codes = (rows / x_scale).to(torch.float8_e4m3fn)
+        # CUDA's row-wise scaled GEMM writes bfloat16 only: a float32 engine's is widened
+        out = torch.bfloat16 if self.codes.is_cuda else self.dtype
         y = torch._scaled_mm(
-            codes, self.codes.t(), scale_a=x_scale, scale_b=self.scale, out_dtype=self.dtype
+            codes, self.codes.t(), scale_a=x_scale, scale_b=self.scale, out_dtype=out
         )
-        y = y if self.bias is None else y + self.bias
+        y = y.to(self.dtype) if self.bias is None else y.to(self.dtype) + self.bias
         return y.reshape(*x.shape[:-1], -1)
 
     @property

@@ -310,17 +310,11 @@ def test_gemma_s_windows_and_soft_capping_attend_as_defined(
         pytest.skip("no C compiler here")
     g = torch.Generator().manual_seed(11)
     layout = KVLayout(1, 3, 64, page_size, torch.float32)
-    cache = KVCache(layout, 24 * 16 // page_size + 4, CPU)
+    cache = KVCache(layout, 24, CPU)
     for t in (cache.k[0], cache.v[0]):
         t.copy_(torch.randn(t.shape, generator=g))
-    lens, news = [1, 17, 40, 32, 6], [1, 1, 1, 5, 6]
-    table = scattered_pages(lens, page_size, cache.k[0].shape[0], seed=3)
-    positions = torch.cat([torch.arange(n - new, n) for n, new in zip(lens, news, strict=True)])
-    owner = torch.cat([torch.full((new,), i) for i, new in enumerate(news)])
-    slots = table[owner, positions // page_size] * page_size + positions % page_size
-    starts = [0, *torch.tensor(news).cumsum(0).tolist()]
-    batch = StepBatch(3, starts, lens, table, slots, positions)
-    n = starts[-1]
+    batch = _mixed_batch(page_size, g)
+    n = batch.query_start[-1]
     q, k, v = (torch.randn(n, h, 64, generator=g) for h in (9, 3, 3))
     backend = CpuBackend(layout, CPU, in_place=in_place, layers=[attn])
     assert (backend.kernel is not None) == in_place

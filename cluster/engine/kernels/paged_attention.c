@@ -109,11 +109,11 @@ static inline __attribute__((always_inline)) void attend(
 
 // out[r] for r < rows: query row r of q attends to the first lens[r] tokens of the
 // sequence whose page ids are tables[r] (width table_width), or with a `window` (> 0) to
-// the last `window` of them; scores times `scale`, then soft-capped by `softcap` (> 0). A task is a row's KV head over
-// SPLIT_PAGES of its pages; a row longer than that has its splits' sums merged (as
-// flash-decoding does), so a small batch of long rows still has tasks for every thread. The
-// splits fall at fixed pages, so a row's output does not depend on its batch. Returns 0,
-// or -1 when scratch memory cannot be had.
+// the last `window` of them; scores times `scale`, then soft-capped by `softcap` (> 0).
+// A task is a row's KV head over SPLIT_PAGES of its pages; a row longer than that has its
+// splits' sums merged (as flash-decoding does), so a small batch of long rows still has
+// tasks for every thread. The splits fall at fixed pages, so a row's output does not depend
+// on its batch. Returns 0, or -1 when scratch memory cannot be had.
 int paged_attention(const float *q, float *out, int64_t heads, int64_t kv_heads, int64_t dim,
                     const void *k_cache, const void *v_cache, int kind, int64_t page_size,
                     const int64_t *tables, int64_t table_width, const int64_t *lens,
@@ -142,7 +142,7 @@ int paged_attention(const float *q, float *out, int64_t heads, int64_t kv_heads,
       int64_t lo = window > 0 && lens[r] > window ? lens[r] - window : 0;
       int64_t first = lo / page_size * page_size;  // the window's first page
       begin = begin < first ? first : begin;
-      begin = begin > end ? end : begin;  // a shorter row's last splits, or before the window: empty
+      begin = begin > end ? end : begin;  // a shorter row's last splits, or before its window
       const int64_t *pages = tables + r * table_width;
       float top[group], total[group], *o = out + at;
       if (parts) o = parts + i * group * (dim + 2);
@@ -304,8 +304,8 @@ static inline __attribute__((always_inline)) void prefill_block(
     const float *restrict q, float *restrict out, int64_t heads, int64_t kv_heads, int64_t dim,
     const void *k_cache, const void *v_cache, int kind, int64_t page_size,
     const int64_t *pages, int64_t first_row, int64_t i0, int64_t i1, int64_t kvh, float scale,
-    int64_t window, float softcap, float *restrict kt, float *restrict vt, float *restrict top, float *restrict total,
-    float *restrict acc, const float **qs, const float *zeros) {
+    int64_t window, float softcap, float *restrict kt, float *restrict vt, float *restrict top,
+    float *restrict total, float *restrict acc, const float **qs, const float *zeros) {
   int64_t group = heads / kv_heads, vectors = (i1 - i0) * group, end = first_row + i1;
   int64_t width = (page_size + LANES - 1) / LANES * LANES;
   float s[TILE * width];

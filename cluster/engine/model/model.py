@@ -220,13 +220,15 @@ class LlamaModel:
                 f"config says {expected}"
             )
         self.cos, self.signed_sin = self._rope_tables(spec.rope_inv_freq(), device, dtype)
-        # Each layer's RoPE tables: the model's, or Gemma 3's sliding layers' own.
-        self.layer_rope = [(self.cos, self.signed_sin)] * spec.num_layers
+        # The RoPE tables, the model's first; each layer's index into them (Gemma 3's
+        # sliding layers rotate by their own).
+        self.rope_tables = [(self.cos, self.signed_sin)]
+        self.layer_table = [0] * spec.num_layers
         if spec.local_rope_theta is not None:
-            local = self._rope_tables(spec.rope_inv_freq(local=True), device, dtype)
-            for i, window in enumerate(spec.windows):
-                if window is not None:
-                    self.layer_rope[i] = local
+            self.rope_tables.append(
+                self._rope_tables(spec.rope_inv_freq(local=True), device, dtype)
+            )
+            self.layer_table = [int(w is not None) for w in spec.windows]
         # sqrt(hidden_size) in the activations' dtype, as Gemma's embedding multiplies
         self.embed_scale = torch.tensor(spec.hidden_size**0.5, dtype=dtype) if spec.gemma else None
 
@@ -249,7 +251,7 @@ class LlamaModel:
                 scale=s.query_scale,
                 window=s.windows[i],
                 softcap=s.attn_softcap,
-                rope=None if self.layer_rope[i][0] is self.cos else self.layer_rope[i],
+                rope=self.rope_tables[self.layer_table[i]] if self.layer_table[i] else None,
             )
             for i in range(s.num_layers)
         )
@@ -313,9 +315,7 @@ class LlamaModel:
 
     def first_norm(self, x: torch.Tensor) -> torch.Tensor:
         """Layer 0's input RMSNorm (no residual to add yet)."""
-        return F.rms_norm(
-            x, (self.spec.hidden_size,), self.layers[0].input_norm, self.spec.rms_norm_eps
-        )
+        return self._norm(x, self.layers[0].input_norm)
 
     def heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of the qkv projection: q's and k's heads side by side [n, heads +
@@ -387,35 +387,28 @@ class LlamaModel:
         x = x + delta
         return x, F.rms_norm(x, (self.spec.hidden_size,), weight, self.spec.rms_norm_eps)
 
-    def rope_rows(
-        self, positions: torch.Tensor
-    ) -> dict[int, tuple[torch.Tensor, torch.Tensor]] | None:
-        """The rows' cos and signed sin for `rope`, gathered once a step for each set of
-        tables (keyed by the cos table's id); None where a fused kernel reads the tables by
-        position."""
+    def rope_rows(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """The rows' cos and signed sin for `rope` from each of `rope_tables`, gathered once
+        a step; None where a fused kernel reads the tables by position."""
         if self.kernels is not None:
             return None
-        tables = {id(cos): (cos, sin) for cos, sin in self.layer_rope}
-        return {
-            key: (cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
-            for key, (cos, sin) in tables.items()
-        }
+        return [(c[positions].unsqueeze(1), s[positions].unsqueeze(1)) for c, s in self.rope_tables]
 
     def rope(
         self,
         i: int,
         qk: torch.Tensor,
         positions: torch.Tensor,
-        rows: dict[int, tuple[torch.Tensor, torch.Tensor]] | None,  # rope_rows'
+        rows: list[tuple[torch.Tensor, torch.Tensor]] | None,  # rope_rows'
     ) -> torch.Tensor:
         """Layer i's q and k rotated: in place by a fused kernel, else by `rotate`'s four
         ops."""
-        cos, signed_sin = self.layer_rope[i]
+        table = self.layer_table[i]
         if rows is None:
             assert self.kernels is not None
-            self.kernels.rope_(qk, positions, cos, signed_sin)
+            self.kernels.rope_(qk, positions, *self.rope_tables[table])
             return qk
-        return rotate(qk, *rows[id(cos)])
+        return rotate(qk, *rows[table])
 
     def _gelu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """Gemma's gating: GELU (tanh approximation) of the gate times up."""

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from cluster.engine.engine import LLMEngine
-from cluster.engine.kernels.attention import LayerAttention
 from cluster.engine.kernels.cpu_isa import cpu, native_bf16
 from cluster.engine.kernels.kv_cache import KVCache
+from cluster.engine.kernels.layer_attention import LayerAttention
 from cluster.engine.kernels.step_batch import StepBatch
 from cluster.engine.sched.page_pool import pages_for
 

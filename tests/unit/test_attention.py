@@ -15,7 +15,7 @@ from torch.nn.attention import SDPBackend
 
 from cluster.config import ConfigError
 from cluster.engine.kernels import attention_cpu
-from cluster.engine.kernels.attention import LayerAttention, resolve_backend
+from cluster.engine.kernels.attention import resolve_backend
 from cluster.engine.kernels.attention_cpu import (
     CpuBackend,
     CpuMetadata,
@@ -24,6 +24,7 @@ from cluster.engine.kernels.attention_cpu import (
     paged_attention,
 )
 from cluster.engine.kernels.kv_cache import KVCache, KVLayout, gather_tokens
+from cluster.engine.kernels.layer_attention import LayerAttention
 from cluster.engine.kernels.step_batch import StepBatch
 from cluster.engine.sched.page_pool import pages_for
 from tests.helpers import scattered_pages, windowed_reference

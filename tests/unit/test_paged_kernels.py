@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from cluster.engine.kernels.attention import LayerAttention
 from cluster.engine.kernels.kv_cache import KVCache, KVLayout, gather_tokens
+from cluster.engine.kernels.layer_attention import LayerAttention
 from cluster.engine.kernels.step_batch import StepBatch
 from cluster.engine.model.model import rotate
 from tests.helpers import scattered_pages, windowed_reference

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 from cluster.config import ConfigError
 from cluster.engine.kernels import native
-from cluster.engine.kernels.attention import PLAIN, LayerAttention
 from cluster.engine.kernels.kv_cache import KVCache, KVLayout
+from cluster.engine.kernels.layer_attention import PLAIN, LayerAttention
 from cluster.engine.kernels.step_batch import StepBatch
 from cluster.engine.sched.page_pool import pages_for
 

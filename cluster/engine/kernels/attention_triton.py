@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from cluster.engine.kernels import paged_kernels
-from cluster.engine.kernels.attention import PLAIN, LayerAttention
 from cluster.engine.kernels.kv_cache import KVCache
+from cluster.engine.kernels.layer_attention import PLAIN, LayerAttention
 from cluster.engine.kernels.step_batch import StepBatch
 
 

@@ -48,8 +48,8 @@ import torch
 import triton
 import triton.language as tl
 
-from cluster.engine.kernels.attention import PLAIN, LayerAttention
 from cluster.engine.kernels.kv_cache import QMAX, SHIFT, KVLayout
+from cluster.engine.kernels.layer_attention import PLAIN, LayerAttention
 from cluster.engine.kernels.layer_kernels import rotated
 
 LOG2E = math.log2(math.e)  # scores times this: exp(x) = exp2(x * log2 e)

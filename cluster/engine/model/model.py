@@ -21,8 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from cluster.engine.kernels import layer_kernels_cpu
-from cluster.engine.kernels.attention import AttentionBackend, LayerAttention
+from cluster.engine.kernels.attention import AttentionBackend
 from cluster.engine.kernels.kv_cache import KVCache
+from cluster.engine.kernels.layer_attention import LayerAttention
 from cluster.engine.model.checkpoint import ModelSpec, Weights
 from cluster.engine.model.experts import DenseMlp, Experts, Mlp
 from cluster.engine.model.model_files import ModelLoadError

@@ -118,6 +118,40 @@ def test_two_ranks_on_int8_kv_pages_keep_its_accuracy_bounds(
     assert agreement >= least and ratio <= most
 
 
+def test_gemma_split_across_two_ranks_gives_one_ranks_greedy_tokens(
+    ray_workers: Any, tiny_gemma2_dir: Any
+) -> None:
+    # Gemma 2's sliding windows, soft-capping, norms around each sublayer and scaled
+    # embeddings with its heads split 2 + 2 (KV heads 1 + 1) and its vocabulary in halves.
+    exact = {"model": str(tiny_gemma2_dir), "dtype": "float32", "quantization": "none"}
+    prompts = RAW_PROMPTS[:3]  # with 32 new tokens each, well past the 8-token window
+    one = LLMEngine(EngineConfig(**exact, **SMALL))
+    expected = [c.token_ids for c in one.generate(prompts, GREEDY)]
+    split = LLMEngine(EngineConfig(**exact, **SMALL, tensor_parallel_size=2))
+    try:
+        assert split.layout.num_kv_heads == 1 and split.model.spec.num_heads == 2
+        assert [c.token_ids for c in split.generate(prompts, GREEDY)] == expected
+    finally:
+        split.close()
+
+
+def test_ranks_ray_cannot_place_are_refused_not_waited_for(ray_workers: Any) -> None:
+    # Ray's two CPUs held by another actor: rank 1 could never start, and rank 0 would wait
+    # for it in its group's rendezvous forever.
+    holder = ray.remote(num_cpus=2)(_Holder).remote()
+    try:
+        assert ray.get(holder.ready.remote())
+        with pytest.raises(ConfigError, match=r"tensor_parallel_size: 2 ranks need a CPU"):
+            _two_ranks()
+    finally:
+        ray.kill(holder)
+
+
+class _Holder:
+    def ready(self) -> bool:
+        return True
+
+
 def test_a_model_that_does_not_split_that_many_ways_is_refused() -> None:
     # Refused from the model's shape, before any rank starts (no Ray is needed to say so).
     with pytest.raises(ConfigError, match=r"tensor_parallel_size: 4 ranks: .* 3 KV heads"):
@@ -180,20 +214,3 @@ def test_a_worker_that_loses_a_rank_mid_stream_is_replaced_and_its_stream_ends_t
     assert reply.decode_worker == h.read(lambda: pool.serving[0])
     assert reply.token_ids == expected.token_ids
     h.assert_all_pages_free()
-
-
-def test_gemma_split_across_two_ranks_gives_one_ranks_greedy_tokens(
-    ray_workers: Any, tiny_gemma2_dir: Any
-) -> None:
-    # Gemma 2's sliding windows, soft-capping, norms around each sublayer and scaled
-    # embeddings with its heads split 2 + 2 (KV heads 1 + 1) and its vocabulary in halves.
-    exact = {"model": str(tiny_gemma2_dir), "dtype": "float32", "quantization": "none"}
-    prompts = RAW_PROMPTS[:3]  # with 32 new tokens each, well past the 8-token window
-    one = LLMEngine(EngineConfig(**exact, **SMALL))
-    expected = [c.token_ids for c in one.generate(prompts, GREEDY)]
-    split = LLMEngine(EngineConfig(**exact, **SMALL, tensor_parallel_size=2))
-    try:
-        assert split.layout.num_kv_heads == 1 and split.model.spec.num_heads == 2
-        assert [c.token_ids for c in split.generate(prompts, GREEDY)] == expected
-    finally:
-        split.close()

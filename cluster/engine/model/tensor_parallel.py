@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 IDLE_TIMEOUT = timedelta(days=7)  # gloo's: a follower waits this long for the next step
+RANK_CPUS_WAIT_S = 10.0  # how long a driver's engine waits for Ray to free CPUs for its ranks
 T = TypeVar("T")
 HEADER = 6  # op, tokens, sequences, page table width, logits rows, decodes
 STOP, STEP = 0, 1
@@ -477,10 +478,21 @@ class Ranks:
         if not ray.is_initialized():
             ray.init()
         size = config.tensor_parallel_size
+        group = get_current_placement_group()
+        if group is None and device.type == "cpu":
+            # A rank Ray cannot place would leave rank 0 waiting for it forever: wait a while
+            # for CPUs (an engine just closed frees its ranks' a moment later), then refuse.
+            deadline = time.monotonic() + RANK_CPUS_WAIT_S
+            while (free := ray.available_resources().get("CPU", 0)) < size - 1:
+                if time.monotonic() > deadline:
+                    raise ConfigError(
+                        f"tensor_parallel_size: {size} ranks need a CPU of Ray's each for "
+                        f"ranks 1-{size - 1}; Ray has {free:g} free"
+                    )
+                time.sleep(0.1)
         config = dataclasses.replace(config, device=device.type)  # auto resolved: as rank 0
         self.dir = StoreDir()
         self.rank0 = Rank(0, size, self.dir.store)
-        group = get_current_placement_group()
         self.reserved: Any = None  # the driver's own placement group, on CUDA
         self.device_index: int | None = None  # rank 0's GPU in it
         if group is None and device.type == "cuda":

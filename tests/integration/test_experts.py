@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from cluster.config import ConfigError, EngineConfig
+from cluster.config import EngineConfig
 from cluster.engine.engine import LLMEngine
 from cluster.engine.model.experts import DenseMlp, Experts
 from cluster.types import SamplingParams
@@ -69,11 +69,3 @@ def test_experts_on_our_quantized_kernels_stay_within_the_modes_bounds(
     print(f"{path.name} {mode}: logprob differences {diff:.2e}")
     assert diff < bound
     assert_no_leak(engine)
-
-
-def test_a_mixture_of_experts_split_across_ranks_is_refused_naming_the_field(
-    tiny_mixtral_dir: Path,
-) -> None:
-    config = EngineConfig(model=str(tiny_mixtral_dir), tensor_parallel_size=2, kv_cache_gb=0.01)
-    with pytest.raises(ConfigError, match="tensor_parallel_size: 2 ranks: a Mixture-of-Experts"):
-        LLMEngine(config)

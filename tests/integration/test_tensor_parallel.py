@@ -1,5 +1,6 @@
 """Tensor parallelism on the real bundled model, its ranks real Ray actors talking gloo:
-two ranks give one rank's greedy tokens in float32 (offline and served), quantized modes
+two ranks give one rank's greedy tokens in float32 (offline and served; Gemma 2 and a
+Mixture-of-Experts split by whole experts too), quantized modes
 keep issue 12's accuracy bounds, a model that does not split is refused naming the
 field, and a served worker that loses a rank mid-stream is replaced and its stream ends
 on the replacement with the same tokens."""
@@ -19,6 +20,7 @@ import torch
 
 from cluster.config import ConfigError, EngineConfig, PoolConfig, RouterConfig, ServeConfig
 from cluster.engine.engine import LLMEngine
+from cluster.engine.model.experts import Experts
 from cluster.engine.model.tensor_parallel import GroupLost
 from cluster.types import RequestOutput, SamplingParams
 from tests.helpers import wait_until
@@ -130,6 +132,25 @@ def test_gemma_split_across_two_ranks_gives_one_ranks_greedy_tokens(
     split = LLMEngine(EngineConfig(**exact, **SMALL, tensor_parallel_size=2))
     try:
         assert split.layout.num_kv_heads == 1 and split.model.spec.num_heads == 2
+        assert [c.token_ids for c in split.generate(prompts, GREEDY)] == expected
+    finally:
+        split.close()
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_experts_split_across_two_ranks_give_one_ranks_greedy_tokens(
+    ray_workers: Any, tiny_qwen3_moe_dir: Any, quantization: str
+) -> None:
+    # Expert parallelism: each rank holds four of Qwen3-MoE's eight experts whole, routes
+    # every token and adds its own experts' outputs; the MLP's all-reduce sums the two.
+    exact = {"model": str(tiny_qwen3_moe_dir), "dtype": "float32", "quantization": quantization}
+    prompts = RAW_PROMPTS[:3]
+    one = LLMEngine(EngineConfig(**exact, **SMALL))
+    expected = [c.token_ids for c in one.generate(prompts, GREEDY)]
+    split = LLMEngine(EngineConfig(**exact, **SMALL, tensor_parallel_size=2))
+    try:
+        mlp = split.model.layers[0].mlp
+        assert isinstance(mlp, Experts) and (mlp.first, len(mlp.experts)) == (0, 4)
         assert [c.token_ids for c in split.generate(prompts, GREEDY)] == expected
     finally:
         split.close()

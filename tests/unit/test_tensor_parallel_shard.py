@@ -92,6 +92,27 @@ def test_sharded_weights_cut_rows_and_columns_of_floats_and_groups() -> None:
     assert "model.norm.weight" not in sharded
 
 
+def test_a_mixture_of_experts_splits_by_whole_experts() -> None:
+    # Expert parallelism: 8 experts of 3 ranks go 3 + 3 + 2, each whole (its rows and
+    # columns uncut), the router on every rank; fewer experts than ranks is refused.
+    moe = ModelSpec(**{**vars(SMOL), "num_kv_heads": 3, "experts": 8, "experts_per_token": 2})
+    shards = [Shard.of(moe, r, 3, quantized=True) for r in range(3)]
+    assert [s.experts for s in shards] == [(0, 3), (3, 6), (6, 8)]
+    assert shards[2].describe().endswith("experts 6-7)")
+    assert shards[2].local(moe).experts == 8  # the router scores every expert
+    gate, router = torch.randn(64, 576), torch.randn(8, 576)
+    weights = {
+        "model.layers.0.mlp.experts.7.gate_proj.weight": gate,
+        "model.layers.0.mlp.gate.weight": router,
+    }
+    sharded = ShardedWeights(weights, shards[2], SMOL.head_dim)  # type: ignore[arg-type]
+    assert sharded.pop("model.layers.0.mlp.experts.7.gate_proj.weight") is gate
+    assert sharded.pop("model.layers.0.mlp.gate.weight") is router
+    few = ModelSpec(**{**vars(moe), "experts": 2})
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size: 3 ranks: .* 2 experts"):
+        Shard.of(few, 0, 3, quantized=False)
+
+
 def test_a_split_workers_placement_group_has_a_bundle_per_rank() -> None:
     options = {"num_cpus": 2.0, "num_gpus": 0.0, "resources": {"decode_node": 1.0}}
     assert rank_bundles(options, 3) == [

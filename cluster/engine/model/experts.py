@@ -37,9 +37,10 @@ class DenseMlp:
 @dataclass
 class Experts:
     router: Linear  # hidden -> one score per expert (float, never quantized)
-    experts: list[DenseMlp]
+    experts: list[DenseMlp]  # the experts first, first + 1, ... (a TP rank's: its range)
     top_k: int
     renormalize: bool
+    first: int = 0
 
     def __call__(self, h: torch.Tensor, silu_mul: SiluMul) -> torch.Tensor:
         weights = torch.softmax(self.router(h).float(), dim=-1)
@@ -48,9 +49,12 @@ class Experts:
             top = top / top.sum(dim=-1, keepdim=True)
         top = top.to(h.dtype)
         out = torch.zeros_like(h)
+        held = range(self.first, self.first + len(self.experts))
         for e in chosen.unique().tolist():
+            if e not in held:  # another rank's: its share comes in the MLP's all-reduce
+                continue
             rows, slot = (chosen == e).nonzero(as_tuple=True)
-            y = self.experts[e](h[rows], silu_mul)
+            y = self.experts[e - self.first](h[rows], silu_mul)
             out.index_add_(0, rows, y * top[rows, slot, None])
         return out
 

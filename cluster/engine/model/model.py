@@ -194,11 +194,13 @@ class LlamaModel:
                 post_norm = p + "pre_feedforward_layernorm.weight"
             mlp: Mlp
             if spec.experts:  # the router stays float, as vLLM keeps it
+                first, end = (0, spec.experts) if group is None else group.shard.experts
                 mlp = Experts(
                     linear(take(p + "mlp.gate.weight"), None, dtype),
-                    [dense(p + f"mlp.experts.{e}.") for e in range(spec.experts)],
+                    [dense(p + f"mlp.experts.{e}.") for e in range(first, end)],
                     spec.experts_per_token,
                     spec.renormalize_experts,
+                    first,
                 )
             else:
                 mlp = dense(p + "mlp.")

@@ -2,12 +2,13 @@
 
 Megatron's split of a Llama layer: each rank holds a contiguous range of KV heads with
 their query heads (the qkv projection's rows, o_proj's columns, its own slice of every KV
-page), a range of the MLP's intermediate units (gate and up rows, down's columns), and a
-range of the vocabulary (embedding and lm_head rows). A step sums o_proj's and down's
-partial outputs over the ranks (one all-reduce per attention and per MLP block), the
-embedding's rows likewise, and gathers the logits' vocabulary slices. Ranges need not be
-equal: SmolLM2-135M's 3 KV heads split 2 + 1 over two ranks. A quantized matrix's column
-ranges fall on its groups of 32.
+page), a range of the MLP's intermediate units (gate and up rows, down's columns) or of a
+Mixture-of-Experts' whole experts (expert parallelism: every rank routes every token, each
+computes its own experts' weighted outputs), and a range of the vocabulary (embedding and
+lm_head rows). A step sums o_proj's and down's partial outputs over the ranks (one
+all-reduce per attention and per MLP block), the embedding's rows likewise, and gathers the
+logits' vocabulary slices. Ranges need not be equal: SmolLM2-135M's 3 KV heads split
+2 + 1 over two ranks. A quantized matrix's column ranges fall on its groups of 32.
 
 The ranks of a worker run in Ray actors on one node (a STRICT_PACK placement group).
 Rank 0 is the engine (scheduler, sampler, its own shard); before each forward it
@@ -77,7 +78,8 @@ class Shard:
     size: int
     kv_heads: tuple[int, int]
     heads: tuple[int, int]  # query heads: the KV heads' groups
-    intermediate: tuple[int, int]
+    intermediate: tuple[int, int]  # (a Mixture-of-Experts': all, unused)
+    experts: tuple[int, int]  # a Mixture-of-Experts' whole experts ((0, 0) for a dense MLP)
     vocab: tuple[int, int]
     vocab_widths: tuple[int, ...]  # every rank's vocabulary slice (the logits gather)
 
@@ -92,10 +94,11 @@ class Shard:
 
         if spec.num_kv_heads < size:
             raise refuse(f"the model has {spec.num_kv_heads} KV heads, one rank needs one")
-        if spec.experts and size > 1:
-            raise refuse("a Mixture-of-Experts model runs on one rank so far")
+        if spec.experts and spec.experts < size:
+            raise refuse(f"the model has {spec.experts} experts, one rank needs one")
         unit = GROUP if quantized else 1
-        if spec.intermediate_size % unit or spec.intermediate_size // unit < size:
+        dense = not spec.experts
+        if dense and (spec.intermediate_size % unit or spec.intermediate_size // unit < size):
             raise refuse(
                 f"the MLP's {spec.intermediate_size} units do not split into groups of {unit}"
             )
@@ -109,26 +112,28 @@ class Shard:
             size,
             kv[rank],
             (kv[rank][0] * group, kv[rank][1] * group),
-            split(spec.intermediate_size, size, unit)[rank],
+            split(spec.intermediate_size, size, unit)[rank]
+            if dense
+            else (0, spec.intermediate_size),
+            split(spec.experts, size, 1)[rank] if spec.experts else (0, 0),
             vocab[rank],
             tuple(b - a for a, b in vocab),
         )
 
     def describe(self) -> str:
-        """For the start-up line: `rank 0 of 2 (KV heads 0-1, MLP units 0-767)`."""
-        (k0, k1), (i0, i1) = self.kv_heads, self.intermediate
-        return (
-            f"tensor parallel rank {self.rank} of {self.size} (KV heads {k0}-{k1 - 1}, "
-            f"MLP units {i0}-{i1 - 1})"
-        )
+        """For the start-up line: `rank 0 of 2 (KV heads 0-1, MLP units 0-767)` (or
+        `experts 0-3`)."""
+        (k0, k1), (i0, i1), (e0, e1) = self.kv_heads, self.intermediate, self.experts
+        mlp = f"experts {e0}-{e1 - 1}" if e1 else f"MLP units {i0}-{i1 - 1}"
+        return f"tensor parallel rank {self.rank} of {self.size} (KV heads {k0}-{k1 - 1}, {mlp})"
 
     @property
     def vocab_width(self) -> int:
         return self.vocab[1] - self.vocab[0]
 
     def local(self, spec: ModelSpec) -> ModelSpec:
-        """The shape this rank computes: its heads and MLP units (the vocabulary stays the
-        model's, as gathered logits have it)."""
+        """The shape this rank computes: its heads and MLP units (the vocabulary and the
+        router's experts stay the model's, as gathered logits and routing have them)."""
         return dataclasses.replace(
             spec,
             num_heads=self.heads[1] - self.heads[0],
@@ -176,6 +181,8 @@ class ShardedWeights:
     def pop(self, name: str) -> Stored:
         t, s, d = self.weights.pop(name), self.shard, self.head_dim
         part = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else name
+        if ".mlp.experts." in name:
+            return t  # the rank's own experts, whole (the model takes no other's)
         if part == "q_proj":
             return _rows(t, s.heads[0] * d, s.heads[1] * d)
         if part in ("k_proj", "v_proj"):

@@ -191,14 +191,21 @@ def fp8_rows(w: torch.Tensor) -> Fp8Rows:
 
 
 class DenseLinear:
-    """y = x @ w (+ bias): the float weight stored transposed, [in, out], which measured
-    ~40% faster than F.linear for batch-1 decode on CPU."""
+    """y = x @ w (+ bias), `w` [in, out]: stored transposed, which measured ~40% faster
+    than F.linear for batch-1 decode on CPU; except bfloat16 on the CPU, stored [out, in]
+    as the checkpoint has it (`w` a view), where a one-row product is torch.mv over those
+    rows: 1.4-1.7x x @ w's speed at batch 1 (docs/benchmarks.md, bench experts)."""
 
     def __init__(self, w: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.w = w.t().contiguous()
+        self.by_rows = w.dtype == torch.bfloat16 and w.device.type == "cpu"
+        self.w = w.contiguous().t() if self.by_rows else w.t().contiguous()
         self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.by_rows and x.shape[0] == 1:
+            w = self.w.t()
+            y = torch.mv(w, x[0]) if self.bias is None else torch.addmv(self.bias, w, x[0])
+            return y.unsqueeze(0)
         return x @ self.w if self.bias is None else torch.addmm(self.bias, x, self.w)
 
     @property

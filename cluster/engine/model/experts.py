@@ -36,20 +36,25 @@ class DenseMlp:
 
 @dataclass
 class Experts:
-    router: Linear  # hidden -> one score per expert (float, never quantized)
+    router: Linear  # hidden -> one score per expert (float32, never quantized)
     experts: list[DenseMlp]  # the experts first, first + 1, ... (a TP rank's: its range)
     top_k: int
     renormalize: bool
     first: int = 0
 
     def __call__(self, h: torch.Tensor, silu_mul: SiluMul) -> torch.Tensor:
-        weights = torch.softmax(self.router(h).float(), dim=-1)
+        weights = torch.softmax(self.router(h.float()), dim=-1)
         top, chosen = weights.topk(self.top_k, dim=-1)
         if self.renormalize:
             top = top / top.sum(dim=-1, keepdim=True)
         top = top.to(h.dtype)
         out = torch.zeros_like(h)
         held = range(self.first, self.first + len(self.experts))
+        if h.shape[0] == 1:  # a batch-1 decode: its k experts in index order, nothing gathered
+            for slot, e in sorted(enumerate(chosen[0].tolist()), key=lambda p: p[1]):
+                if e in held:
+                    out += self.experts[e - self.first](h, silu_mul) * top[:, slot, None]
+            return out
         for e in chosen.unique().tolist():
             if e not in held:  # another rank's: its share comes in the MLP's all-reduce
                 continue

@@ -193,10 +193,10 @@ class LlamaModel:
                 sandwich = (norm(post_norm), norm(p + "post_feedforward_layernorm.weight"))
                 post_norm = p + "pre_feedforward_layernorm.weight"
             mlp: Mlp
-            if spec.experts:  # the router stays float, as vLLM keeps it
+            if spec.experts:  # the router in float32 (vLLM keeps it float, softmax in float32)
                 first, end = (0, spec.experts) if group is None else group.shard.experts
                 mlp = Experts(
-                    linear(take(p + "mlp.gate.weight"), None, dtype),
+                    linear(take(p + "mlp.gate.weight"), None, torch.float32),
                     [dense(p + f"mlp.experts.{e}.") for e in range(first, end)],
                     spec.experts_per_token,
                     spec.renormalize_experts,

@@ -28,6 +28,7 @@ from cluster.engine.kernels import layer_kernels_cpu, native, qmatmul
 from cluster.engine.kernels.attention import AttentionBackend
 from cluster.engine.kernels.attention_cpu import CpuBackend, CpuMetadata
 from cluster.engine.kernels.kv_cache import KVCache
+from cluster.engine.kernels.layer_attention import PLAIN
 from cluster.engine.model.experts import DenseMlp
 from cluster.engine.model.model import LlamaModel
 from cluster.engine.model.quantization import BlockLinear
@@ -51,6 +52,10 @@ class _Layer(ctypes.Structure):
         ("v_cache", ptr),
         ("q_norm", ptr),
         ("k_norm", ptr),
+        *((name, ptr) for name in ("attn_out_norm", "mlp_out_norm", "cos", "signed_sin")),
+        ("scale", ctypes.c_double),
+        ("softcap", ctypes.c_double),
+        ("window", i64),
     ]
 
 
@@ -60,11 +65,10 @@ class _Model(ctypes.Structure):
         ("bf16", i64),
         ("kv_kind", i64),
         ("eps", ctypes.c_double),
-        ("scale", ctypes.c_double),
         ("cos", ptr),
         ("signed_sin", ptr),
         *((name, ptr) for name in ("qmatmul", "paged_attention", "paged_prefill")),
-        *((name, ptr) for name in ("add_rms_norm", "rope", "silu_mul", "rms_norm_heads")),
+        *((name, ptr) for name in ("add_rms_norm", "rope", "act_mul", "rms_norm_heads")),
         ("layers", ptr),
     ]
 
@@ -116,11 +120,20 @@ class LayerLoop:
         self.lib, self.model = lib, model
         self.dtype = model.cos.dtype  # the activations'
         layers = []
+        attention_layers = model.attention_layers() or (PLAIN,) * len(model.layers)
+
+        def address(t: torch.Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
+
         for i, layer in enumerate(model.layers):
             assert isinstance(layer.mlp, DenseMlp), "experts: not in layer_loop.c"
             mats = (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down)
             blocks = [_matrix(m) for m in mats if isinstance(m, BlockLinear)]
             assert len(blocks) == len(mats), "every matrix on qmatmul.c"
+            attn = attention_layers[i]
+            q_norm, k_norm = layer.qk_norms or (None, None)
+            out_norms = layer.sandwich or (None, None)
+            cos, signed_sin = attn.rope or (None, None)
             layers.append(
                 _Layer(
                     layer.input_norm.data_ptr(),
@@ -128,9 +141,10 @@ class LayerLoop:
                     *blocks,
                     cache.k[i].data_ptr(),
                     cache.v[i].data_ptr(),
-                    *(None, None)
-                    if layer.qk_norms is None
-                    else (t.data_ptr() for t in layer.qk_norms),
+                    *map(address, (q_norm, k_norm, *out_norms, cos, signed_sin)),
+                    attn.scale_for(s.head_dim),
+                    attn.softcap or 0.0,
+                    attn.window or 0,
                 )
             )
         self._layers = (_Layer * len(layers))(*layers)
@@ -144,7 +158,6 @@ class LayerLoop:
             int(self.dtype == torch.bfloat16),
             layout.kind,
             s.rms_norm_eps,
-            s.head_dim**-0.5,
             model.cos.data_ptr(),
             model.signed_sin.data_ptr(),
             _address(matmul.qmatmul),
@@ -152,7 +165,7 @@ class LayerLoop:
             _address(attention.kernel.paged_prefill),
             _address(ops.add_rms_norm),
             _address(ops.rope),
-            _address(ops.silu_mul),
+            _address(ops.gelu_mul if s.gemma else ops.silu_mul),
             _address(ops.rms_norm_heads),
             ctypes.cast(self._layers, ptr),
         )
@@ -227,7 +240,6 @@ def build(model: LlamaModel, cache: KVCache, attention: AttentionBackend) -> Lay
     if (
         model.group is not None
         or model.spec.experts  # a Mixture-of-Experts' routing: not in layer_loop.c yet
-        or model.spec.gemma  # its norms, GELU and windows: not in layer_loop.c yet
         or model.kernels is None  # the C layer ops, built for the model's dtype
         or model.kernels is not layer_kernels_cpu.module(model.cos.dtype)
         or not isinstance(attention, CpuBackend)

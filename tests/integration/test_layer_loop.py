@@ -1,4 +1,5 @@
-"""The runner's C layer loop (cluster/engine/layer_loop.py) on the bundled model: every
+"""The runner's C layer loop (cluster/engine/layer_loop.py) on the bundled model and tiny
+Qwen2, Qwen3 and Gemma 1-3 checkpoints: every
 step it takes gives the eager forward's logits bit for bit, and where it cannot be built
 the eager forward runs, with one warning naming why."""
 
@@ -37,6 +38,9 @@ pytestmark = pytest.mark.skipif(
         "qwen2-int8-float32",
         "qwen3-int8-float32",
         "qwen3-int8-bfloat16",
+        "gemma-int8-bfloat16",
+        "gemma2-int8-float32",
+        "gemma3-int8-bfloat16",
     ],
 )
 def engine(request: pytest.FixtureRequest) -> Iterator[LLMEngine]:
@@ -44,10 +48,12 @@ def engine(request: pytest.FixtureRequest) -> Iterator[LLMEngine]:
     model over its GGUF blocks (with fp8 KV pages too: the loop codes and scales them as
     the eager store does); a tiny Qwen2 quantized to 8 bits at load, whose qkv bias (zero
     as transformers initialises it) is made random here, so the loop adds it too; a tiny
-    Qwen3 the same way, its q and k heads RMSNorm'd in the loop as in the eager step."""
+    Qwen3 the same way, its q and k heads RMSNorm'd in the loop as in the eager step; tiny
+    Gemmas: GELU, and Gemma 2's and 3's norms around each sublayer, 8-token windows,
+    soft-capping (2) and local RoPE tables (3)."""
     model, dtype = request.param.rsplit("-", 1)
     where: dict[str, str] = {}
-    if model.startswith("qwen"):
+    if model.startswith(("qwen", "gemma")):
         tiny = request.getfixturevalue(f"tiny_{model.split('-')[0]}_dir")
         where = {"model": str(tiny), "quantization": "int8"}
     if model.endswith("fp8kv"):

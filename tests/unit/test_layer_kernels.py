@@ -21,24 +21,37 @@ TOLERANCE = {
 }
 
 
+def _gelu(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu": _gelu}
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul_is_silu_of_the_gate_half_times_the_up_half(
-    dtype: torch.dtype, kernel_device: torch.device
+    dtype: torch.dtype, activation: str, kernel_device: torch.device
 ) -> None:
-    # 70 columns a half: two column blocks of 64, the second ragged.
+    # 70 columns a half: two column blocks of 64, the second ragged (gelu_mul: Gemma's).
     gate_up = torch.randn(5, 140, generator=torch.Generator().manual_seed(0))
     gate_up = gate_up.to(kernel_device, dtype)
-    got = layer_kernels.silu_mul(gate_up, block=64)
+    got = getattr(layer_kernels, f"{activation}_mul")(gate_up, block=64)
     gate, up = gate_up.float().chunk(2, dim=-1)
     assert got.dtype == dtype and got.shape == (5, 70)
-    torch.testing.assert_close(got.float(), F.silu(gate) * up, **TOLERANCE[dtype])
+    expected = ACTIVATIONS[activation](gate) * up
+    torch.testing.assert_close(got.float(), expected, **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
 @pytest.mark.parametrize("arch", ["native", "haswell"])  # this CPU's vectors, and AVX2's
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_c_silu_mul_is_torch_s_within_its_rounding(arch: str, dtype: torch.dtype) -> None:
+def test_the_c_silu_mul_is_torch_s_within_its_rounding(
+    arch: str, dtype: torch.dtype, activation: str
+) -> None:
     """Rows of 70 (a partial last vector) over the whole range: exp's overflow and underflow
-    sides included, and the two roundings PyTorch's bfloat16 ops make."""
+    sides included, and the two roundings PyTorch's bfloat16 ops make (gelu_mul: Gemma's
+    GELU, tanh's approximation, by the same exp)."""
     lib = native.library("layer_ops.c", arch)
     if lib is None:
         pytest.skip("layer_ops.c cannot be built here (no C compiler)")
@@ -47,13 +60,18 @@ def test_the_c_silu_mul_is_torch_s_within_its_rounding(arch: str, dtype: torch.d
     gate_up[0, :8] = torch.tensor([-200.0, -88.0, -87.0, -20.0, 0.0, 20.0, 88.0, 200.0])
     gate_up = gate_up.to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
-    got = layer_kernels_cpu.silu_mul(gate_up, ops)
+    got = getattr(layer_kernels_cpu, f"{activation}_mul")(gate_up, ops)
     assert got.dtype == dtype and got.shape == (5, 70)
     # exp within 2 ulp of expf: float32 within a few ulp; bfloat16 at most one step of its
     # rounding off PyTorch's. Far below -87 the exp is 2^-126 where it rounds to 0: a
     # silu of ~1e-35 for 0.
     rtol = 1e-6 if dtype == torch.float32 else 2**-8
-    torch.testing.assert_close(got.float(), (F.silu(gate) * up).float(), rtol=rtol, atol=1e-30)
+    # PyTorch's GELU takes 1 + tanh(u) where tanh(u) is near -1 (g below about -3): its
+    # float32 cancels to within 2^-24 * |g| of ours (which weighs by e^-|2u| exactly), 0 in
+    # its far tail where ours is ~1e-7.
+    atol = 1e-30 if activation == "silu" else 2**-24 * gate.float().abs().max().item()
+    expected = (ACTIVATIONS[activation](gate) * up).float()
+    torch.testing.assert_close(got.float(), expected, rtol=rtol, atol=atol)
 
 
 @pytest.fixture(params=["triton", "c"])

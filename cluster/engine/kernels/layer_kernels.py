@@ -1,7 +1,8 @@
 """Triton kernels that fuse a decoder layer's elementwise steps on a GPU, one launch each
 where PyTorch takes two or three (and a round trip through memory between them):
 
-- `silu_mul`: the MLP's silu(gate) * up, from the fused gate_up projection's output;
+- `silu_mul`: the MLP's silu(gate) * up, from the fused gate_up projection's output
+  (`gelu_mul`: Gemma's GELU in silu's place);
 - `add_rms_norm`: the residual add and the RMSNorm after it, x += delta in place and the
   normed row out, in float32 inside as transformers' LlamaRMSNorm computes it;
 - `rope_`: rotate-half RoPE of q and k together, in place (PyTorch: four ops); the
@@ -19,24 +20,38 @@ import triton.language as tl
 
 
 @triton.jit
-def _silu_mul_kernel(gate_up, out, stride_in, stride_out, inner, BLOCK: tl.constexpr):
+def _act_mul_kernel(
+    gate_up, out, stride_in, stride_out, inner, GELU: tl.constexpr, BLOCK: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < inner
     gate = tl.load(gate_up + row * stride_in + cols, mask=m, other=0).to(tl.float32)
     up = tl.load(gate_up + row * stride_in + inner + cols, mask=m, other=0).to(tl.float32)
-    y = gate * tl.sigmoid(gate) * up
+    if GELU:  # tanh's approximation: 0.5 (1 + tanh(u)) = sigmoid(2u)
+        y = gate * tl.sigmoid(1.5957691216 * (gate + 0.044715 * gate * gate * gate)) * up
+    else:
+        y = gate * tl.sigmoid(gate) * up
     tl.store(out + row * stride_out + cols, y.to(out.dtype.element_ty), mask=m)
 
 
 def silu_mul(gate_up: torch.Tensor, block: int = 1024) -> torch.Tensor:
     """silu(gate) * up of gate_up [N, 2 * inner] (gate first): [N, inner]."""
+    return _act_mul(gate_up, block, gelu=False)
+
+
+def gelu_mul(gate_up: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """GELU(gate) * up (tanh approximation, Gemma's), as silu_mul."""
+    return _act_mul(gate_up, block, gelu=True)
+
+
+def _act_mul(gate_up: torch.Tensor, block: int, gelu: bool) -> torch.Tensor:
     rows, inner = gate_up.shape[0], gate_up.shape[1] // 2
     assert gate_up.stride(1) == 1
     out = torch.empty(rows, inner, dtype=gate_up.dtype, device=gate_up.device)
     block = min(block, triton.next_power_of_2(inner))
-    _silu_mul_kernel[(rows, triton.cdiv(inner, block))](
-        gate_up, out, gate_up.stride(0), out.stride(0), inner, block
+    _act_mul_kernel[(rows, triton.cdiv(inner, block))](
+        gate_up, out, gate_up.stride(0), out.stride(0), inner, gelu, block
     )
     return out
 

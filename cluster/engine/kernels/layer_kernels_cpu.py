@@ -1,15 +1,16 @@
 """The CPU twin of layer_kernels.py: the residual add with the RMSNorm after it, Qwen3's
-RMSNorm of each q and k head, RoPE of q and k, and silu(gate) * up, one C call each
-(layer_ops.c, built by native.py) where PyTorch takes several ops of a few microseconds'
-dispatch each. The model uses them on the CPU
-where layer_ops.c builds (`module()`), with the same signatures as the Triton kernels; the
-runner's C layer loop (layer_loop.c) calls the same functions."""
+RMSNorm of each q and k head, RoPE of q and k, and silu(gate) * up (GELU's for Gemma), one
+C call each (layer_ops.c, built by native.py) where PyTorch takes several ops of a few
+microseconds' dispatch each. The model uses them on the CPU where layer_ops.c builds
+(`module()`), with the same signatures as the Triton kernels; the runner's C layer loop
+(layer_loop.c) calls the same functions."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
 import sys
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -29,11 +30,11 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     """A built layer_ops.c with its signatures."""
     i64, ptr, flag = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.add_rms_norm.restype = lib.rope.restype = lib.silu_mul.restype = None
-    lib.rms_norm_heads.restype = None
+    lib.rms_norm_heads.restype = lib.gelu_mul.restype = None
     lib.add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, flag]
     lib.rms_norm_heads.argtypes = [ptr, ptr, i64, i64, i64, i64, ctypes.c_float, flag]
     lib.rope.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, flag]
-    lib.silu_mul.argtypes = [ptr, ptr, i64, i64, flag]
+    lib.silu_mul.argtypes = lib.gelu_mul.argtypes = [ptr, ptr, i64, i64, flag]
     return lib
 
 
@@ -89,8 +90,21 @@ def silu_mul(gate_up: torch.Tensor, ops: ctypes.CDLL | None = None) -> torch.Ten
     """layer_kernels.silu_mul on the CPU: silu(gate) * up of gate_up [N, 2 * inner] (gate
     first): [N, inner], by `ops` (a build of layer_ops.c; this CPU's by default)."""
     ops = ops or _ops()
-    assert ops is not None and gate_up.is_contiguous()
+    assert ops is not None
+    return _gated(ops.silu_mul, gate_up)
+
+
+def gelu_mul(gate_up: torch.Tensor, ops: ctypes.CDLL | None = None) -> torch.Tensor:
+    """layer_kernels.gelu_mul on the CPU: GELU(gate) * up (tanh approximation), as
+    silu_mul."""
+    ops = ops or _ops()
+    assert ops is not None
+    return _gated(ops.gelu_mul, gate_up)
+
+
+def _gated(kernel: Callable[..., None], gate_up: torch.Tensor) -> torch.Tensor:
+    assert gate_up.is_contiguous()
     rows, inner = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, inner, dtype=gate_up.dtype)
-    ops.silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, inner, int(out.dtype == torch.bfloat16))
+    kernel(gate_up.data_ptr(), out.data_ptr(), rows, inner, int(out.dtype == torch.bfloat16))
     return out

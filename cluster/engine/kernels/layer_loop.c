@@ -41,18 +41,23 @@ typedef struct {
   Matrix qkv, o, gate_up, down;
   void *k_cache, *v_cache;  // runs of (page, KV head) (kv_pages.h)
   const void *q_norm, *k_norm;  // Qwen3's [dim] each, or NULL
+  // Gemma 2's and 3's: attention's and the MLP's outputs RMSNorm'd before they are added
+  // ([hidden] each, or NULL), the layer's own RoPE tables (NULL: the model's)
+  const void *attn_out_norm, *mlp_out_norm, *cos, *signed_sin;
+  double scale, softcap;  // q . k times scale, then soft-capped (0: not)
+  int64_t window;  // the last `window` tokens only (0: all)
 } Layer;
 
 typedef struct {
   int64_t hidden, heads, kv_heads, dim, inner, page_size, bf16, kv_kind;
-  double eps, scale;  // RMSNorm's epsilon, attention's 1 / sqrt(dim)
+  double eps;  // RMSNorm's epsilon
   const void *cos, *signed_sin;  // RoPE tables [positions, dim]
   qmatmul_fn qmatmul;
   decode_fn paged_attention;
   prefill_fn paged_prefill;
   norm_fn add_rms_norm;
   rope_fn rope;
-  silu_fn silu_mul;
+  silu_fn act_mul;  // silu(gate) * up, or Gemma's GELU
   heads_norm_fn rms_norm_heads;
   const Layer *layers;
 } Model;
@@ -118,17 +123,18 @@ static void store_kv(const Model *m, const Step *s, const Layer *l) {
 static int attend(const Model *m, const Step *s, const Layer *l) {
   int64_t q = m->heads * m->dim;
   int bf16 = (int)m->bf16, kind = (int)m->kv_kind;
-  float scale = (float)m->scale;
+  float scale = (float)l->scale, softcap = (float)l->softcap;
   if (s->decodes && m->paged_attention(s->qf, s->af, m->heads, m->kv_heads, m->dim, l->k_cache,
                                        l->v_cache, kind, m->page_size, s->decode_pages,
-                                       s->decode_width, s->decode_lens, s->decodes, scale, 0,
-                                       0.f))
+                                       s->decode_width, s->decode_lens, s->decodes, scale,
+                                       l->window, softcap))
     return -1;
   for (int64_t c = 0; c < s->chunks; c++) {
     const int64_t *at = s->chunk + 4 * c;  // first row, rows, context, pages
     if (m->paged_prefill(s->qf + at[0] * q, s->af + at[0] * q, m->heads, m->kv_heads, m->dim,
                          l->k_cache, l->v_cache, kind, m->page_size,
-                         (const int64_t *)(intptr_t)at[3], at[2], at[1], scale, 0, 0.f))
+                         (const int64_t *)(intptr_t)at[3], at[2], at[1], scale, l->window,
+                         softcap))
       return -1;
   }
   if (bf16) narrow(s->af, (uint16_t *)s->a, s->n * q);
@@ -152,16 +158,22 @@ int layer_loop(const Model *m, const Step *s, int64_t first, int64_t last) {
       m->rms_norm_heads(s->qkv, l->q_norm, n, m->heads, m->dim, l->qkv.rows, eps, bf16);
       m->rms_norm_heads(k, l->k_norm, n, m->kv_heads, m->dim, l->qkv.rows, eps, bf16);
     }
-    m->rope(s->qkv, s->positions, m->cos, m->signed_sin, n, m->heads + m->kv_heads, m->dim,
-            l->qkv.rows, m->dim, m->dim, bf16);
+    const void *cos = l->cos ? l->cos : m->cos;
+    const void *sin = l->cos ? l->signed_sin : m->signed_sin;
+    m->rope(s->qkv, s->positions, cos, sin, n, m->heads + m->kv_heads, m->dim, l->qkv.rows,
+            m->dim, m->dim, bf16);
     store_kv(m, s, l);
     if (attend(m, s, l)) return -1;
     if (project(m, &l->o, a, n, q, s->delta)) return -1;
+    if (l->attn_out_norm)  // each row as one head of hidden, as the eager step norms it
+      m->rms_norm_heads(s->delta, l->attn_out_norm, n, 1, hidden, hidden, eps, bf16);
     m->add_rms_norm(s->x, s->delta, l->post_norm, s->h, n, hidden, hidden, hidden, hidden, eps,
                     bf16);
     if (project(m, &l->gate_up, s->h, n, hidden, s->gate_up)) return -1;
-    m->silu_mul(s->gate_up, s->act, n, m->inner, bf16);
+    m->act_mul(s->gate_up, s->act, n, m->inner, bf16);
     if (project(m, &l->down, s->act, n, m->inner, s->delta)) return -1;
+    if (l->mlp_out_norm)
+      m->rms_norm_heads(s->delta, l->mlp_out_norm, n, 1, hidden, hidden, eps, bf16);
   }
   return 0;
 }

@@ -1,6 +1,7 @@
 // A decoder layer's elementwise steps on the CPU, one call each where PyTorch takes
 // several ops (and a few microseconds of dispatch per op): the residual add with the
-// RMSNorm after it, rotate-half RoPE of q and k together, in place, and silu(gate) * up.
+// RMSNorm after it, rotate-half RoPE of q and k together, in place, and silu(gate) * up
+// (or GELU(gate) * up, Gemma's).
 // The CPU twin of layer_kernels.py's Triton kernels, with the same arithmetic: float32 inside, the
 // residual rounded to its dtype before it is normed. Tensors are float32 or bfloat16
 // (`bf16`); rows may be strided, a row's elements are contiguous. Built on the host by
@@ -114,6 +115,18 @@ static inline __attribute__((always_inline)) lanes silu(lanes g) {
   return g * pick(g < 0.f, e, (lanes){0} + 1.f) / (1.f + e);
 }
 
+// GELU's tanh approximation (Gemma's), 0.5 g (1 + tanh(u)) with u = sqrt(2 / pi) (g +
+// 0.044715 g^3): as 0.5 (1 + tanh(u)) = sigmoid(2u), g sigmoid(2u), from e = e^-|2u| as silu.
+static inline __attribute__((always_inline)) lanes gelu_tanh(lanes g) {
+  lanes z = 1.5957691216f * (g + 0.044715f * g * g * g);  // 2u
+  lanes e = exp_nonpositive(pick(z < 0.f, z, -z));
+  return g * pick(z < 0.f, e, (lanes){0} + 1.f) / (1.f + e);
+}
+
+static inline __attribute__((always_inline)) lanes act(lanes g, int gelu) {
+  return gelu ? gelu_tanh(g) : silu(g);
+}
+
 typedef uint16_t halves __attribute__((vector_size(LANES * sizeof(uint16_t))));
 typedef uint32_t words __attribute__((vector_size(LANES * sizeof(uint32_t))));
 
@@ -128,25 +141,26 @@ static inline __attribute__((always_inline)) halves narrow_lanes(lanes f) {  // 
   return __builtin_convertvector(picked, halves);
 }
 
-// silu(gate) * up for LANES of each, as PyTorch's F.silu(gate) * up: the silu rounded to
-// the dtype, then the product.
-static inline __attribute__((always_inline)) void silu_mul_lanes(const void *gate,
-                                                                 const void *up, void *out,
-                                                                 int bf16) {
+// act(gate) * up for LANES of each, as PyTorch's F.silu(gate) * up (or F.gelu's): the
+// activation rounded to the dtype, then the product.
+static inline __attribute__((always_inline)) void act_mul_lanes(const void *gate,
+                                                                const void *up, void *out,
+                                                                int bf16, int gelu) {
   if (bf16) {
     halves g, u;
     memcpy(&g, gate, sizeof g);
     memcpy(&u, up, sizeof u);
-    halves s = narrow_lanes(widen_lanes(narrow_lanes(silu(widen_lanes(g)))) * widen_lanes(u));
+    halves s =
+        narrow_lanes(widen_lanes(narrow_lanes(act(widen_lanes(g), gelu))) * widen_lanes(u));
     memcpy(out, &s, sizeof s);
   } else {
-    store(out, silu(load(gate)) * load(up));
+    store(out, act(load(gate), gelu) * load(up));
   }
 }
 
-static inline __attribute__((always_inline)) void silu_mul_rows(const void *gate_up, void *out,
-                                                                int64_t rows, int64_t inner,
-                                                                int bf16) {
+static inline __attribute__((always_inline)) void act_mul_rows(const void *gate_up, void *out,
+                                                               int64_t rows, int64_t inner,
+                                                               int bf16, int gelu) {
   int64_t item = bf16 ? 2 : 4;
 #pragma omp parallel for schedule(static) if (rows > 4)
   for (int64_t r = 0; r < rows; r++) {
@@ -154,12 +168,12 @@ static inline __attribute__((always_inline)) void silu_mul_rows(const void *gate
     char *o = (char *)out + r * inner * item;
     int64_t i = 0;
     for (; i + LANES <= inner; i += LANES)
-      silu_mul_lanes(gate + i * item, up + i * item, o + i * item, bf16);
+      act_mul_lanes(gate + i * item, up + i * item, o + i * item, bf16, gelu);
     if (i < inner) {  // the last, partial: through a zero-padded copy
       char g[LANES * 4] = {0}, u[LANES * 4] = {0}, y[LANES * 4];
       memcpy(g, gate + i * item, (size_t)((inner - i) * item));
       memcpy(u, up + i * item, (size_t)((inner - i) * item));
-      silu_mul_lanes(g, u, y, bf16);
+      act_mul_lanes(g, u, y, bf16, gelu);
       memcpy(o + i * item, y, (size_t)((inner - i) * item));
     }
   }
@@ -168,7 +182,15 @@ static inline __attribute__((always_inline)) void silu_mul_rows(const void *gate
 // out [rows, inner] = silu(gate) * up of gate_up [rows, 2 * inner] (gate first), contiguous.
 void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inner, int bf16) {
   if (bf16)
-    silu_mul_rows(gate_up, out, rows, inner, 1);
+    act_mul_rows(gate_up, out, rows, inner, 1, 0);
   else
-    silu_mul_rows(gate_up, out, rows, inner, 0);
+    act_mul_rows(gate_up, out, rows, inner, 0, 0);
+}
+
+// out = gelu_tanh(gate) * up, as silu_mul (Gemma's MLP).
+void gelu_mul(const void *gate_up, void *out, int64_t rows, int64_t inner, int bf16) {
+  if (bf16)
+    act_mul_rows(gate_up, out, rows, inner, 1, 1);
+  else
+    act_mul_rows(gate_up, out, rows, inner, 0, 1);
 }

@@ -347,10 +347,10 @@ class LlamaModel:
         layer = self.layers[i]
         o = self._sum(layer.o(a.reshape(a.shape[0], -1)))
         if layer.sandwich is not None:
-            o = self._norm(o, layer.sandwich[0])
+            o = self._norm_(o, layer.sandwich[0])
         x, h = self._add_norm(x, o, layer.post_norm)
         mlp = self._sum(layer.mlp(h, self._gelu_mul if self.spec.gemma else self._silu_mul))
-        return x, mlp if layer.sandwich is None else self._norm(mlp, layer.sandwich[1])
+        return x, mlp if layer.sandwich is None else self._norm_(mlp, layer.sandwich[1])
 
     def logits(self, x: torch.Tensor, mlp: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Float32 next-token logits of the given rows, from the last layer's residual and
@@ -363,6 +363,14 @@ class LlamaModel:
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (self.spec.hidden_size,), weight, self.spec.rms_norm_eps)
+
+    def _norm_(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [N, hidden] RMSNorm'd, in place where the layer kernels are (as the C layer loop
+        norms Gemma's sublayer outputs: its rows as heads of one)."""
+        if self.kernels is None:
+            return self._norm(x, weight)
+        self.kernels.rms_norm_heads_(x.unsqueeze(1), weight, self.spec.rms_norm_eps)
+        return x
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """The tokens' embedding rows; split across ranks, each looks up the ids in its
@@ -415,6 +423,9 @@ class LlamaModel:
 
     def _gelu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """Gemma's gating: GELU (tanh approximation) of the gate times up."""
+        if self.kernels is not None:
+            out: torch.Tensor = self.kernels.gelu_mul(gate_up)
+            return out
         gate, up = gate_up.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
 

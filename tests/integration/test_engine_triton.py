@@ -1,8 +1,8 @@
 """The engine with the triton attention backend: on the CPU under Triton's interpreter it
 produces the CPU backend's greedy tokens and logprobs on a two-layer Llama with grouped
 KV heads, with float and int8 KV pages (prefix hit and chunked prefill included; the
-bundled model's 30 layers took the interpreter 43 s), and on Gemma 2 and 3's windowed,
-soft-capped layers; and one decode step of this GPU path
+bundled model's 30 layers took the interpreter 43 s), on Gemma 2 and 3's windowed,
+soft-capped layers, Qwen3 and Qwen3-MoE; and one decode step of this GPU path
 stays within its host budget.
 On a CUDA device, decode runs as CUDA graphs and matches the CPU engine on the bundled
 model."""
@@ -33,12 +33,15 @@ ENGINE = dict(
 )
 
 
-@pytest.mark.parametrize("which", ["tiny_gemma2_dir", "tiny_gemma3_dir"])
-def test_triton_backend_serves_gemma_s_layers_as_the_cpu_backend(
+@pytest.mark.parametrize(
+    "which", ["tiny_gemma2_dir", "tiny_gemma3_dir", "tiny_qwen3_dir", "tiny_qwen3_moe_dir"]
+)
+def test_triton_backend_serves_each_family_as_the_cpu_backend(
     which: str, request: pytest.FixtureRequest
 ) -> None:
     # Sliding windows of 8 tokens (the story is 20), soft-capping (Gemma 2), each layer's
-    # RoPE tables (Gemma 3's sliding layers), over chunked prefill and paged decode.
+    # RoPE tables (Gemma 3's sliding layers), Qwen3's q/k norms before the kernel's RoPE,
+    # Qwen3-MoE's experts, over chunked prefill and paged decode.
     model = str(request.getfixturevalue(which))
     triton = LLMEngine(
         EngineConfig(model=model, attention_backend="triton", device="cpu", **ENGINE)

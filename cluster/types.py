@@ -64,16 +64,25 @@ class Structured:
     """Output held to a grammar (cluster/engine/grammar.py): any JSON object, one valid
     under a JSON schema, a regex's match, one of a list of strings, or an EBNF grammar's
     sentence. `spec`: the schema (JSON text), the regex, the choices (a JSON list) or the
-    grammar; "" for json_object."""
+    grammar; "" for json_object.
+
+    A reasoning model's thoughts stay free: with `reasoning_end` (its `</think>` token) the
+    grammar holds only the tokens after it; with `reasoning_start` too (Qwen3's `<think>`)
+    the reply reasons only when that is its first token, else the grammar holds it all
+    (without it, DeepSeek-R1's way: the reply starts in its thoughts)."""
 
     kind: str
     spec: str = ""
+    reasoning_end: int | None = None
+    reasoning_start: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in STRUCTURED_KINDS:
             raise InvalidRequestError(
                 f"structured: kind must be one of {STRUCTURED_KINDS}, got {self.kind!r}"
             )
+        if self.reasoning_start is not None and self.reasoning_end is None:
+            raise InvalidRequestError("structured: reasoning_start needs reasoning_end")
 
 
 @dataclass(frozen=True)

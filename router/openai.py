@@ -44,13 +44,22 @@ from router import admission, cors, lab
 from router.auth import UNAUTHORIZED, http_middleware
 from router.errors import Overloaded, RequestFailed, Unavailable
 from router.metrics import RouterMetrics
-from router.openai_reply import FINISH, HTTPError, Reply, ReplyRenderer, best, invalid, usage
+from router.openai_reply import (
+    FINISH,
+    HTTPError,
+    Readers,
+    Reply,
+    ReplyRenderer,
+    best,
+    invalid,
+    usage,
+)
 from router.openai_request import Call, body_field, to_call
-from router.reasoning import ReasoningSplit
+from router.reasoning import grammar_bounds
 from router.request import Prepared, prepare_off_loop, shown
 from router.router import Final, Router
 from router.tokenize_pool import TokenizePool
-from router.tools import CallStream, HermesStream, Tools, parser_for
+from router.tools import Tools, parser_for
 
 log = logging.getLogger(__name__)
 
@@ -277,10 +286,11 @@ class OpenAIFrontDoor:
             self._check_model(call.request.model)
             if chat and self.reasoning_parser and call.request.sampling.HasField("structured"):
                 given = "tool_choice" if call.tools is not None else "response_format"
-                raise InvalidRequestError(
-                    f"{given}: structured output is not served with the reasoning parser "
-                    f"({self.reasoning_parser}): the grammar would hold the thoughts too"
-                )
+                end, start = grammar_bounds(self.reasoning_parser, self.tokenizer, given)
+                for msg in call.requests:
+                    msg.sampling.structured.reasoning_end = end
+                    if start is not None:
+                        msg.sampling.structured.reasoning_start = start
             if call.tools is not None and call.tools.choice == "auto" and not self.tool_parser:
                 raise InvalidRequestError(
                     "tools: no tool-call parser fits this model's chat template (Hermes "
@@ -410,17 +420,14 @@ class OpenAIFrontDoor:
         envelope = self.render.envelope(call, rid)
         response: web.StreamResponse | None = None
         finals: dict[int, Final] = {}
-        splits: dict[int, ReasoningSplit | CallStream | HermesStream] = {}  # each choice's
+        readers: dict[int, Readers] = {}  # each choice's
         try:
             async for i, delta, last in self._choices(prompts, call.n):
                 if response is None:
                     response = await self._open(request, call, envelope)
-                if call.tools is not None and i not in splits:  # calls as they come (_answer)
-                    forced = call.tools.schema() is not None
-                    splits[i] = CallStream(call.tools) if forced else HermesStream(call.tools)
-                elif call.chat and self.reasoning_parser and i not in splits:
-                    splits[i] = ReasoningSplit.of(self.reasoning_parser)
-                chunk = self.render.chunk(call, delta, i, splits.get(i))
+                if i not in readers:
+                    readers[i] = self.render.readers(call)
+                chunk = self.render.chunk(call, delta, i, readers[i])
                 await _event(response, {**envelope, "choices": [chunk]})
                 if last is not None:
                     finals[i] = last

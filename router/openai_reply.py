@@ -87,6 +87,14 @@ def best(replies: list[Reply], best_of: int, n: int) -> list[Reply]:
 
 
 @dataclass(frozen=True)
+class Readers:
+    """One streamed choice's readers: its thoughts' split, then its tool calls' parser."""
+
+    thoughts: ReasoningSplit | None
+    calls: CallStream | HermesStream | None
+
+
+@dataclass(frozen=True)
 class ReplyRenderer:
     """Our replies and deltas as OpenAI's JSON, for one served model."""
 
@@ -184,13 +192,17 @@ class ReplyRenderer:
             return text, []
         return call.tools.calls(text, self.tool_parser)
 
-    def chunk(
-        self,
-        call: Call,
-        delta: TokenDelta,
-        index: int,
-        split: ReasoningSplit | CallStream | HermesStream | None,
-    ) -> dict[str, Any]:
+    def readers(self, call: Call) -> Readers:
+        """A fresh choice's readers of its stream: its thoughts apart (a chat with a
+        reasoning parser), then its tool calls as they come (streamable tools)."""
+        parser, tools = self.reasoning_parser, call.tools
+        split = ReasoningSplit.of(parser) if call.chat and parser else None
+        calls: CallStream | HermesStream | None = None
+        if tools is not None:
+            calls = CallStream(tools) if tools.schema() is not None else HermesStream(tools)
+        return Readers(split, calls)
+
+    def chunk(self, call: Call, delta: TokenDelta, index: int, readers: Readers) -> dict[str, Any]:
         finish = None if delta.finish_reason is None else FINISH.get(delta.finish_reason)
         logprobs = None
         if call.logprobs:
@@ -199,23 +211,29 @@ class ReplyRenderer:
                 delta.prompt_logprobs,
             )  # fmt: skip
         choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish}
-        if isinstance(split, CallStream):
-            calls = split.feed(delta.text)
-            choice["delta"] = {"tool_calls": calls} if calls else {}
-            if finish == "stop" and split.calls:
+        final, text, reasoning = delta.finish_reason is not None, delta.text, ""
+        if readers.thoughts is not None:
+            reasoning, text = readers.thoughts.feed(text, final=final)
+        out: dict[str, Any] = {"reasoning_content": reasoning} if reasoning else {}
+        calls = readers.calls
+        if isinstance(calls, CallStream):
+            items = calls.feed(text)
+            choice["delta"] = {**out, "tool_calls": items} if items else out
+            if finish == "stop" and calls.calls:
                 choice["finish_reason"] = "tool_calls"
-        elif isinstance(split, HermesStream):
-            content, calls = split.feed(delta.text, final=delta.finish_reason is not None)
-            choice["delta"] = {"content": content} if content or not (calls or finish) else {}
-            if calls:
-                choice["delta"]["tool_calls"] = calls
-            if finish == "stop" and split.calls:
-                choice["finish_reason"] = "tool_calls"
-        elif split is not None:
-            reasoning, content = split.feed(delta.text, final=delta.finish_reason is not None)
-            choice["delta"] = {"reasoning_content": reasoning} if reasoning else {}
-            if content or not (reasoning or finish):
+        elif isinstance(calls, HermesStream):
+            content, items = calls.feed(text, final=final)
+            choice["delta"] = out
+            if content or not (items or finish or reasoning):
                 choice["delta"]["content"] = content
+            if items:
+                choice["delta"]["tool_calls"] = items
+            if finish == "stop" and calls.calls:
+                choice["finish_reason"] = "tool_calls"
+        elif readers.thoughts is not None:
+            choice["delta"] = out
+            if text or not (reasoning or finish):
+                choice["delta"]["content"] = text
         elif call.chat:
             choice["delta"] = {"content": delta.text} if delta.text or not finish else {}
         else:

@@ -6,6 +6,10 @@ reply as `reasoning_content`, the rest as `content` (vLLM's `--reasoning-parser`
 - `deepseek_r1`: the reply starts reasoning (DeepSeek-R1's template opens `<think>` in the
   prompt; a `<think>` the model writes itself is dropped) and ends at `</think>`.
 
+Structured output (a response format, a forced tool call) holds only the content: the
+grammar starts after the `</think>` token (`grammar_bounds`), and under `qwen3` a reply
+whose first token is not `<think>` is held from its first, as the split reads it.
+
 A reply cut short inside its thoughts is all reasoning. The same machine splits a stream
 delta by delta and a whole reply at once, so both give the same two texts: a tag split
 across deltas is held back until it is whole.
@@ -15,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cluster.engine.model.tokenizer import Tokenizer
+from cluster.types import InvalidRequestError
 from router.tools import tag_start
 
 START, END = "<think>", "</think>"
@@ -60,3 +66,20 @@ class ReasoningSplit:
         """A whole reply's reasoning and content, None for an empty one."""
         reasoning, content = self.feed(text, final=True)
         return reasoning or None, content or None
+
+
+def grammar_bounds(parser: str, tokenizer: Tokenizer, field: str) -> tuple[int, int | None]:
+    """The token ids a grammar held after the thoughts needs (Structured's reasoning_end
+    and reasoning_start: `</think>`, and `<think>` where a reply may answer without
+    thinking); InvalidRequestError naming `field` when the tokenizer does not have one of
+    them as a single token (the engine reads tokens, not text)."""
+    ids = []
+    for tag in (END, START):
+        found = tokenizer.encode(tag, special_tokens=False)
+        if len(found) != 1:
+            raise InvalidRequestError(
+                f"{field}: structured output with the reasoning parser ({parser}) starts "
+                f"after {END}, which this tokenizer does not have as one token"
+            )
+        ids.append(found[0])
+    return ids[0], None if PARSERS[parser] else ids[1]

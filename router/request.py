@@ -244,13 +244,24 @@ MAX_GRAMMAR_CHARS = 64 * 1024
 MAX_CHOICES = 1024
 
 
-def _structured(s: pb.StructuredOutput) -> Structured:
+def _structured(s: pb.StructuredOutput, vocab_size: int) -> Structured:
     """The grammar a request's output keeps to; whether it compiles is the worker's word."""
+    thoughts: dict[str, Any] = {}
+    for name in ("reasoning_end", "reasoning_start"):
+        if s.HasField(name):
+            if not 0 <= getattr(s, name) < vocab_size:
+                raise InvalidRequestError(
+                    f"sampling.structured.{name}: token id {getattr(s, name)} is outside the "
+                    f"vocabulary [0, {vocab_size})"
+                )
+            thoughts[name] = getattr(s, name)
+    if "reasoning_start" in thoughts and "reasoning_end" not in thoughts:
+        raise InvalidRequestError("sampling.structured.reasoning_start: needs reasoning_end")
     kind = s.WhichOneof("kind")
     if kind is None:
         raise InvalidRequestError("sampling.structured: set one kind")
     if kind == "json_object":
-        return Structured(kind)
+        return Structured(kind, "", **thoughts)
     if kind == "choice":
         choices = list(s.choice.choices)
         if not choices or len(choices) > MAX_CHOICES or not all(choices):
@@ -271,7 +282,7 @@ def _structured(s: pb.StructuredOutput) -> Structured:
         raise InvalidRequestError(
             f"sampling.structured.{kind}: 1-{MAX_GRAMMAR_CHARS} characters, got {len(spec)}"
         )
-    return Structured(kind, spec)
+    return Structured(kind, spec, **thoughts)
 
 
 def _sampling(s: pb.SamplingParams, model: ModelInfo, limit: int) -> SamplingParams:
@@ -300,7 +311,7 @@ def _sampling(s: pb.SamplingParams, model: ModelInfo, limit: int) -> SamplingPar
             raise bad("logit_bias", f"the bias of token {token} must be a finite number")
     fields = {name: getattr(s, name) for name in OPTIONAL if s.HasField(name)}
     if s.HasField("structured"):
-        fields["structured"] = _structured(s.structured)
+        fields["structured"] = _structured(s.structured, model.vocab_size)
     try:
         return SamplingParams(
             **fields,

@@ -375,11 +375,11 @@ class LLMEngine:
         if any(p.adjusts_logits for p in params):
             histories = [History(r.token_ids, r.output_from, r.stop_ids) for r in reqs]
             logits = adjust(logits, params, histories)
-        matchers = [m for r in reqs if (m := r.matcher) is not None]
-        if matchers:
+        masking = [(i, m) for i, r in enumerate(reqs) if (m := r.matcher) is not None and m.masks]
+        if masking:
             assert self._grammars is not None
-            held = [i for i, r in enumerate(reqs) if r.matcher is not None]
-            logits = self._grammars.mask(logits, held, matchers)
+            rows, held = zip(*masking, strict=True)
+            logits = self._grammars.mask(logits, list(rows), held)
         tokens, logprobs = sample(logits, params, [r.generator for r in reqs])
         tops = top_logprobs(logits, params)
         self._time_step(started, step.num_tokens, synced=True)

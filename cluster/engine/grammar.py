@@ -6,7 +6,8 @@ token the request appends, a resumed request's delivered tokens first, so the pr
 worker's first token, the decode worker's continuation and a migrated request's all keep
 to it. Before each draw, the rows that have a matcher get -inf on every token their
 grammar does not allow next (one bitmask for them, applied together by our own torch
-ops). Chosen over llguidance by `splitserve bench grammar`: xgrammar fills a row's mask
+ops); a reasoning model's thoughts are left free, the grammar holding what follows them
+(`Held`). Chosen over llguidance by `splitserve bench grammar`: xgrammar fills a row's mask
 13-15x faster on this CPU at batch 1 and 64; its own CPU apply is the slow part, so the
 apply is ours (docs/serving.md, structured outputs).
 """
@@ -34,19 +35,19 @@ class Grammars:
         self.compiler = xgr.GrammarCompiler(info, max_threads=1)
         self.vocab_size = vocab_size
 
-    def matcher(self, structured: Structured, resumed: Sequence[int]) -> xgr.GrammarMatcher:
+    def matcher(self, structured: Structured, resumed: Sequence[int]) -> Held:
         """A fresh matcher for one request, past its `resumed` tokens; InvalidRequestError
         names what does not compile."""
         try:
-            matcher = xgr.GrammarMatcher(self._compile(structured))
+            held = Held(xgr.GrammarMatcher(self._compile(structured)), structured)
         except (RuntimeError, ValueError, TypeError) as e:
             raise InvalidRequestError(
                 f"structured: {structured.kind} does not compile: {e}"
             ) from None
         for token in resumed:
-            if not matcher.accept_token(token):
+            if not held.accept(token):
                 raise InvalidRequestError(f"structured: delivered token {token} breaks the grammar")
-        return matcher
+        return held
 
     def _compile(self, s: Structured) -> xgr.CompiledGrammar:
         match s.kind:
@@ -63,17 +64,61 @@ class Grammars:
             case _:
                 return self.compiler.compile_grammar(s.spec)
 
-    def mask(
-        self, logits: torch.Tensor, rows: list[int], matchers: Sequence[xgr.GrammarMatcher]
-    ) -> torch.Tensor:
-        """`logits` with each of `rows` held to its matcher's next allowed tokens."""
+    def mask(self, logits: torch.Tensor, rows: list[int], held: Sequence[Held]) -> torch.Tensor:
+        """`logits` with each of `rows` held to its grammar's next allowed tokens (each
+        `masks`)."""
         bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
-        for i, matcher in enumerate(matchers):
-            matcher.fill_next_token_bitmask(bitmask, i)
+        for i, h in enumerate(held):
+            h.matcher.fill_next_token_bitmask(bitmask, i)
+            if h.phase == FIRST:  # the grammar's first token, or the one that opens thoughts
+                start = h.structured.reasoning_start
+                assert start is not None
+                bitmask[i, start // 32] |= _bit(start % 32)
         index = to_device(rows, torch.long, logits.device)
         sub = logits.index_select(0, index)
         apply_bitmask(sub, bitmask.to(logits.device, non_blocking=True))
         return logits.index_copy(0, index, sub)
+
+
+FIRST, THINKING, HELD = "first", "thinking", "held"
+
+
+class Held:
+    """One request's place in its grammar, and whether the grammar holds its next token:
+    not while it reasons (before its `reasoning_end`), and at a Qwen3-style reply's first
+    token it may instead open its thoughts (Structured)."""
+
+    def __init__(self, matcher: xgr.GrammarMatcher, structured: Structured) -> None:
+        self.matcher, self.structured = matcher, structured
+        if structured.reasoning_end is None:
+            self.phase = HELD
+        else:
+            self.phase = THINKING if structured.reasoning_start is None else FIRST
+
+    @property
+    def masks(self) -> bool:
+        return self.phase != THINKING
+
+    def accept(self, token: int) -> bool:
+        """`token` appended: False when the grammar forbids it."""
+        s = self.structured
+        if self.phase == FIRST and token == s.reasoning_start:
+            self.phase = THINKING
+            return True
+        if self.phase == THINKING:
+            if token == s.reasoning_end:
+                self.phase = HELD
+            return True
+        self.phase = HELD
+        return bool(self.matcher.accept_token(token))
+
+    def is_terminated(self) -> bool:
+        return self.phase == HELD and bool(self.matcher.is_terminated())
+
+
+def _bit(j: int) -> int:
+    """Bit j of an int32 word, as a Python int that fits one (bit 31 is negative)."""
+    return -(1 << 31) if j == 31 else 1 << j
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:

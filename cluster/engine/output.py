@@ -17,7 +17,7 @@ from cluster.engine.sched.sequence import Sequence
 from cluster.types import FinishReason, PromptLogprob, RequestId, RequestOutput, TopLogprobs
 
 if TYPE_CHECKING:  # xgrammar loads only for structured output
-    from xgrammar import GrammarMatcher
+    from cluster.engine.grammar import Held
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ class Request(Sequence):
     generator: torch.Generator | None  # a seeded request's own; unseeded rows draw together
     stop_ids: frozenset[int]
     output_from: int  # where its output starts in token_ids (resumed tokens are output)
-    matcher: GrammarMatcher | None = None  # a structured output's place in its grammar
+    matcher: Held | None = None  # a structured output's place in its grammar
     prompt_logprobs: list[PromptLogprob] | None = None  # filled as the prompt is computed
 
 
@@ -42,7 +42,7 @@ def append(req: Request, token: int, logprob: float | None, top: TopLogprobs = (
     if logprob is not None:
         req.logprobs.append(logprob)
     reason = None
-    if req.matcher is not None and not req.matcher.accept_token(token):
+    if req.matcher is not None and not req.matcher.accept(token):
         reason = FinishReason.ERROR  # the mask allowed no such token: a bug, not a reply
         log.error("request %s: token %d breaks its grammar", req.request_id, token)
     elif (

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"splitserve_api/v1/splitserve.proto\x12\rsplitserve.v1\"V\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x12\n\ntool_calls\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"\x9a\x01\n\x04\x43hat\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\x12\r\n\x05tools\x18\x02 \x01(\t\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x17\n\x0ftemplate_kwargs\x18\x04 \x01(\tB\x18\n\x16_add_generation_prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xef\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x10\n\x08logprobs\x18\n \x01(\x08\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x01H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\x08\x88\x01\x01\x12@\n\nlogit_bias\x18\x0e \x03(\x0b\x32,.splitserve.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0f \x01(\x03\x12\"\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08\x12\x33\n\nstructured\x18\x11 \x01(\x0b\x32\x1f.splitserve.v1.StructuredOutput\x12\x14\n\x0ctop_logprobs\x18\x12 \x01(\x03\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\x03H\t\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobs\"\x96\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_object\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.splitserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x9d\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12#\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x13.splitserve.v1.ChatH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x12\n\nsession_id\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\r\n\x05model\x18\x07 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x08 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x03\"m\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x03 \x01(\x01\x12\x16\n\x0e\x66irst_token_ms\x18\x04 \x01(\x01\x12\x10\n\x08total_ms\x18\x05 \x01(\x01\"\xf1\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x01\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12%\n\x06timing\x18\x07 \x01(\x0b\x32\x15.splitserve.v1.Timing\x12\x15\n\rdecode_worker\x18\x08 \x01(\t\x12\x16\n\x0eprefill_worker\x18\t \x01(\t\x12\x30\n\x0ctop_logprobs\x18\n \x03(\x0b\x32\x1a.splitserve.v1.TopLogprobs\x12\x35\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x1c.splitserve.v1.PromptLogprob\"l\n\rPromptLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x14\n\x07logprob\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\'\n\x03top\x18\x03 \x01(\x0b\x32\x1a.splitserve.v1.TopLogprobsB\n\n\x08_logprob\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x10\n\x08logprobs\x18\x02 \x03(\x01\"\x13\n\x11ListModelsRequest\"*\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x03\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.splitserve.v1.Model\"\x16\n\x14GetServerInfoRequest\"\x80\x01\n\x06Worker\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\t\x12\x11\n\tnum_pages\x18\x04 \x01(\x03\x12\x12\n\nfree_pages\x18\x05 \x01(\x03\x12\x0f\n\x07running\x18\x06 \x01(\x03\x12\x15\n\rqueued_tokens\x18\x07 \x01(\x03\"\xec\x01\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x03\x12\x11\n\tpage_size\x18\x04 \x01(\x03\x12\x1b\n\x13num_prefill_workers\x18\x05 \x01(\x03\x12\x1a\n\x12num_decode_workers\x18\x06 \x01(\x03\x12&\n\x07workers\x18\x07 \x03(\x0b\x32\x15.splitserve.v1.Worker\x12\x16\n\x0erouting_policy\x18\x08 \x01(\t\x12\x1b\n\x13placement_available\x18\t \x01(\x08*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xff\x01\n\nGeneration\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x12Q\n\nListModels\x12 .splitserve.v1.ListModelsRequest\x1a!.splitserve.v1.ListModelsResponse\x12O\n\rGetServerInfo\x12#.splitserve.v1.GetServerInfoRequest\x1a\x19.splitserve.v1.ServerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"splitserve_api/v1/splitserve.proto\x12\rsplitserve.v1\"V\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x12\n\ntool_calls\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"\x9a\x01\n\x04\x43hat\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\x12\r\n\x05tools\x18\x02 \x01(\t\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x17\n\x0ftemplate_kwargs\x18\x04 \x01(\tB\x18\n\x16_add_generation_prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xef\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x10\n\x08logprobs\x18\n \x01(\x08\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x01H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\x08\x88\x01\x01\x12@\n\nlogit_bias\x18\x0e \x03(\x0b\x32,.splitserve.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0f \x01(\x03\x12\"\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08\x12\x33\n\nstructured\x18\x11 \x01(\x0b\x32\x1f.splitserve.v1.StructuredOutput\x12\x14\n\x0ctop_logprobs\x18\x12 \x01(\x03\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\x03H\t\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobs\"\xf6\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_object\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.splitserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x1a\n\rreasoning_end\x18\x06 \x01(\x03H\x01\x88\x01\x01\x12\x1c\n\x0freasoning_start\x18\x07 \x01(\x03H\x02\x88\x01\x01\x42\x06\n\x04kindB\x10\n\x0e_reasoning_endB\x12\n\x10_reasoning_start\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x9d\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12#\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x13.splitserve.v1.ChatH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x12\n\nsession_id\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\r\n\x05model\x18\x07 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x08 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x03\"m\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x03 \x01(\x01\x12\x16\n\x0e\x66irst_token_ms\x18\x04 \x01(\x01\x12\x10\n\x08total_ms\x18\x05 \x01(\x01\"\xf1\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x01\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12%\n\x06timing\x18\x07 \x01(\x0b\x32\x15.splitserve.v1.Timing\x12\x15\n\rdecode_worker\x18\x08 \x01(\t\x12\x16\n\x0eprefill_worker\x18\t \x01(\t\x12\x30\n\x0ctop_logprobs\x18\n \x03(\x0b\x32\x1a.splitserve.v1.TopLogprobs\x12\x35\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x1c.splitserve.v1.PromptLogprob\"l\n\rPromptLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x14\n\x07logprob\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\'\n\x03top\x18\x03 \x01(\x0b\x32\x1a.splitserve.v1.TopLogprobsB\n\n\x08_logprob\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x10\n\x08logprobs\x18\x02 \x03(\x01\"\x13\n\x11ListModelsRequest\"*\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x03\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.splitserve.v1.Model\"\x16\n\x14GetServerInfoRequest\"\x80\x01\n\x06Worker\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\t\x12\x11\n\tnum_pages\x18\x04 \x01(\x03\x12\x12\n\nfree_pages\x18\x05 \x01(\x03\x12\x0f\n\x07running\x18\x06 \x01(\x03\x12\x15\n\rqueued_tokens\x18\x07 \x01(\x03\"\xec\x01\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x03\x12\x11\n\tpage_size\x18\x04 \x01(\x03\x12\x1b\n\x13num_prefill_workers\x18\x05 \x01(\x03\x12\x1a\n\x12num_decode_workers\x18\x06 \x01(\x03\x12&\n\x07workers\x18\x07 \x03(\x0b\x32\x15.splitserve.v1.Worker\x12\x16\n\x0erouting_policy\x18\x08 \x01(\t\x12\x1b\n\x13placement_available\x18\t \x01(\x08*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xff\x01\n\nGeneration\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x12Q\n\nListModels\x12 .splitserve.v1.ListModelsRequest\x1a!.splitserve.v1.ListModelsResponse\x12O\n\rGetServerInfo\x12#.splitserve.v1.GetServerInfoRequest\x1a\x19.splitserve.v1.ServerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2799
-  _globals['_FINISHREASON']._serialized_end=2894
+  _globals['_FINISHREASON']._serialized_start=2895
+  _globals['_FINISHREASON']._serialized_end=2990
   _globals['_CHATMESSAGE']._serialized_start=53
   _globals['_CHATMESSAGE']._serialized_end=139
   _globals['_CHAT']._serialized_start=142
@@ -46,33 +46,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=871
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=919
   _globals['_STRUCTUREDOUTPUT']._serialized_start=1078
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=1228
-  _globals['_CHOICES']._serialized_start=1230
-  _globals['_CHOICES']._serialized_end=1256
-  _globals['_GENERATEREQUEST']._serialized_start=1259
-  _globals['_GENERATEREQUEST']._serialized_end=1544
-  _globals['_USAGE']._serialized_start=1546
-  _globals['_USAGE']._serialized_end=1633
-  _globals['_TIMING']._serialized_start=1635
-  _globals['_TIMING']._serialized_end=1744
-  _globals['_GENERATERESPONSE']._serialized_start=1747
-  _globals['_GENERATERESPONSE']._serialized_end=2116
-  _globals['_PROMPTLOGPROB']._serialized_start=2118
-  _globals['_PROMPTLOGPROB']._serialized_end=2226
-  _globals['_TOPLOGPROBS']._serialized_start=2228
-  _globals['_TOPLOGPROBS']._serialized_end=2278
-  _globals['_LISTMODELSREQUEST']._serialized_start=2280
-  _globals['_LISTMODELSREQUEST']._serialized_end=2299
-  _globals['_MODEL']._serialized_start=2301
-  _globals['_MODEL']._serialized_end=2343
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2345
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2403
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=2405
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=2427
-  _globals['_WORKER']._serialized_start=2430
-  _globals['_WORKER']._serialized_end=2558
-  _globals['_SERVERINFO']._serialized_start=2561
-  _globals['_SERVERINFO']._serialized_end=2797
-  _globals['_GENERATION']._serialized_start=2897
-  _globals['_GENERATION']._serialized_end=3152
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1324
+  _globals['_CHOICES']._serialized_start=1326
+  _globals['_CHOICES']._serialized_end=1352
+  _globals['_GENERATEREQUEST']._serialized_start=1355
+  _globals['_GENERATEREQUEST']._serialized_end=1640
+  _globals['_USAGE']._serialized_start=1642
+  _globals['_USAGE']._serialized_end=1729
+  _globals['_TIMING']._serialized_start=1731
+  _globals['_TIMING']._serialized_end=1840
+  _globals['_GENERATERESPONSE']._serialized_start=1843
+  _globals['_GENERATERESPONSE']._serialized_end=2212
+  _globals['_PROMPTLOGPROB']._serialized_start=2214
+  _globals['_PROMPTLOGPROB']._serialized_end=2322
+  _globals['_TOPLOGPROBS']._serialized_start=2324
+  _globals['_TOPLOGPROBS']._serialized_end=2374
+  _globals['_LISTMODELSREQUEST']._serialized_start=2376
+  _globals['_LISTMODELSREQUEST']._serialized_end=2395
+  _globals['_MODEL']._serialized_start=2397
+  _globals['_MODEL']._serialized_end=2439
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2441
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2499
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=2501
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=2523
+  _globals['_WORKER']._serialized_start=2526
+  _globals['_WORKER']._serialized_end=2654
+  _globals['_SERVERINFO']._serialized_start=2657
+  _globals['_SERVERINFO']._serialized_end=2893
+  _globals['_GENERATION']._serialized_start=2993
+  _globals['_GENERATION']._serialized_end=3248
 # @@protoc_insertion_point(module_scope)

@@ -200,6 +200,20 @@ def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 @pytest.fixture(scope="session")
+def tiny_thinker_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A tiny Qwen3 whose tokenizer has `<think>` and `</think>` as tokens of their own (ids
+    49152 and 49153, ordinary added tokens, as Qwen3's and DeepSeek-R1's tokenizers have)."""
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(**{**TINY, "vocab_size": 49154}, num_key_value_heads=2, head_dim=32)
+    path = _save_tiny(tmp_path_factory.mktemp("ckpt"), "tiny-thinker", config)
+    hf = Tokenizer.load(bundled_model_path()).hf
+    assert hf.add_tokens(["<think>", "</think>"]) == 2
+    hf.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3_gguf(tiny_qwen3_dir: Any) -> Any:
     """The tiny Qwen3's weights as a float32 GGUF, named and keyed as llama.cpp writes a
     qwen3 file (q/k norms as attn_q_norm / attn_k_norm, head_dim as attention.key_length),

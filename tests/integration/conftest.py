@@ -218,12 +218,32 @@ def tiny_qwen3_gguf(tiny_qwen3_dir: Any) -> Any:
     """The tiny Qwen3's weights as a float32 GGUF, named and keyed as llama.cpp writes a
     qwen3 file (q/k norms as attn_q_norm / attn_k_norm, head_dim as attention.key_length),
     with the bundled GGUF's tokenizer."""
+    return _write_gguf(tiny_qwen3_dir, "qwen3")
+
+
+# transformers' layer tensor names -> llama.cpp's (its gguf-py TENSOR_NAMES)
+GGUF_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+              "mlp.down_proj": "ffn_down"}  # fmt: skip
+# Gemma 2 and 3: the norms around each sublayer
+GGUF_SANDWICH = {"post_attention_layernorm": "post_attention_norm",
+                 "pre_feedforward_layernorm": "ffn_norm",
+                 "post_feedforward_layernorm": "post_ffw_norm"}  # fmt: skip
+
+
+def _write_gguf(ckpt: Any, arch: str, keys: dict[str, Any] | None = None) -> Any:
+    """A float32 GGUF of a tiny checkpoint's weights as llama.cpp's convert_hf_to_gguf
+    writes one for `arch` (its names, its shape keys and `keys` beside them; Gemma's norms
+    stored as 1 + w), with the bundled GGUF's tokenizer."""
     import gguf
     from safetensors.torch import load_file
 
-    config = json.loads((tiny_qwen3_dir / "config.json").read_text())
-    path = tiny_qwen3_dir.parent / "tiny-qwen3.gguf"
-    w = gguf.GGUFWriter(str(path), "qwen3")
+    config = json.loads((ckpt / "config.json").read_text())
+    path = ckpt.parent / f"{ckpt.name}.gguf"
+    w = gguf.GGUFWriter(str(path), arch)
     for key, value in (
         ("context_length", config["max_position_embeddings"]),
         ("embedding_length", config["hidden_size"]),
@@ -234,34 +254,68 @@ def tiny_qwen3_gguf(tiny_qwen3_dir: Any) -> Any:
         ("attention.key_length", config["head_dim"]),
         ("attention.value_length", config["head_dim"]),
     ):
-        w.add_uint32(f"qwen3.{key}", value)
-    w.add_float32("qwen3.attention.layer_norm_rms_epsilon", config["rms_norm_eps"])
-    w.add_float32("qwen3.rope.freq_base", config["rope_parameters"]["rope_theta"])
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", config["rms_norm_eps"])
+    rope = config["rope_parameters"]
+    w.add_float32(f"{arch}.rope.freq_base", rope.get("full_attention", rope)["rope_theta"])
+    for key, value in (keys or {}).items():
+        if isinstance(value, float):
+            w.add_float32(f"{arch}.{key}", value)
+        elif isinstance(value, str):
+            w.add_string(f"{arch}.{key}", value)
+        elif isinstance(value, list):
+            w.add_array(f"{arch}.{key}", value)
+        else:
+            w.add_uint32(f"{arch}.{key}", value)
     bundled = gguf.GGUFReader(str(bundled_model_path()))
     for key, field in bundled.fields.items():
         if key.startswith("tokenizer."):
             value = field.contents()
             sub = field.types[1] if len(field.types) > 1 else None
             w.add_key_value(key, value, field.types[0], sub)
+    gemma = arch in ("gemma2", "gemma3")
+    layer = {**GGUF_LAYER, **GGUF_SANDWICH} if gemma else GGUF_LAYER
     names = {"embed_tokens": "token_embd", "norm": "output_norm"}
-    layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down"}  # fmt: skip
-    for name, t in load_file(tiny_qwen3_dir / "model.safetensors").items():
+    for name, t in load_file(ckpt / "model.safetensors").items():
         parts = name.split(".")
         if parts[1] == "layers":
             gguf_name = f"blk.{parts[2]}.{layer['.'.join(parts[3:-1])]}.{parts[-1]}"
         else:
             gguf_name = f"{names[parts[1]]}.weight"
-        w.add_tensor(gguf_name, t.float().numpy())
+        shift = 1.0 if gemma and name.endswith("norm.weight") else 0.0  # as convert adds it
+        w.add_tensor(gguf_name, (t.float() + shift).numpy())
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma2_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+    """A tiny Gemma 2 as llama.cpp would run it (query_pre_attn_scalar its head size, every
+    other layer sliding from the first), its checkpoint and its GGUF (soft-caps and the
+    window as keys)."""
+    from transformers import Gemma2Config
+
+    caps = {"attn_logit_softcapping": 0.5, "final_logit_softcapping": 2.0}
+    config = Gemma2Config(**{**TINY, "num_hidden_layers": 4}, num_key_value_heads=2,
+                          head_dim=32, query_pre_attn_scalar=32, sliding_window=8,
+                          pad_token_id=0, **caps)  # fmt: skip
+    ckpt = _save_tiny(tmp_path_factory.mktemp("ckpt"), "tiny-gemma2-as-llama-cpp", config)
+    return ckpt, _write_gguf(ckpt, "gemma2", {"attention.sliding_window": 8, **caps})
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+    """A tiny Gemma 3 as llama.cpp would run it (query_pre_attn_scalar its head size, the
+    sliding layers at base 10,000), its checkpoint and its GGUF (the layers' pattern as
+    attention.sliding_window_pattern, the full layer's linear RoPE scaling)."""
+    config = _tiny_gemma3(query_pre_attn_scalar=32, local_theta=10000.0)
+    ckpt = _save_tiny(tmp_path_factory.mktemp("ckpt"), "tiny-gemma3-as-llama-cpp", config)
+    keys = {"attention.sliding_window": 8, "attention.sliding_window_pattern": [True] * 3 + [False],
+            "rope.scaling.type": "linear", "rope.scaling.factor": 2.0}  # fmt: skip
+    return ckpt, _write_gguf(ckpt, "gemma3", keys)
 
 
 @pytest.fixture(scope="session")
@@ -336,21 +390,7 @@ def tiny_gemma2_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
 def tiny_gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """Gemma 3 (text): q/k norms, three sliding layers of four (8-token window) rotated at
     their own base, the full one's RoPE linearly scaled, no soft-capping."""
-    from transformers import Gemma3TextConfig
-
-    config = Gemma3TextConfig(
-        **{**TINY, "num_hidden_layers": 4},
-        num_key_value_heads=2,
-        head_dim=32,
-        query_pre_attn_scalar=24,
-        sliding_window=8,
-        layer_types=["sliding_attention"] * 3 + ["full_attention"],
-        rope_parameters={
-            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
-            "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
-        },
-        pad_token_id=0,
-    )
+    config = _tiny_gemma3(query_pre_attn_scalar=24, local_theta=1000.0)
     return _save_tiny(tmp_path_factory.mktemp("ckpt"), "tiny-gemma3", config)
 
 
@@ -479,3 +519,23 @@ def workers(ray_workers: Workers) -> Iterator[Workers]:
     """The session's workers; every page on every worker is free again after the test."""
     yield ray_workers
     ray_workers.assert_all_pages_free()
+
+
+def _tiny_gemma3(query_pre_attn_scalar: int, local_theta: float) -> Any:
+    """Four layers, three sliding (8 tokens) at `local_theta`, the full one's RoPE linearly
+    scaled."""
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(
+        **{**TINY, "num_hidden_layers": 4},
+        num_key_value_heads=2,
+        head_dim=32,
+        query_pre_attn_scalar=query_pre_attn_scalar,
+        sliding_window=8,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": local_theta},
+        },
+        pad_token_id=0,
+    )

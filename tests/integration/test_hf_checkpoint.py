@@ -185,6 +185,26 @@ def test_a_hugging_face_id_is_served_from_the_local_cache(
     assert f"not in the Hugging Face cache at {tmp_path / 'hub'}" in missing.stderr
 
 
+@pytest.mark.parametrize("which", ["tiny_gemma2_gguf", "tiny_gemma3_gguf"])
+def test_a_gemma_gguf_gives_its_checkpoint_s_logits(
+    which: str, request: pytest.FixtureRequest
+) -> None:
+    # The same float32 weights, one as llama.cpp writes a gemma2 / gemma3 GGUF (norms as
+    # 1 + w, the sublayer norms' names, windows, soft-caps and RoPE from its keys and its
+    # rules): the same numbers, past the 8-token window.
+    ckpt, gguf = request.getfixturevalue(which)
+    ids = torch.randint(0, 49152, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    logits, specs = [], []
+    for path in (ckpt, gguf):
+        engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", kv_cache_gb=0.01))
+        logits.append(_engine_logits(engine, ids))
+        specs.append(engine.spec)
+        assert_no_leak(engine)
+    fields = ("windows", "query_scale", "attn_softcap", "final_softcap", "local_rope_theta")
+    assert [getattr(specs[1], f) for f in fields] == [getattr(specs[0], f) for f in fields]
+    assert torch.equal(*logits)
+
+
 def test_a_qwen3_gguf_gives_its_checkpoint_s_logits(
     tiny_qwen3_dir: Path, tiny_qwen3_gguf: Path
 ) -> None:

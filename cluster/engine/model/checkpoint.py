@@ -52,7 +52,9 @@ HF_ARCHITECTURES = (
 )
 QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
 GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# Gemma 1's GGUF is not among them: transformers does not read its tokenizer.
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
+GGUF_GEMMA = ("gemma2", "gemma3")
 ROPE_TYPES = ("default", "linear", "llama3")
 CPU = torch.device("cpu")
 Progress = Callable[[int, int], None]  # (tensors read, tensors in all), after each one
@@ -417,7 +419,16 @@ _GGUF_NAMES = {
 }
 
 
-def _gguf_name(name: str) -> str:
+# Gemma 2's and 3's norms around each sublayer: llama.cpp's ffn_norm is their
+# pre_feedforward_layernorm, its post_attention_norm their post_attention_layernorm.
+_GGUF_SANDWICH = {
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+
+def _gguf_name(name: str, arch: str) -> str:
     top = {
         "token_embd.weight": "model.embed_tokens.weight",
         "output_norm.weight": "model.norm.weight",
@@ -426,9 +437,10 @@ def _gguf_name(name: str) -> str:
     if name in top:
         return top[name]
     blk, layer, part, kind = name.split(".")
-    if blk != "blk" or part not in _GGUF_NAMES:
+    names = {**_GGUF_NAMES, **_GGUF_SANDWICH} if arch in GGUF_GEMMA else _GGUF_NAMES
+    if blk != "blk" or part not in names:
         raise KeyError(name)
-    return f"model.layers.{layer}.{_GGUF_NAMES[part]}.{kind}"
+    return f"model.layers.{layer}.{names[part]}.{kind}"
 
 
 def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -524,7 +536,7 @@ def _load_gguf(
         if progress is not None and i > 1:
             progress(i - 1, len(reader.tensors))  # the one before is read
         try:
-            hf_name = _gguf_name(t.name)
+            hf_name = _gguf_name(t.name, arch)
         except (KeyError, ValueError):
             continue  # e.g. rope_freqs: recomputed from the metadata
         shape = t.shape
@@ -540,6 +552,8 @@ def _load_gguf(
             continue
         w = dequantize(t.data, t.kind).reshape(shape)
         w = _unpermuted(arch, t.name, w, heads, kv_heads)
+        if arch in GGUF_GEMMA and t.name.endswith("norm.weight"):
+            w = w - 1  # llama.cpp stores Gemma's 1 + w; the model adds the 1 as transformers
         weights[hf_name] = torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
     if progress is not None:
         progress(len(reader.tensors), len(reader.tensors))
@@ -593,7 +607,42 @@ def _gguf_spec(reader: GGUFFile, path: Path) -> ModelSpec:
         rope_scaling=rope,
         name=str(gguf_field(reader, "general.name", path.stem)),
         qk_norm="blk.0.attn_q_norm.weight" in names,
+        **_gguf_gemma(reader, arch, hidden, heads),
     )
+
+
+def _gguf_gemma(reader: GGUFFile, arch: str, hidden: int, heads: int) -> dict[str, Any]:
+    """ModelSpec's Gemma fields from a Gemma GGUF's metadata, read as llama.cpp reads them
+    ({} for another family): its sliding layers from `attention.sliding_window_pattern`,
+    else every other layer (Gemma 2) or five of each six (Gemma 3); the query scale from
+    `attention.scale`, else hidden / heads for the 27B models (46 and 62 layers) and the head
+    size for the rest; Gemma 3's sliding layers rotated at `rope.freq_base_swa`, else
+    10,000; Gemma 2's soft-capping."""
+    if arch not in GGUF_GEMMA:
+        return {}
+
+    def get(key: str, default: Any = None) -> Any:
+        return gguf_field(reader, f"{arch}.{key}", default)
+
+    layers = int(get("block_count"))
+    head_dim = int(get("attention.key_length") or hidden // heads)
+    pattern = get("attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
+    if isinstance(pattern, int | float):  # llama.cpp's: layer i slides when i % n < n - 1
+        sliding = [i % int(pattern) < int(pattern) - 1 for i in range(layers)]
+    else:
+        sliding = [bool(b) for b in pattern]
+    big = (arch, layers) in (("gemma2", 46), ("gemma3", 62))
+    scale = get("attention.scale") or (hidden / heads if big else head_dim) ** -0.5
+    window = int(get("attention.sliding_window"))
+    return {
+        "gemma": True,
+        "sandwich_norms": True,
+        "query_scale": float(scale),
+        "windows": tuple(window if s else None for s in sliding),
+        "attn_softcap": get("attn_logit_softcapping") if arch == "gemma2" else None,
+        "final_softcap": get("final_logit_softcapping") if arch == "gemma2" else None,
+        "local_rope_theta": float(get("rope.freq_base_swa", 10000.0)) if arch == "gemma3" else None,
+    }
 
 
 _ROPE_TENSORS = ("attn_q.weight", "attn_q.bias", "attn_k.weight", "attn_k.bias")

@@ -226,9 +226,9 @@ def cuda_capture() -> Capture:
 class PiecewiseGraphs:
     """The model's pieces between attention calls, per token bucket; `run` replays them
     around eager attention. Piece i finishes layer i - 1 from attention's output (piece 0
-    embeds the ids instead) and runs layer i up to its qkv projection, and RoPE unless the
-    attention backend rotates q and k itself (the last piece leaves the final residual and
-    MLP output for the logits)."""
+    embeds the ids instead) and runs layer i up to its qkv projection, its q/k norms, and
+    RoPE unless the attention backend rotates q and k itself (the last piece leaves the
+    final residual and MLP output for the logits)."""
 
     def __init__(
         self,
@@ -277,8 +277,10 @@ class PiecewiseGraphs:
                 new_x, qkv = m.before_attention(i, x, mlp)
                 keep(x, new_x)
                 self.qkv[:b].copy_(qkv)
+                qk, _ = m.heads(self.qkv[:b])
+                if m.spec.qk_norm:  # Qwen3's, Gemma 3's: each head normed before RoPE
+                    keep(qk, m.norm_heads(i, qk))
                 if not self.attention.fuses_rope:
-                    qk, _ = m.heads(self.qkv[:b])
                     keep(qk, m.rope(i, qk, positions, m.rope_rows(positions)))
             else:
                 assert mlp is not None

@@ -228,17 +228,15 @@ def build_runner(
     device: torch.device,
 ) -> ModelRunner:
     """A runner on `backend`; on CUDA its steps replay CUDA graphs (`graph_kinds`), unless
-    the model is split across ranks, normalizes its q and k heads (Qwen3), routes its MLP
-    to experts (Mixtral, Qwen3-MoE) or is a Gemma: its steps then run eager."""
+    the model is split across ranks or routes its MLP to experts (Mixtral, Qwen3-MoE):
+    its steps then run eager."""
     rope = (model.cos, model.signed_sin)
     attention = make_backend(
         backend, cache.layout, model.spec.num_heads, device, rope, model.attention_layers()
     )
     decode_graphs, pieces = graph_kinds(backend, device)
-    # graphs: no q/k norm yet, nor experts (which rows go to which expert is data), nor
-    # Gemma's layers
-    spec = model.spec
-    if not pieces or model.group is not None or spec.qk_norm or spec.experts or spec.gemma:
+    # graphs: no experts (which rows go to which expert is data)
+    if not pieces or model.group is not None or model.spec.experts:
         loop = layer_loop.build(model, cache, attention)
         return ModelRunner(model, cache, attention, device, max_model_len, loop=loop)
     from cluster.engine.cuda_graphs import (

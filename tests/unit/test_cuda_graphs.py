@@ -5,6 +5,8 @@ that the piecewise graphs' pieces around eager attention compute the model's ste
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -229,6 +231,32 @@ def _mixed_step() -> tuple[StepBatch, list[int], list[int]]:
     return StepBatch(2, starts, lens, table, slots, positions), ids, [0, 1, 6]
 
 
+def _family(name: str, device: torch.device) -> Any:
+    """A tiny random model of a family: Llama's shape, Qwen3's q/k norms, or Gemma's
+    (2's and 3's at once: norms around each sublayer, q/k norms, a 4-token window on the
+    first layer, soft-capped scores and logits, the window layer rotated at its own base)."""
+    from cluster.engine.model.model import LlamaModel
+    from splitserve.bench.gpu import random_weights, spec_of
+
+    spec = spec_of("tiny")
+    if name == "qwen3":
+        spec = replace(spec, qk_norm=True)
+    if name == "gemma":
+        spec = replace(spec, qk_norm=True, gemma=True, sandwich_norms=True, query_scale=0.2,
+                       windows=(4, None), attn_softcap=0.5, final_softcap=2.0,
+                       local_rope_theta=1000.0)  # fmt: skip
+    weights = random_weights(spec, torch.float32, device)
+    norms = ["self_attn.q_norm", "self_attn.k_norm"] if spec.qk_norm else []
+    if spec.sandwich_norms:
+        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+    for n in range(spec.num_layers):
+        for norm in norms:
+            size = spec.head_dim if "_norm" in norm.split(".")[-1] else spec.hidden_size
+            weights[f"model.layers.{n}.{norm}.weight"] = torch.rand(size, device=device) + 0.5
+    return LlamaModel(spec, weights, torch.float32, device)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma"])
 @pytest.mark.parametrize(
     ("backend", "graphs"),
     [
@@ -242,7 +270,7 @@ def _mixed_step() -> tuple[StepBatch, list[int], list[int]]:
     ],
 )
 def test_piecewise_pieces_around_eager_attention_give_the_model_steps_logits_and_kv(
-    backend: str, graphs: bool, kernel_device: torch.device
+    backend: str, graphs: bool, family: str, kernel_device: torch.device
 ) -> None:
     """A tiny random model in float32: a mixed step of 7 tokens run as the pieces of the
     8-token bucket (one padding row) around attention, then a decode step of 2 in the same
@@ -250,15 +278,13 @@ def test_piecewise_pieces_around_eager_attention_give_the_model_steps_logits_and
     KV written, on_layer after each layer. Triton (interpreted here) rotates q and k in
     its store; with the cpu backend (FlashInfer's case: a backend that does not) the
     pieces rotate them. The pieces run as they are, and on a GPU also captured in CUDA
-    graphs and replayed."""
+    graphs and replayed. Qwen3's q/k norms and Gemma's layers take the same pieces."""
     from cluster.engine.kernels.attention import make_backend
-    from cluster.engine.model.model import LlamaModel
-    from splitserve.bench.gpu import random_weights, spec_of
 
     device = kernel_device if backend == "triton" else torch.device("cpu")
     torch.manual_seed(0)
-    spec = spec_of("tiny")
-    model = LlamaModel(spec, random_weights(spec, torch.float32, device), torch.float32, device)
+    model = _family(family, device)
+    spec = model.spec
     rope = (model.cos, model.signed_sin)
     layout = KVLayout.of(spec, 16, torch.float32)
     eager_cache = KVCache(layout, num_pages=12, device=device)
@@ -274,11 +300,12 @@ def test_piecewise_pieces_around_eager_attention_give_the_model_steps_logits_and
         captured.append(piece)
         return replay(piece)
 
-    attention = make_backend(backend, layout, spec.num_heads, device, rope)
+    layers = model.attention_layers()
+    attention = make_backend(backend, layout, spec.num_heads, device, rope, layers)
     assert attention.fuses_rope == (backend == "triton")
     pieces = PiecewiseGraphs(model, attention, cache, 8, device, capture)
     assert len(captured) == len(token_buckets(8)) * (spec.num_layers + 1)
-    eager = make_backend(backend, layout, spec.num_heads, device, rope)
+    eager = make_backend(backend, layout, spec.num_heads, device, rope, layers)
     mixed, ids, rows = _mixed_step()
     decode = StepBatch(
         2,
@@ -298,11 +325,11 @@ def test_piecewise_pieces_around_eager_attention_give_the_model_steps_logits_and
             eager_cache,
             wanted,
         )
-        layers: list[int] = []
-        got = pieces.run(batch, step_ids, attention.prepare(batch), wanted, layers.append)
+        done: list[int] = []
+        got = pieces.run(batch, step_ids, attention.prepare(batch), wanted, done.append)
         assert got is not None and got.shape == (len(step_rows), spec.vocab_size)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-        assert layers == list(range(spec.num_layers))
+        assert done == list(range(spec.num_layers))
         torch.testing.assert_close(cache.k, eager_cache.k, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(cache.v, eager_cache.v, atol=1e-5, rtol=1e-5)
     nine = list(range(9))

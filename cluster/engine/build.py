@@ -133,15 +133,18 @@ def pick_dtype(name: str, device: torch.device) -> str:
 def pick_quantization(name: str, path: Path, device: torch.device) -> str:
     """The weight mode `engine.quantization: name` means for the model at `path`. auto: a
     GGUF file's own blocks as stored (gguf) on the CPU, whose kernels read them, when each
-    block type has a kernel; a checkpoint directory's own quantization (awq, gptq: on the
-    CPU only, a GPU refuses them at load; fp8 on either, `on_gpu`); float weights (none)
-    otherwise: a float directory, a GPU, a GGUF of K-quants. Read from the files, never
-    timed: every worker resolves it alike."""
+    block type has a kernel; a checkpoint directory's own quantization (fp8 on either
+    device, `on_gpu`; awq and gptq on the CPU, whose int4 kernel reads them, and
+    dequantized to float weights on a GPU, which has no 4-bit kernel here yet); float
+    weights (none) otherwise: a float directory, a GPU, a GGUF of K-quants. Read from the
+    files, never timed: every worker resolves it alike."""
     if name != "auto":
         return name
     if path.is_dir():
         stated = checkpoint_quant(path)
-        return "none" if stated is None else stated.method
+        if stated is None or (stated.method in PACKED and device.type != "cpu"):
+            return "none"
+        return stated.method
     gguf = path.suffix == ".gguf" and path.is_file() and device.type == "cpu"
     return "gguf" if gguf and gguf_blocks_servable(path) else "none"
 

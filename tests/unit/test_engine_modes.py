@@ -3,6 +3,7 @@ each device, and what the engine's start-up line says of the choice."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,20 @@ def test_auto_quantization_serves_a_gguf_as_stored_on_the_cpu_only(tmp_path: Pat
     assert pick_quantization("auto", gguf, CUDA) == "none"  # its kernels are CPU ones
     assert pick_quantization("int4", directory, CPU) == "int4"
     assert pick_quantization("none", gguf, CPU) == "none"
+
+
+def test_an_awq_or_gptq_checkpoint_is_dequantized_on_a_gpu_and_kept_on_the_cpu(
+    tmp_path: Path,
+) -> None:
+    # Our int4 kernel is a CPU one: on a GPU auto takes the float weights the checkpoint's
+    # groups dequantize to (as quantization none asks), where it refused them before.
+    for method in ("awq", "gptq"):
+        directory = tmp_path / method
+        directory.mkdir()
+        stated = {"quant_method": method, "bits": 4, "group_size": 128, "version": "gemm"}
+        (directory / "config.json").write_text(json.dumps({"quantization_config": stated}))
+        assert pick_quantization("auto", directory, CPU) == method
+        assert pick_quantization("auto", directory, CUDA) == "none"
 
 
 def test_a_gguf_whose_blocks_have_no_kernel_here_is_served_as_float_weights(

@@ -47,13 +47,16 @@ class RouterHarness(_LoopThread):
         redis_url: str | None,
         local_prefill_tokens: int = 32,
         routes: Sequence[web.RouteDef] = (),
+        model: str | None = None,  # the workers' checkpoint (None: the bundled model)
         **router: Any,
     ) -> None:
         super().__init__()
         defaults = {"port": 0, "redis_timeout_s": 0.1, "metrics_port": None, "http_port": None}
         config = RouterConfig(**{**defaults, **router})
         self.app: RouterApp = self.call(
-            start_router(config, local_prefill_tokens, prefill, decode, redis_url, routes=routes)
+            start_router(
+                config, local_prefill_tokens, prefill, decode, redis_url, model, routes=routes
+            )
         )
 
     @property

@@ -3,7 +3,8 @@
 that opens `<think>` in the prompt, as DeepSeek-R1's does, so its reply is its thoughts
 (`reasoning_content`), the same streamed and not; structured output with a parser is
 refused naming the field where the tokenizer has no `</think>` token, and on a tiny model
-whose tokenizer has one the grammar holds only what follows the thoughts. The split
+whose tokenizer has one the grammar holds only what follows the thoughts (in the engine,
+and served through the router, streamed and not). The split
 itself, tags across deltas: tests/unit/test_reasoning.py."""
 
 from __future__ import annotations
@@ -119,3 +120,41 @@ def test_the_grammar_holds_only_the_reply_after_its_thoughts(tiny_thinker_dir: P
         tokens += [t for o in engine.step() if o.request_id == resumed for t in o.new_token_ids]
     assert tokens == qwen.token_ids[2:]
     assert_no_leak(engine)
+
+
+@pytest.fixture(scope="module")
+def thinker(ray_workers: Any, tiny_thinker_dir: Path) -> Iterator[openai.OpenAI]:
+    """The tiny model whose tokenizer has </think>, served with the deepseek_r1 parser."""
+    engine = {"model": str(tiny_thinker_dir), "dtype": "float32", "quantization": "none"}
+    decode = {"thinker": ray_workers.decode("thinker", engine=engine)}
+    harness = RouterHarness({}, decode, redis_url=None, http_port=0, model=str(tiny_thinker_dir),
+                            reasoning_parser="deepseek_r1")  # fmt: skip
+    assert harness.app.http is not None
+    yield openai.OpenAI(base_url=harness.app.http.address + "/v1", api_key="x", timeout=120)
+    harness.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_served_reply_s_grammar_starts_after_its_thoughts(
+    thinker: openai.OpenAI, stream: bool
+) -> None:
+    # </think> biased first: the reply's thoughts end at once (empty), and guided_choice
+    # holds what follows. Were the grammar to hold the thoughts too, </think> could never
+    # come and the whole reply would read as reasoning.
+    args: dict[str, Any] = {
+        "model": "tiny-thinker",
+        "messages": MESSAGES,
+        "max_tokens": 8,
+        "temperature": 0,
+        "logit_bias": {"49153": 100},
+        "extra_body": {"guided_choice": ["yes", "no"]},
+    }
+    if not stream:
+        message = thinker.chat.completions.create(**args).choices[0].message
+        assert message.content in ("yes", "no")
+        assert not getattr(message, "reasoning_content", None)
+        return
+    deltas = [c.choices[0].delta for c in thinker.chat.completions.create(**args, stream=True)
+              if c.choices]  # fmt: skip
+    assert "".join(d.content or "" for d in deltas) in ("yes", "no")
+    assert not any(getattr(d, "reasoning_content", None) for d in deltas)

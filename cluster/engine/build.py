@@ -135,9 +135,11 @@ def pick_quantization(name: str, path: Path, device: torch.device) -> str:
     GGUF file's own blocks as stored (gguf) on the CPU, whose kernels read them, when each
     block type has a kernel; a checkpoint directory's own quantization (fp8 on either
     device, `on_gpu`; awq and gptq on the CPU, whose int4 kernel reads them, and
-    dequantized to float weights on a GPU, which has no 4-bit kernel here yet); float
-    weights (none) otherwise: a float directory, a GPU, a GGUF of K-quants. Read from the
-    files, never timed: every worker resolves it alike."""
+    dequantized to float weights on a GPU, which has no 4-bit kernel here yet); a GGUF
+    whose block types lack a kernel (K-quants) as our 8-bit groups on the CPU (its blocks
+    dequantized: half of bfloat16's bytes, within int8's accuracy of them); float weights
+    (none) otherwise: a float directory, a GPU. Read from the files, never timed: every
+    worker resolves it alike."""
     if name != "auto":
         return name
     if path.is_dir():
@@ -145,8 +147,9 @@ def pick_quantization(name: str, path: Path, device: torch.device) -> str:
         if stated is None or (stated.method in PACKED and device.type != "cpu"):
             return "none"
         return stated.method
-    gguf = path.suffix == ".gguf" and path.is_file() and device.type == "cpu"
-    return "gguf" if gguf and gguf_blocks_servable(path) else "none"
+    if path.suffix != ".gguf" or not path.is_file() or device.type != "cpu":
+        return "none"
+    return "gguf" if gguf_blocks_servable(path) else "int8"
 
 
 def describe_modes(config: EngineConfig, dtype: str, quantization: str, device: str) -> str:
@@ -165,6 +168,7 @@ def describe_modes(config: EngineConfig, dtype: str, quantization: str, device: 
     if config.quantization == "auto":
         why = {
             "gguf": "the GGUF's blocks as stored",
+            "int8": "the GGUF's blocks have no kernel here: dequantized into 8-bit groups",
             "none": "float weights",
             "fp8": "the checkpoint's FP8 weights on an FP8 GEMM"
             if device == "cuda"

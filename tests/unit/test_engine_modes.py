@@ -58,14 +58,16 @@ def test_an_awq_or_gptq_checkpoint_is_dequantized_on_a_gpu_and_kept_on_the_cpu(
         assert pick_quantization("auto", directory, CUDA) == "none"
 
 
-def test_a_gguf_whose_blocks_have_no_kernel_here_is_served_as_float_weights(
+def test_a_gguf_whose_blocks_have_no_kernel_here_is_served_as_8_bit_groups(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # The bundled file's layers are Q4_1 and its embedding Q8_0: without a Q4_1 kernel it
-    # is what a K-quant file is today.
+    # is what a K-quant file is today (not float weights: 4x the bytes of a 4-bit file).
     assert pick_quantization("auto", bundled_model_path(), CPU) == "gguf"
     monkeypatch.delitem(quantization.GGUF_BLOCKS, "Q4_1")
-    assert pick_quantization("auto", bundled_model_path(), CPU) == "none"
+    assert pick_quantization("auto", bundled_model_path(), CPU) == "int8"
+    line = describe_modes(EngineConfig(), "bfloat16", "int8", "cpu")
+    assert "quantization auto: int8 (the GGUF's blocks have no kernel here" in line
 
 
 def test_the_start_up_line_says_what_auto_chose_and_why() -> None:

@@ -221,6 +221,21 @@ def tiny_qwen3_gguf(tiny_qwen3_dir: Any) -> Any:
     return _write_gguf(tiny_qwen3_dir, "qwen3")
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_gguf(tiny_qwen3_moe_dir: Any) -> Any:
+    """The tiny Qwen3-MoE as llama.cpp writes a qwen3moe GGUF: each layer's experts stacked
+    in one [experts, out, in] tensor a projection, the router as ffn_gate_inp."""
+    keys = {"expert_count": 8, "expert_used_count": 2, "expert_feed_forward_length": 64}
+    return _write_gguf(tiny_qwen3_moe_dir, "qwen3moe", keys)
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral_gguf(tiny_mixtral_dir: Any) -> Any:
+    """The tiny Mixtral as llama.cpp writes one: a llama GGUF (q and k rows permuted) with
+    expert_count, each layer's experts stacked."""
+    return _write_gguf(tiny_mixtral_dir, "llama", {"expert_count": 8, "expert_used_count": 2})
+
+
 # transformers' layer tensor names -> llama.cpp's (its gguf-py TENSOR_NAMES)
 GGUF_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
@@ -242,6 +257,7 @@ def _write_gguf(ckpt: Any, arch: str, keys: dict[str, Any] | None = None) -> Any
     from safetensors.torch import load_file
 
     config = json.loads((ckpt / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     path = ckpt.parent / f"{ckpt.name}.gguf"
     w = gguf.GGUFWriter(str(path), arch)
     for key, value in (
@@ -251,8 +267,8 @@ def _write_gguf(ckpt: Any, arch: str, keys: dict[str, Any] | None = None) -> Any
         ("block_count", config["num_hidden_layers"]),
         ("attention.head_count", config["num_attention_heads"]),
         ("attention.head_count_kv", config["num_key_value_heads"]),
-        ("attention.key_length", config["head_dim"]),
-        ("attention.value_length", config["head_dim"]),
+        ("attention.key_length", head_dim),
+        ("attention.value_length", head_dim),
     ):
         w.add_uint32(f"{arch}.{key}", value)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", config["rms_norm_eps"])
@@ -276,14 +292,33 @@ def _write_gguf(ckpt: Any, arch: str, keys: dict[str, Any] | None = None) -> Any
     gemma = arch in ("gemma2", "gemma3")
     layer = {**GGUF_LAYER, **GGUF_SANDWICH} if gemma else GGUF_LAYER
     names = {"embed_tokens": "token_embd", "norm": "output_norm"}
+    experts: dict[str, list[tuple[int, torch.Tensor]]] = {}  # stacked, as llama.cpp has them
+    mixtral = {"w1": "gate", "w3": "up", "w2": "down"}  # block_sparse_moe.experts.E.wN
     for name, t in load_file(ckpt / "model.safetensors").items():
         parts = name.split(".")
-        if parts[1] == "layers":
-            gguf_name = f"blk.{parts[2]}.{layer['.'.join(parts[3:-1])]}.{parts[-1]}"
+        if ".experts." in name:  # model.layers.L.mlp.experts.E.gate_proj.weight
+            proj = mixtral.get(parts[6]) or parts[6].split("_")[0]
+            stacked = f"blk.{parts[2]}.ffn_{proj}_exps.weight"
+            experts.setdefault(stacked, []).append((int(parts[5]), t.float()))
+            continue
+        if name == "lm_head.weight":
+            gguf_name = "output.weight"
+        elif parts[1] == "layers":
+            part = "ffn_gate_inp" if parts[4] == "gate" else layer[".".join(parts[3:-1])]
+            gguf_name = f"blk.{parts[2]}.{part}.{parts[-1]}"
         else:
             gguf_name = f"{names[parts[1]]}.weight"
         shift = 1.0 if gemma and name.endswith("norm.weight") else 0.0  # as convert adds it
-        w.add_tensor(gguf_name, (t.float() + shift).numpy())
+        t = t.float() + shift
+        if arch == "llama" and parts[-2] in ("q_proj", "k_proj"):  # convert's permute
+            heads = config[
+                "num_attention_heads" if parts[-2] == "q_proj" else "num_key_value_heads"
+            ]
+            t = t.reshape(heads, 2, t.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(t.shape)
+        w.add_tensor(gguf_name, t.numpy())
+    for gguf_name, each in experts.items():
+        each.sort(key=lambda pair: pair[0])
+        w.add_tensor(gguf_name, torch.stack([t for _, t in each]).numpy())
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

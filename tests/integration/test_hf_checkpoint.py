@@ -205,15 +205,20 @@ def test_a_gemma_gguf_gives_its_checkpoint_s_logits(
     assert torch.equal(*logits)
 
 
-def test_a_qwen3_gguf_gives_its_checkpoint_s_logits(
-    tiny_qwen3_dir: Path, tiny_qwen3_gguf: Path
-) -> None:
-    # The same float32 weights, one as llama.cpp names a qwen3 GGUF: the same numbers.
+@pytest.mark.parametrize("family", ["tiny_qwen3", "tiny_qwen3_moe", "tiny_mixtral"])
+def test_a_gguf_gives_its_checkpoint_s_logits(family: str, request: pytest.FixtureRequest) -> None:
+    # The same float32 weights, one as llama.cpp writes a qwen3 GGUF (qwen3moe, and
+    # Mixtral's llama with experts: each layer's experts stacked): the same numbers.
     ids = torch.randint(0, 49152, (40,), generator=torch.Generator().manual_seed(2)).tolist()
-    logits = []
-    for path in (tiny_qwen3_dir, tiny_qwen3_gguf):
+    logits, specs = [], []
+    for fixture in (f"{family}_dir", f"{family}_gguf"):
+        path = request.getfixturevalue(fixture)
         engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", kv_cache_gb=0.01))
-        assert engine.spec.qk_norm and engine.spec.head_dim == 32  # not hidden / heads (16)
+        if family != "tiny_mixtral":
+            assert engine.spec.qk_norm and engine.spec.head_dim == 32  # not hidden / heads
         logits.append(_engine_logits(engine, ids))
+        specs.append(engine.spec)
         assert_no_leak(engine)
+    fields = ("experts", "experts_per_token", "expert_size", "renormalize_experts")
+    assert [getattr(specs[1], f) for f in fields] == [getattr(specs[0], f) for f in fields]
     assert torch.equal(*logits)

@@ -53,7 +53,7 @@ HF_ARCHITECTURES = (
 QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
 GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Gemma 1's GGUF is not among them: transformers does not read its tokenizer.
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3")
 GGUF_GEMMA = ("gemma2", "gemma3")
 ROPE_TYPES = ("default", "linear", "llama3")
 CPU = torch.device("cpu")
@@ -416,6 +416,10 @@ _GGUF_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a Mixture-of-Experts' router; its experts stacked:
+    "ffn_gate_exps": "mlp.experts.{}.gate_proj",
+    "ffn_up_exps": "mlp.experts.{}.up_proj",
+    "ffn_down_exps": "mlp.experts.{}.down_proj",
 }
 
 
@@ -539,22 +543,26 @@ def _load_gguf(
             hf_name = _gguf_name(t.name, arch)
         except (KeyError, ValueError):
             continue  # e.g. rope_freqs: recomputed from the metadata
-        shape = t.shape
         kind = t.kind.name
-        if keep_blocks and kind not in ("F32", "F16", "BF16"):
-            if kind not in GGUF_BLOCKS:
-                raise QuantizationError(
-                    f"{path}: tensor {t.name} is {kind}; gguf mode computes with "
-                    f"{', '.join(GGUF_BLOCKS)} blocks (use int8 or int4 for this file)"
-                )
-            q = from_gguf_blocks(kind, t.data, *shape)
-            weights[hf_name] = _unpermuted(arch, t.name, q, heads, kv_heads)
-            continue
-        w = dequantize(t.data, t.kind).reshape(shape)
-        w = _unpermuted(arch, t.name, w, heads, kv_heads)
-        if arch in GGUF_GEMMA and t.name.endswith("norm.weight"):
-            w = w - 1  # llama.cpp stores Gemma's 1 + w; the model adds the 1 as transformers
-        weights[hf_name] = torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
+        if keep_blocks and kind not in ("F32", "F16", "BF16") and kind not in GGUF_BLOCKS:
+            raise QuantizationError(
+                f"{path}: tensor {t.name} is {kind}; gguf mode computes with "
+                f"{', '.join(GGUF_BLOCKS)} blocks (use int8 or int4 for this file)"
+            )
+        # A Mixture-of-Experts' matrices come stacked, one [experts, out, in] tensor a layer
+        stacked = "{}" in hf_name
+        for e in range(t.shape[0] if stacked else 1):
+            data, shape = (t.data[e], t.shape[1:]) if stacked else (t.data, t.shape)
+            name = hf_name.format(e)
+            if keep_blocks and kind not in ("F32", "F16", "BF16"):
+                q = from_gguf_blocks(kind, data, *shape)
+                weights[name] = _unpermuted(arch, t.name, q, heads, kv_heads)
+                continue
+            w = dequantize(data, t.kind).reshape(shape)
+            w = _unpermuted(arch, t.name, w, heads, kv_heads)
+            if arch in GGUF_GEMMA and t.name.endswith("norm.weight"):
+                w = w - 1  # llama.cpp stores Gemma's 1 + w; the model adds it as transformers
+            weights[name] = torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
     if progress is not None:
         progress(len(reader.tensors), len(reader.tensors))
     return spec, weights
@@ -608,7 +616,24 @@ def _gguf_spec(reader: GGUFFile, path: Path) -> ModelSpec:
         name=str(gguf_field(reader, "general.name", path.stem)),
         qk_norm="blk.0.attn_q_norm.weight" in names,
         **_gguf_gemma(reader, arch, hidden, heads),
+        **_gguf_experts(reader, arch),
     )
+
+
+def _gguf_experts(reader: GGUFFile, arch: str) -> dict[str, Any]:
+    """ModelSpec's Mixture-of-Experts fields from a GGUF's metadata (Qwen3-MoE's qwen3moe,
+    Mixtral's llama with experts; {} for a dense model): llama.cpp renormalizes the chosen
+    weights of both unless `expert_weights_norm` says not."""
+    experts = gguf_field(reader, f"{arch}.expert_count", 0)
+    if not experts:
+        return {}
+    size = gguf_field(reader, f"{arch}.expert_feed_forward_length")
+    return {
+        "experts": int(experts),
+        "experts_per_token": int(gguf_field(reader, f"{arch}.expert_used_count")),
+        "expert_size": int(size or gguf_field(reader, f"{arch}.feed_forward_length")),
+        "renormalize_experts": bool(gguf_field(reader, f"{arch}.expert_weights_norm", True)),
+    }
 
 
 def _gguf_gemma(reader: GGUFFile, arch: str, hidden: int, heads: int) -> dict[str, Any]:

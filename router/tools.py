@@ -183,12 +183,16 @@ def llama3_json(text: str) -> tuple[str | None, list[ToolCall]]:
     return text, []
 
 
+NAME = re.compile(r'"name"\s*:\s*("(?:[^"\\]|\\.)*")')
+
+
 @dataclass
 class CallStream:
     """A forced reply's tool calls delta by delta, as vLLM streams them: each call's id and
-    name first, then its arguments' JSON text. A named call's arguments are the reply
-    itself, so they go out as they come; `required`'s list (`[{"name", "parameters"}, ...]`)
-    gives each call whole as soon as its element closes."""
+    name first, then its arguments' JSON text as it comes. A named call's arguments are
+    the reply itself; `required`'s list (`[{"name", "parameters"}, ...]`) gives a call's id
+    and name when its `parameters` value opens, then that value's text (an element whose
+    value opens before its name goes out whole when it closes)."""
 
     tools: Tools
     text: str = ""
@@ -198,6 +202,7 @@ class CallStream:
     in_string: bool = False
     escaped: bool = False
     element: int = -1  # where the open element starts
+    arguments: int = -1  # where the open element's arguments not yet sent start (-1: none)
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         """The `tool_calls` items of the chunk that carries `text`."""
@@ -209,11 +214,12 @@ class CallStream:
             self.calls = 1
             call = ToolCall(self.tools.named, text).body()
             return [{"index": 0, **call}]
-        return [{"index": i, **c.body()} for i, c in self._closed()]
+        return self._required()
 
-    def _closed(self) -> list[tuple[int, ToolCall]]:
-        """The list's elements that closed since the last call, numbered."""
-        out = []
+    def _required(self) -> list[dict[str, Any]]:
+        """The items the list's text since the last call gives: calls opened, their
+        arguments' new text, and elements that closed before their arguments opened."""
+        out: list[dict[str, Any]] = []
         for at in range(self.scanned, len(self.text)):
             ch = self.text[at]
             if self.in_string:
@@ -229,16 +235,33 @@ class CallStream:
                 self.depth += 1
                 if self.depth == 2:
                     self.element = at
+                elif self.depth == 3 and self.arguments < 0:
+                    name = NAME.search(self.text, self.element, at)
+                    if name is not None:  # the arguments open: the call's id and name go out
+                        call = ToolCall(json.loads(name.group(1)), "").body()
+                        out.append({"index": self.calls, **call})
+                        self.arguments = at
             elif ch in "]}":
                 self.depth -= 1
-                if self.depth == 1:
+                if self.depth == 2 and self.arguments >= 0:  # the arguments closed
+                    out += self._arguments(at + 1)
+                    self.arguments, self.calls, self.element = -1, self.calls + 1, -1
+                elif self.depth == 1 and self.arguments < 0 and at > self.element >= 0:
                     value = json.loads(self.text[self.element : at + 1])
-                    out.append(
-                        (self.calls, ToolCall(value["name"], json.dumps(value["parameters"])))
-                    )
+                    call = ToolCall(value["name"], json.dumps(value["parameters"])).body()
+                    out.append({"index": self.calls, **call})
                     self.calls += 1
+                if self.depth == 1:
+                    self.element = -1
         self.scanned = len(self.text)
+        if self.arguments >= 0:
+            out += self._arguments(len(self.text))
         return out
+
+    def _arguments(self, end: int) -> list[dict[str, Any]]:
+        """The open call's arguments text up to `end` not yet sent, as one item."""
+        piece, self.arguments = self.text[self.arguments : end], end
+        return [{"index": self.calls, "function": {"arguments": piece}}] if piece else []
 
 
 @dataclass

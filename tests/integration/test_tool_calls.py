@@ -106,18 +106,27 @@ def test_a_named_calls_arguments_stream_as_deltas(client: openai.OpenAI, workers
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
-def test_required_streamed_gives_each_call_whole_and_auto_parses_or_answers(
+def test_required_streams_each_calls_arguments_and_auto_parses_or_answers(
     client: openai.OpenAI, workers: Any
 ) -> None:
     messages = [{"role": "user", "content": "Weather in Rome and in Oslo?"}]
-    chunks = list(client.chat.completions.create(
-        model=MODEL, messages=messages, tools=TOOLS, tool_choice="required", max_tokens=80,
-        temperature=0, stream=True,
-    ))  # fmt: skip
-    calls = [c for ch in chunks for choice in ch.choices for c in choice.delta.tool_calls or []]
-    assert calls and all(c.function and c.function.name == "get_weather" for c in calls)
-    assert all("city" in json.loads(c.function.arguments or "") for c in calls)  # type: ignore[union-attr]
+    args: dict[str, Any] = {"model": MODEL, "messages": messages, "tools": TOOLS,
+                            "tool_choice": "required", "max_tokens": 80,
+                            "temperature": 0}  # fmt: skip
+    chunks = list(client.chat.completions.create(**args, stream=True))
+    deltas = [c for ch in chunks for choice in ch.choices for c in choice.delta.tool_calls or []]
+    names = {c.index: c.function.name for c in deltas if c.id and c.function}
+    arguments = {i: "".join(c.function.arguments or "" for c in deltas
+                            if c.index == i and c.function) for i in names}  # fmt: skip
+    assert names and set(names.values()) == {"get_weather"}
+    assert len(deltas) > len(names)  # the arguments came in pieces after each name
+    assert all("city" in json.loads(a) for a in arguments.values())
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    whole = client.chat.completions.create(**args).choices[0].message.tool_calls or []
+    assert [json.loads(arguments[i]) for i in sorted(names)] == [
+        json.loads(c.function.arguments)
+        for c in whole  # type: ignore[union-attr]
+    ]
     auto = client.chat.completions.create(
         model=MODEL, messages=messages, tools=TOOLS, max_tokens=40, temperature=0
     )

@@ -92,7 +92,7 @@ def test_bad_tools_are_refused_by_name(tools: Any, choice: Any, message: str) ->
         read_tools(tools, choice, None)
 
 
-def test_forced_calls_stream_a_named_calls_text_and_each_required_call_as_it_closes() -> None:
+def test_forced_calls_stream_their_arguments_as_they_come() -> None:
     named = read_tools([WEATHER], {"type": "function", "function": {"name": "weather"}}, None)
     assert named is not None
     stream = CallStream(named)
@@ -106,10 +106,23 @@ def test_forced_calls_stream_a_named_calls_text_and_each_required_call_as_it_clo
         '[{"name": "weather", "parameters": {"city": "R\\"o}m"}}, '
         '{"name": "time", "parameters": {}}]'
     )
+    # Required: each call's id and name as its parameters open, then their text as it
+    # comes (a brace inside a string does not close them), fed a character at a time.
     out = [(at, c) for at in range(len(text)) for c in stream.feed(text[at])]
-    assert [(c["index"], c["function"]["name"]) for _, c in out] == [(0, "weather"), (1, "time")]
-    assert json.loads(out[0][1]["function"]["arguments"]) == {"city": 'R"o}m'}
-    assert out[0][0] == text.index("}}") + 1  # the first call goes out as its element closes
+    heads = [(at, c["index"], c["function"]["name"]) for at, c in out if "id" in c]
+    assert heads == [(text.index("{", 2), 0, "weather"), (text.index("{}"), 1, "time")]
+    for index, name in ((0, "weather"), (1, "time")):
+        arguments = "".join(c["function"]["arguments"] for _, c in out if c["index"] == index)
+        assert json.loads(arguments) == ({"city": 'R"o}m'} if name == "weather" else {})
+    assert len([c for _, c in out if c["index"] == 0]) > 3  # not whole: piece by piece
+    # Fed whole at once, the same calls; an element whose parameters come before its name
+    # goes out whole when it closes.
+    whole = CallStream(required).feed(text)
+    assert [c["function"]["name"] for c in whole if "id" in c] == ["weather", "time"]
+    late = CallStream(required).feed('[{"parameters": {"city": "Oslo"}, "name": "weather"}]')
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in late] == [
+        ("weather", {"city": "Oslo"})
+    ]
 
 
 @pytest.mark.parametrize(

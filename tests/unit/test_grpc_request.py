@@ -73,3 +73,18 @@ def test_a_field_this_api_does_not_know_is_refused_not_ignored() -> None:
     with pytest.raises(InvalidRequestError, match=r"^sampling: unknown field number 100"):
         prepared(known + b"\x22" + bytes([len(inner)]) + inner)
     assert prepared(known).prompt_ids == [1, 2, 3]
+
+
+def test_a_grammar_after_the_thoughts_takes_token_ids_of_the_vocabulary() -> None:
+    def structured(**fields: Any) -> bytes:
+        msg = request()
+        msg.sampling.structured.CopyFrom(pb.StructuredOutput(json_object=True, **fields))
+        return msg.SerializeToString()
+
+    s = prepared(structured(reasoning_end=7, reasoning_start=6)).sampling.structured
+    assert (s.kind, s.reasoning_end, s.reasoning_start) == ("json_object", 7, 6)
+    assert prepared(structured()).sampling.structured.reasoning_end is None
+    with pytest.raises(InvalidRequestError, match=r"^sampling.structured.reasoning_end: token"):
+        prepared(structured(reasoning_end=100))
+    with pytest.raises(InvalidRequestError, match=r"^sampling.structured.reasoning_start: needs"):
+        prepared(structured(reasoning_start=6))

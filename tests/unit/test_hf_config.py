@@ -139,3 +139,25 @@ def test_mixtral_and_qwen3_moe_read_their_experts_and_dense_layers_among_them_ar
         _spec(tmp_path, "Qwen3MoeForCausalLM", decoder_sparse_step=2, **moe)
     with pytest.raises(ModelLoadError, match=r"mlp_only_layers \[0\]"):
         _spec(tmp_path, "Qwen3MoeForCausalLM", mlp_only_layers=[0], **moe)
+
+
+def test_a_gguf_missing_a_key_its_family_needs_is_refused_naming_it() -> None:
+    # The header alone (no tensors): a gemma2 file without its sliding window, a qwen3moe
+    # one without how many experts a token takes.
+    from types import SimpleNamespace
+
+    from cluster.engine.model.checkpoint import _gguf_spec
+
+    def header(arch: str, **extra: Any) -> Any:
+        shape = {"attention.head_count": 4, "embedding_length": 64, "feed_forward_length": 128,
+                 "block_count": 2, "attention.layer_norm_rms_epsilon": 1e-6,
+                 "context_length": 512, "vocab_size": 512, **extra}  # fmt: skip
+        fields = {f"{arch}.{k}": v for k, v in shape.items()}
+        fields |= {"general.architecture": arch, "tokenizer.ggml.eos_token_id": 2}
+        return SimpleNamespace(fields=fields, tensors=[])
+
+    with pytest.raises(ModelLoadError, match=r"gemma2\.attention\.sliding_window is missing"):
+        _gguf_spec(header("gemma2"), Path("g.gguf"))
+    assert _gguf_spec(header("gemma2", **{"attention.sliding_window": 8}), Path("g")).windows
+    with pytest.raises(ModelLoadError, match=r"qwen3moe\.expert_used_count is missing"):
+        _gguf_spec(header("qwen3moe", expert_count=8), Path("q.gguf"))

@@ -615,41 +615,44 @@ def _gguf_spec(reader: GGUFFile, path: Path) -> ModelSpec:
         rope_scaling=rope,
         name=str(gguf_field(reader, "general.name", path.stem)),
         qk_norm="blk.0.attn_q_norm.weight" in names,
-        **_gguf_gemma(reader, arch, hidden, heads),
-        **_gguf_experts(reader, arch),
+        **_gguf_gemma(reader, arch, get, hidden, heads),
+        **_gguf_experts(reader, arch, get),
     )
 
 
-def _gguf_experts(reader: GGUFFile, arch: str) -> dict[str, Any]:
+def _gguf_experts(reader: GGUFFile, arch: str, need: Callable[[str], Any]) -> dict[str, Any]:
     """ModelSpec's Mixture-of-Experts fields from a GGUF's metadata (Qwen3-MoE's qwen3moe,
     Mixtral's llama with experts; {} for a dense model): llama.cpp renormalizes the chosen
-    weights of both unless `expert_weights_norm` says not."""
+    weights of both unless `expert_weights_norm` says not. `need`: a key it cannot go
+    without (ModelLoadError naming it when missing)."""
     experts = gguf_field(reader, f"{arch}.expert_count", 0)
     if not experts:
         return {}
     size = gguf_field(reader, f"{arch}.expert_feed_forward_length")
     return {
         "experts": int(experts),
-        "experts_per_token": int(gguf_field(reader, f"{arch}.expert_used_count")),
-        "expert_size": int(size or gguf_field(reader, f"{arch}.feed_forward_length")),
+        "experts_per_token": int(need("expert_used_count")),
+        "expert_size": int(size or need("feed_forward_length")),
         "renormalize_experts": bool(gguf_field(reader, f"{arch}.expert_weights_norm", True)),
     }
 
 
-def _gguf_gemma(reader: GGUFFile, arch: str, hidden: int, heads: int) -> dict[str, Any]:
+def _gguf_gemma(
+    reader: GGUFFile, arch: str, need: Callable[[str], Any], hidden: int, heads: int
+) -> dict[str, Any]:
     """ModelSpec's Gemma fields from a Gemma GGUF's metadata, read as llama.cpp reads them
     ({} for another family): its sliding layers from `attention.sliding_window_pattern`,
     else every other layer (Gemma 2) or five of each six (Gemma 3); the query scale from
     `attention.scale`, else hidden / heads for the 27B models (46 and 62 layers) and the head
     size for the rest; Gemma 3's sliding layers rotated at `rope.freq_base_swa`, else
-    10,000; Gemma 2's soft-capping."""
+    10,000; Gemma 2's soft-capping. `need`: as _gguf_experts'."""
     if arch not in GGUF_GEMMA:
         return {}
 
     def get(key: str, default: Any = None) -> Any:
         return gguf_field(reader, f"{arch}.{key}", default)
 
-    layers = int(get("block_count"))
+    layers = int(need("block_count"))
     head_dim = int(get("attention.key_length") or hidden // heads)
     pattern = get("attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
     if isinstance(pattern, int | float):  # llama.cpp's: layer i slides when i % n < n - 1
@@ -658,7 +661,7 @@ def _gguf_gemma(reader: GGUFFile, arch: str, hidden: int, heads: int) -> dict[st
         sliding = [bool(b) for b in pattern]
     big = (arch, layers) in (("gemma2", 46), ("gemma3", 62))
     scale = get("attention.scale") or (hidden / heads if big else head_dim) ** -0.5
-    window = int(get("attention.sliding_window"))
+    window = int(need("attention.sliding_window"))
     return {
         "gemma": True,
         "sandwich_norms": True,
